@@ -1,0 +1,374 @@
+//! `cargo bench`: times the forward and decode kernels with CUDA events (median
+//! of many launches after warm-up), prints a table, and writes one JSON object
+//! per line to `target/flash-attn-bench.jsonl` (or `--json PATH`).
+//!
+//! Options: `--filter SUBSTR` (matches the printed shape label), `--quick`
+//! (fewer repetitions), `--json PATH`. Without a GPU it says so and exits 0.
+use std::io::Write;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use flash_attn::{AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut, TensorRef};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+/// Decode inputs are rotated over enough copies to exceed this many bytes, so
+/// that repeated launches do not read K/V out of the L2 cache (50-60 MB on H100/H200).
+const ROTATE_BYTES: usize = 256 << 20;
+const MAX_ROTATIONS: usize = 16;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kind {
+    Forward,
+    Decode,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    kind: Kind,
+    dtype: Dtype,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    head_dim: usize,
+    causal: bool,
+    /// Where the shape comes from, for the table.
+    origin: &'static str,
+}
+
+impl Shape {
+    fn label(&self) -> String {
+        format!(
+            "{} {} {} b{} h{}/{} q{} k{} d{}{}",
+            self.origin,
+            if self.kind == Kind::Forward {
+                "forward"
+            } else {
+                "decode"
+            },
+            self.dtype.name(),
+            self.batch,
+            self.heads,
+            self.kv_heads,
+            self.seqlen_q,
+            self.seqlen_k,
+            self.head_dim,
+            if self.causal { " causal" } else { "" }
+        )
+    }
+    /// Matmul FLOPs (Q·Kᵀ and P·V); a causal mask halves them.
+    fn flops(&self) -> f64 {
+        let f =
+            4.0 * (self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim) as f64;
+        if self.causal && self.kind == Kind::Forward {
+            f / 2.0
+        } else {
+            f
+        }
+    }
+    /// Bytes the kernel must move at least: K and V once (decode, reported as
+    /// GB/s), or Q, K, V and O once (forward).
+    fn bytes(&self) -> f64 {
+        let kv = 2 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * 2;
+        let qo = 2 * self.batch * self.seqlen_q * self.heads * self.head_dim * 2;
+        match self.kind {
+            Kind::Decode => kv as f64,
+            Kind::Forward => (kv + qo) as f64,
+        }
+    }
+}
+
+fn shapes() -> Vec<Shape> {
+    let fwd = |dtype, batch, heads, seqlen: usize, head_dim, causal, origin| Shape {
+        kind: Kind::Forward,
+        dtype,
+        batch,
+        heads,
+        kv_heads: heads,
+        seqlen_q: seqlen,
+        seqlen_k: seqlen,
+        head_dim,
+        causal,
+        origin,
+    };
+    let dec = |batch, heads, kv_heads, cache: usize, head_dim, origin| Shape {
+        kind: Kind::Decode,
+        dtype: Dtype::F16,
+        batch,
+        heads,
+        kv_heads,
+        seqlen_q: 1,
+        seqlen_k: cache,
+        head_dim,
+        causal: true,
+        origin,
+    };
+    let mut v = vec![fwd(Dtype::F16, 4, 16, 4096, 128, false, "floor")];
+    // Sweep at 16k tokens per batch, hidden 2048.
+    for dtype in [Dtype::F16, Dtype::Bf16] {
+        for head_dim in [64, 128] {
+            for causal in [false, true] {
+                for seqlen in [512, 1024, 2048, 4096, 8192, 16384] {
+                    v.push(fwd(
+                        dtype,
+                        16384 / seqlen,
+                        2048 / head_dim,
+                        seqlen,
+                        head_dim,
+                        causal,
+                        "sweep",
+                    ));
+                }
+            }
+        }
+    }
+    // Seed reports: L4 (fp16, D=64, causal), RTX 3060 (B=1 S=512 D=64; heads
+    // unstated, 8 assumed), A100/H100 table (B=8 H=32 D=64), SmolLM-135M (9 heads D=64).
+    for (b, h, s) in [
+        (1, 1, 128),
+        (4, 8, 128),
+        (8, 8, 128),
+        (8, 8, 256),
+        (16, 8, 512),
+    ] {
+        v.push(fwd(Dtype::F16, b, h, s, 64, true, "seed-L4"));
+    }
+    v.push(fwd(Dtype::F16, 1, 8, 512, 64, false, "seed-3060"));
+    for s in [512, 1024, 2048, 4096, 8192] {
+        v.push(fwd(Dtype::F16, 8, 32, s, 64, false, "seed-A100"));
+    }
+    for s in [64, 128, 256, 512, 1024] {
+        v.push(fwd(Dtype::F16, 1, 9, s, 64, true, "seed-SmolLM"));
+    }
+    // Decode: GQA 32/8 D=128 and SmolLM-135M.
+    for batch in [1, 8, 32] {
+        for cache in [1024, 4096, 16384, 65536] {
+            v.push(dec(batch, 32, 8, cache, 128, "decode-gqa"));
+        }
+    }
+    for cache in [256, 512, 1024, 2048, 4096] {
+        v.push(dec(1, 9, 9, cache, 64, "seed-SmolLM"));
+    }
+    v
+}
+
+struct Bench {
+    stream: Arc<CudaStream>,
+    fa: FlashAttention,
+    reps: usize,
+}
+
+fn random_buffer<T: AttnElement>(
+    stream: &Arc<CudaStream>,
+    rng: &mut StdRng,
+    n: usize,
+) -> CudaSlice<T> {
+    let host: Vec<T> = (0..n)
+        .map(|_| T::from_f64(rng.random_range(-1.0..1.0)))
+        .collect();
+    stream.clone_htod(&host).expect("upload")
+}
+
+/// Times `launch(i)` for `reps` launches after warm-up; returns the median ms.
+fn time_median(stream: &Arc<CudaStream>, reps: usize, mut launch: impl FnMut(usize)) -> f64 {
+    for i in 0..3 {
+        launch(i);
+    }
+    let ctx = stream.context();
+    let mut samples = Vec::with_capacity(reps);
+    for i in 0..reps {
+        let start = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event");
+        let end = ctx
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event");
+        start.record(stream).expect("record");
+        launch(i);
+        end.record(stream).expect("record");
+        end.synchronize().expect("sync");
+        samples.push(start.elapsed_ms(&end).expect("elapsed") as f64);
+    }
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
+    let kv_layout = Layout::contiguous([s.batch, s.seqlen_k, s.kv_heads, s.head_dim]);
+    let q_len = s.batch * s.seqlen_q * s.heads * s.head_dim;
+    let kv_len = s.batch * s.seqlen_k * s.kv_heads * s.head_dim;
+    let sets = match s.kind {
+        Kind::Forward => 1,
+        Kind::Decode => ROTATE_BYTES.div_ceil(kv_len * 4).clamp(1, MAX_ROTATIONS),
+    };
+    let q = random_buffer::<T>(&b.stream, &mut rng, q_len);
+    let kv: Vec<(CudaSlice<T>, CudaSlice<T>)> = (0..sets)
+        .map(|_| {
+            (
+                random_buffer::<T>(&b.stream, &mut rng, kv_len),
+                random_buffer::<T>(&b.stream, &mut rng, kv_len),
+            )
+        })
+        .collect();
+    let mut o = b.stream.alloc_zeros::<T>(q_len).expect("alloc");
+    let opts = AttnOptions {
+        causal: s.causal,
+        softmax_scale: None,
+    };
+    let seqlens = b
+        .stream
+        .clone_htod(&vec![s.seqlen_k as i32; s.batch])
+        .expect("upload");
+    let mut workspace = None;
+    if s.kind == Kind::Decode {
+        let shape = flash_attn::DecodeShape {
+            batch: s.batch,
+            seqlen_q: s.seqlen_q,
+            cache_len: s.seqlen_k,
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            causal: s.causal,
+            softmax_scale: 1.0 / (s.head_dim as f32).sqrt(),
+        };
+        workspace = Some(
+            b.fa.decode_workspace::<T>(&b.stream, &shape)
+                .expect("workspace"),
+        );
+    }
+    let reps = b.reps;
+    time_median(&b.stream, reps, |i| {
+        let (k, v) = &kv[i % sets];
+        let q = TensorRef::new(q.as_view(), q_layout);
+        let k = TensorRef::new(k.as_view(), kv_layout);
+        let v = TensorRef::new(v.as_view(), kv_layout);
+        let mut out = TensorMut::new(o.as_view_mut(), q_layout);
+        match s.kind {
+            Kind::Forward => b.fa.forward(&b.stream, &q, &k, &v, &mut out, None, &opts),
+            Kind::Decode => b.fa.decode(
+                &b.stream,
+                &q,
+                &k,
+                &v,
+                &seqlens.as_view(),
+                &mut out,
+                None,
+                &opts,
+                workspace.as_mut(),
+            ),
+        }
+        .expect("launch");
+    })
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let value_of = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let filter = value_of("--filter");
+    let quick = args.iter().any(|a| a == "--quick");
+    let json_path = value_of("--json").unwrap_or_else(|| {
+        let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+        format!("{dir}/flash-attn-bench.jsonl")
+    });
+
+    // SAFETY: only probes whether the driver library can be loaded.
+    let have_driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    if !have_driver || CudaContext::device_count().map_or(true, |n| n < 1) {
+        println!("no CUDA device found: skipping the flash-attn benchmarks");
+        return;
+    }
+    let ctx = CudaContext::new(0).expect("CUDA context");
+    let fa = FlashAttention::new(&ctx).expect("load flash-attn kernels");
+    let bench = Bench {
+        stream: ctx.default_stream(),
+        fa,
+        reps: if quick { 10 } else { 50 },
+    };
+    println!(
+        "device: {} (sm_{}{}, {} SMs), PTX from {}",
+        ctx.name().unwrap_or_default(),
+        bench.fa.compute_capability().0,
+        bench.fa.compute_capability().1,
+        bench.fa.num_sms(),
+        flash_attn::PTX_SOURCE
+    );
+    if let Some(dir) = std::path::Path::new(&json_path).parent() {
+        std::fs::create_dir_all(dir).ok();
+    }
+    let mut json = std::fs::File::create(&json_path).expect("create the JSON-lines file");
+
+    println!(
+        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>8} {:>8}  origin",
+        "kernel",
+        "dtype",
+        "B",
+        "H",
+        "Hkv",
+        "Sq",
+        "Skv",
+        "D",
+        "causal",
+        "median_ms",
+        "TFLOP/s",
+        "GB/s"
+    );
+    for s in shapes() {
+        if filter.as_deref().is_some_and(|f| !s.label().contains(f)) {
+            continue;
+        }
+        let ms = match s.dtype {
+            Dtype::F16 => run_shape::<f16>(&bench, &s),
+            Dtype::Bf16 => run_shape::<bf16>(&bench, &s),
+        };
+        let tflops = s.flops() / (ms * 1e-3) / 1e12;
+        let gbps = s.bytes() / (ms * 1e-3) / 1e9;
+        let kernel = if s.kind == Kind::Forward {
+            "forward"
+        } else {
+            "decode"
+        };
+        println!(
+            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>8.1} {:>8.0}  {}",
+            kernel,
+            s.dtype.name(),
+            s.batch,
+            s.heads,
+            s.kv_heads,
+            s.seqlen_q,
+            s.seqlen_k,
+            s.head_dim,
+            s.causal,
+            ms,
+            tflops,
+            gbps,
+            s.origin
+        );
+        let line = serde_json::json!({
+            "kernel": kernel,
+            "dtype": s.dtype.name(),
+            "batch": s.batch,
+            "heads": s.heads,
+            "kv_heads": s.kv_heads,
+            "seqlen_q": s.seqlen_q,
+            "seqlen_k": s.seqlen_k,
+            "head_dim": s.head_dim,
+            "causal": s.causal,
+            "median_ms": ms,
+            "tflops": tflops,
+            "gbps": gbps,
+        });
+        writeln!(json, "{line}").expect("write JSON line");
+    }
+    println!("JSON lines written to {json_path}");
+}

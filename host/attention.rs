@@ -1,0 +1,417 @@
+//! The host API: one [`FlashAttention`] per context loads the PTX once, caches
+//! every entry point, and launches after validation.
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+use flash_attn_kernels::config::{
+    combine_rows_per_cta, find_entry, AttnTile, Entry, KernelKind, ENTRIES, MAX_SPLITS,
+};
+use flash_attn_kernels::params::{AttnParams, BshStrides, CombineParams};
+
+use crate::error::FlashAttnError;
+use crate::kernels::ptx_for_arch;
+use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
+use crate::validate::{check_decode, check_forward, AttnOptions, DecodeShape, TensorInfo};
+
+/// Kernel parameters travel by value; the newtype lets cudarc push them.
+#[repr(transparent)]
+struct ByValue<T>(T);
+// SAFETY: both parameter structs are #[repr(C)] plain data that the kernels
+// declare as their single by-value parameter.
+unsafe impl DeviceRepr for ByValue<AttnParams> {}
+unsafe impl DeviceRepr for ByValue<CombineParams> {}
+
+/// Shared memory a CTA may use without opting in.
+const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
+/// A split-KV configuration is accepted once its last wave is this full,
+/// relative to the best configuration (FlashAttention-2's heuristic).
+const SPLIT_WAVE_EFFICIENCY: f64 = 0.85;
+/// Each split should stream at least this many key blocks, or the partial
+/// writes and the combine cost more than the parallelism gains.
+const MIN_BLOCKS_PER_SPLIT: usize = 2;
+const MAX_GRID_YZ: usize = 65_535;
+
+struct Kernel {
+    function: CudaFunction,
+    entry: &'static Entry,
+    /// Resident CTAs per SM at the entry's threads and shared memory.
+    ctas_per_sm: usize,
+}
+
+/// Loaded kernels for one CUDA context.
+pub struct FlashAttention {
+    ctx: Arc<CudaContext>,
+    kernels: HashMap<&'static str, Kernel>,
+    num_sms: usize,
+    compute_capability: (i32, i32),
+}
+
+/// f32 scratch for split-KV decode partials. Allocate once with
+/// [`FlashAttention::decode_workspace`] and reuse it, e.g. across CUDA-graph replays.
+pub struct DecodeWorkspace {
+    o_accum: CudaSlice<f32>,
+    lse_accum: CudaSlice<f32>,
+}
+
+fn strides(l: &Layout) -> BshStrides {
+    BshStrides {
+        batch: l.strides[0] as i64,
+        row: l.strides[1] as i64,
+        head: l.strides[2] as i64,
+    }
+}
+
+fn info(layout: Layout, len: usize, addr: u64) -> TensorInfo {
+    TensorInfo { layout, len, addr }
+}
+
+impl FlashAttention {
+    /// Loads the PTX for the context's device and caches every entry point.
+    /// Fails with [`FlashAttnError::UnsupportedArch`] below sm_80.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, FlashAttnError> {
+        let (major, minor) = ctx.compute_capability()?;
+        let ptx =
+            ptx_for_arch(major, minor).ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
+        let module = ctx.load_module(Ptx::from_src(ptx))?;
+        let num_sms =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
+        let mut kernels = HashMap::new();
+        for entry in ENTRIES {
+            let function = module
+                .load_function(entry.name)
+                .map_err(|_| FlashAttnError::MissingKernel(entry.name))?;
+            let smem = entry.smem_bytes();
+            if smem > DEFAULT_SMEM_LIMIT {
+                function.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    smem as i32,
+                )?;
+            }
+            let ctas_per_sm = function.occupancy_max_active_blocks_per_multiprocessor(
+                entry.threads() as u32,
+                smem,
+                None,
+            )? as usize;
+            kernels.insert(
+                entry.name,
+                Kernel {
+                    function,
+                    entry,
+                    ctas_per_sm: ctas_per_sm.max(1),
+                },
+            );
+        }
+        Ok(FlashAttention {
+            ctx: ctx.clone(),
+            kernels,
+            num_sms,
+            compute_capability: (major, minor),
+        })
+    }
+
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn compute_capability(&self) -> (i32, i32) {
+        self.compute_capability
+    }
+    pub fn num_sms(&self) -> usize {
+        self.num_sms
+    }
+
+    fn kernel<T: AttnElement>(&self, kind: KernelKind, head_dim: usize, causal: bool) -> &Kernel {
+        let entry =
+            find_entry(kind, T::DTYPE, head_dim, causal).expect("validated head dim has an entry");
+        &self.kernels[entry.name]
+    }
+
+    /// Attention over full sequences: `o = softmax(scale · q·kᵀ [+ mask]) · v`.
+    ///
+    /// Q and O are [B, Sq, H, D], K and V [B, Skv, Hkv, D] with any strides
+    /// whose last dimension is contiguous. `lse`, if given, receives the f32
+    /// log-sum-exp [B, H, Sq] (natural log). Nothing is launched, and `o` and
+    /// `lse` stay untouched, when validation fails.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward<T: AttnElement>(
+        &self,
+        stream: &CudaStream,
+        q: &TensorRef<'_, T>,
+        k: &TensorRef<'_, T>,
+        v: &TensorRef<'_, T>,
+        o: &mut TensorMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
+        let (k_ptr, _k_sync) = k.data.device_ptr(stream);
+        let (v_ptr, _v_sync) = v.data.device_ptr(stream);
+        let o_len = o.data.len();
+        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let lse_len = lse.as_ref().map(|l| l.len());
+        let shape = check_forward(
+            &info(q.layout, q.data.len(), q_ptr),
+            &info(k.layout, k.data.len(), k_ptr),
+            &info(v.layout, v.data.len(), v_ptr),
+            &info(o.layout, o_len, o_ptr),
+            lse_len,
+            opts,
+        )?;
+        let (lse_ptr, _lse_sync) = match lse {
+            Some(l) => {
+                let (p, s) = l.device_ptr_mut(stream);
+                (p, Some(s))
+            }
+            None => (0, None),
+        };
+        let kernel = self.kernel::<T>(KernelKind::Forward, shape.head_dim, shape.causal);
+        let tile = AttnTile::of(shape.head_dim);
+        let params = AttnParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            lse: lse_ptr,
+            q_strides: strides(&q.layout),
+            k_strides: strides(&k.layout),
+            v_strides: strides(&v.layout),
+            o_strides: strides(&o.layout),
+            batch: shape.batch as u32,
+            heads: shape.heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            seqlen_q: shape.seqlen_q as u32,
+            seqlen_k: shape.seqlen_k as u32,
+            pack: 1,
+            num_splits: 1,
+            scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
+            ..Default::default()
+        };
+        let grid = (
+            shape.seqlen_q.div_ceil(tile.block_m) as u32,
+            shape.heads as u32,
+            shape.batch as u32,
+        );
+        self.launch(stream, kernel, grid, ByValue(params))
+    }
+
+    /// Split count the decode kernel uses for `shape` with element type `T`.
+    pub fn decode_splits<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
+        let tile = AttnTile::of(shape.head_dim);
+        let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
+        let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
+        let key_blocks = shape.cache_len.div_ceil(tile.block_n);
+        let ctas_per_sm = self
+            .kernel::<T>(KernelKind::Decode, shape.head_dim, shape.causal)
+            .ctas_per_sm;
+        let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
+            .clamp(1, MAX_SPLITS)
+            .min(MAX_GRID_YZ / shape.batch);
+        choose_splits(ctas, self.num_sms * ctas_per_sm, max_splits)
+    }
+
+    /// Scratch for decoding `shape` with element type `T`; reusable for any
+    /// problem that needs no more.
+    pub fn decode_workspace<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        shape: &DecodeShape,
+    ) -> Result<DecodeWorkspace, FlashAttnError> {
+        let rows = self.decode_splits::<T>(shape) * shape.batch * shape.heads * shape.seqlen_q;
+        Ok(DecodeWorkspace {
+            o_accum: stream.alloc_zeros::<f32>((rows * shape.head_dim).max(1))?,
+            lse_accum: stream.alloc_zeros::<f32>(rows.max(1))?,
+        })
+    }
+
+    /// Decode against a KV cache (flash-decoding): Q and O [B, Sq, H, D] hold
+    /// the newest `Sq` tokens; K/V caches are [B, Lmax, Hkv, D], of which
+    /// sequence `b` uses the first `cache_seqlens[b]` entries (i32 on the
+    /// device, so a captured CUDA graph can be replayed as they change; each
+    /// is clamped to `[0, Lmax]` by the kernel). With `causal`, new token `t`
+    /// sees keys `j <= cache_seqlens[b] - Sq + t`. The keys are split across
+    /// CTAs when the batch alone cannot fill the GPU; `workspace` (from
+    /// [`Self::decode_workspace`]) holds the partials, or one is allocated.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &TensorRef<'_, T>,
+        k_cache: &TensorRef<'_, T>,
+        v_cache: &TensorRef<'_, T>,
+        cache_seqlens: &CudaView<'_, i32>,
+        o: &mut TensorMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        opts: &AttnOptions,
+        workspace: Option<&mut DecodeWorkspace>,
+    ) -> Result<(), FlashAttnError> {
+        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
+        let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
+        let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
+        let (seqlens_ptr, _s_sync) = cache_seqlens.device_ptr(stream);
+        let o_len = o.data.len();
+        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let lse_len = lse.as_ref().map(|l| l.len());
+        let shape = check_decode(
+            &info(q.layout, q.data.len(), q_ptr),
+            &info(k_cache.layout, k_cache.data.len(), k_ptr),
+            &info(v_cache.layout, v_cache.data.len(), v_ptr),
+            &info(o.layout, o_len, o_ptr),
+            cache_seqlens.len(),
+            lse_len,
+            opts,
+        )?;
+        let splits = self.decode_splits::<T>(&shape);
+        let partial_rows = splits * shape.batch * shape.heads * shape.seqlen_q;
+        let mut owned;
+        let workspace = match workspace {
+            Some(w) => {
+                if splits > 1
+                    && (w.lse_accum.len() < partial_rows
+                        || w.o_accum.len() < partial_rows * shape.head_dim)
+                {
+                    return Err(FlashAttnError::WorkspaceTooSmall {
+                        needed: partial_rows * shape.head_dim,
+                        len: w.o_accum.len(),
+                    });
+                }
+                w
+            }
+            None => {
+                owned = self.decode_workspace::<T>(stream, &shape)?;
+                &mut owned
+            }
+        };
+        let (lse_ptr, _lse_sync) = match lse {
+            Some(l) => {
+                let (p, s) = l.device_ptr_mut(stream);
+                (p, Some(s))
+            }
+            None => (0, None),
+        };
+        let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
+        let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
+
+        let tile = AttnTile::of(shape.head_dim);
+        let pack = shape.heads / shape.kv_heads;
+        let o_strides = strides(&o.layout);
+        let params = AttnParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            lse: lse_ptr,
+            o_accum: oacc_ptr,
+            lse_accum: lacc_ptr,
+            cache_seqlens: seqlens_ptr,
+            q_strides: strides(&q.layout),
+            k_strides: strides(&k_cache.layout),
+            v_strides: strides(&v_cache.layout),
+            o_strides,
+            batch: shape.batch as u32,
+            heads: shape.heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            seqlen_q: shape.seqlen_q as u32,
+            seqlen_k: shape.cache_len as u32,
+            pack: pack as u32,
+            num_splits: splits as u32,
+            scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
+        };
+        let grid = (
+            (shape.seqlen_q * pack).div_ceil(tile.block_m) as u32,
+            shape.kv_heads as u32,
+            (shape.batch * splits) as u32,
+        );
+        self.launch(
+            stream,
+            self.kernel::<T>(KernelKind::Decode, shape.head_dim, shape.causal),
+            grid,
+            ByValue(params),
+        )?;
+        if splits > 1 {
+            let combine = CombineParams {
+                o_accum: oacc_ptr,
+                lse_accum: lacc_ptr,
+                o: o_ptr,
+                lse: lse_ptr,
+                o_strides,
+                batch: shape.batch as u32,
+                heads: shape.heads as u32,
+                seqlen_q: shape.seqlen_q as u32,
+                num_splits: splits as u32,
+            };
+            let rows = shape.batch * shape.heads * shape.seqlen_q;
+            let grid = (
+                rows.div_ceil(combine_rows_per_cta(shape.head_dim)) as u32,
+                1,
+                1,
+            );
+            self.launch(
+                stream,
+                self.kernel::<T>(KernelKind::Combine, shape.head_dim, false),
+                grid,
+                ByValue(combine),
+            )?;
+        }
+        Ok(())
+    }
+
+    fn launch<P>(
+        &self,
+        stream: &CudaStream,
+        kernel: &Kernel,
+        grid: (u32, u32, u32),
+        params: ByValue<P>,
+    ) -> Result<(), FlashAttnError>
+    where
+        ByValue<P>: DeviceRepr,
+    {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (kernel.entry.threads() as u32, 1, 1),
+            shared_mem_bytes: kernel.entry.smem_bytes() as u32,
+        };
+        let mut builder = stream.launch_builder(&kernel.function);
+        builder.arg(&params);
+        // SAFETY: the entry takes exactly one by-value parameter of this type;
+        // validation bounded every address the kernel derives from it.
+        unsafe { builder.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+/// Smallest split count whose last wave is nearly as full as the best one's
+/// (FlashAttention-2's `num_splits_heuristic`); 1 when the grid already fills
+/// the GPU.
+pub(crate) fn choose_splits(ctas: usize, slots: usize, max_splits: usize) -> usize {
+    if ctas * 10 >= slots * 8 {
+        return 1;
+    }
+    let efficiency = |s: usize| {
+        let waves = (ctas * s) as f64 / slots as f64;
+        waves / waves.ceil()
+    };
+    let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
+    (1..=max_splits)
+        .find(|&s| efficiency(s) >= SPLIT_WAVE_EFFICIENCY * best)
+        .unwrap_or(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::choose_splits;
+
+    #[test]
+    fn splits_fill_the_gpu_only_when_needed() {
+        assert_eq!(choose_splits(1000, 264, 64), 1);
+        // 64 CTAs on 264 slots: 4 splits make one nearly full wave.
+        assert_eq!(choose_splits(64, 264, 64), 4);
+        assert_eq!(choose_splits(8, 264, 1), 1);
+        let s = choose_splits(8, 264, 128);
+        assert!(s * 8 <= 264 && s * 8 * 100 >= 264 * 85, "{s}");
+    }
+}

@@ -1,0 +1,45 @@
+//! flash-attn: FlashAttention forward and decode kernels written in Rust,
+//! compiled to PTX at build time (or taken from the committed, hash-checked
+//! PTX), and launched through `cudarc`'s driver API.
+//!
+//! ```no_run
+//! use flash_attn::{AttnOptions, FlashAttention, Layout, TensorMut, TensorRef};
+//! use cudarc::driver::CudaContext;
+//! use half::f16;
+//!
+//! let ctx = CudaContext::new(0)?;
+//! let stream = ctx.default_stream();
+//! let fa = FlashAttention::new(&ctx)?;
+//! let (b, s, h, d) = (2, 1000, 8, 128);
+//! let layout = Layout::contiguous([b, s, h, d]);
+//! let q = stream.clone_htod(&vec![f16::from_f32(0.1); b * s * h * d])?;
+//! let k = q.clone();
+//! let v = q.clone();
+//! let mut o = stream.alloc_zeros::<f16>(b * s * h * d)?;
+//! fa.forward(
+//!     &stream,
+//!     &TensorRef::new(q.as_view(), layout),
+//!     &TensorRef::new(k.as_view(), layout),
+//!     &TensorRef::new(v.as_view(), layout),
+//!     &mut TensorMut::new(o.as_view_mut(), layout),
+//!     None,
+//!     &AttnOptions { causal: true, ..Default::default() },
+//! )?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+mod attention;
+mod error;
+mod kernels;
+pub mod reference;
+mod tensor;
+pub mod validate;
+
+pub use attention::{DecodeWorkspace, FlashAttention};
+pub use error::FlashAttnError;
+pub use flash_attn_kernels::config::{Dtype, SUPPORTED_HEAD_DIMS};
+pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};
+pub use validate::{AttnOptions, DecodeShape, ForwardShape};
+
+/// The PTX modules embedded in this build, one per target architecture.
+pub use kernels::{ptx_for_arch, PTX_SOURCE};

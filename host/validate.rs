@@ -1,0 +1,293 @@
+//! Argument validation as pure functions over tensor metadata, so every rule is
+//! testable without a GPU. The launch paths call these before anything touches
+//! the device.
+use crate::error::FlashAttnError;
+use crate::tensor::Layout;
+use flash_attn_kernels::config::{AttnTile, ELEM_BYTES, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS};
+
+/// Options shared by forward and decode.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttnOptions {
+    /// Causal mask aligned to the bottom-right: query `i` sees keys
+    /// `j <= i + seqlen_k - seqlen_q`. A query row that sees no key gets O = 0
+    /// and LSE = -inf.
+    pub causal: bool,
+    /// Defaults to `1 / sqrt(head_dim)`. Must be finite and positive.
+    pub softmax_scale: Option<f32>,
+}
+
+/// What validation needs to know of one tensor argument.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    pub layout: Layout,
+    /// Elements in the buffer behind the view.
+    pub len: usize,
+    /// Device address of element 0.
+    pub addr: u64,
+}
+
+/// A validated forward problem.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ForwardShape {
+    pub batch: usize,
+    pub seqlen_q: usize,
+    pub seqlen_k: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub causal: bool,
+    pub softmax_scale: f32,
+}
+
+/// A validated decode problem; `cache_len` is the capacity Lmax of the cache.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DecodeShape {
+    pub batch: usize,
+    pub seqlen_q: usize,
+    pub cache_len: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub causal: bool,
+    pub softmax_scale: f32,
+}
+
+/// Grid dimensions y and z are limited to 65535 CTAs.
+const MAX_GRID_YZ: usize = 65_535;
+/// Sequence lengths and counts travel as u32/i32 in the launch parameters.
+const MAX_LEN: usize = i32::MAX as usize;
+
+const DIM_NAMES: [&str; 4] = ["batch", "seqlen", "heads", "head_dim"];
+
+fn check_tensor(name: &'static str, t: &TensorInfo) -> Result<(), FlashAttnError> {
+    for (dim, &n) in DIM_NAMES.iter().zip(&t.layout.shape) {
+        if n == 0 {
+            return Err(FlashAttnError::ZeroSized { tensor: name, dim });
+        }
+        if n > MAX_LEN {
+            return Err(FlashAttnError::TooLarge {
+                what: dim,
+                value: n,
+                limit: MAX_LEN,
+            });
+        }
+    }
+    if t.layout.strides[3] != 1 {
+        return Err(FlashAttnError::NonContiguousLastDim {
+            tensor: name,
+            stride: t.layout.strides[3],
+        });
+    }
+    if t.addr % REQUIRED_ALIGN_BYTES as u64 != 0 {
+        return Err(FlashAttnError::Misaligned {
+            tensor: name,
+            what: "the base address",
+            value: t.addr,
+        });
+    }
+    let align_elems = REQUIRED_ALIGN_BYTES / ELEM_BYTES;
+    let stride_names = ["the batch stride", "the sequence stride", "the head stride"];
+    for ((what, &stride), &extent) in stride_names
+        .iter()
+        .zip(&t.layout.strides)
+        .zip(&t.layout.shape)
+    {
+        // A dimension of extent 1 never applies its stride (frameworks often
+        // leave an arbitrary one there).
+        if extent > 1 && stride % align_elems != 0 {
+            return Err(FlashAttnError::Misaligned {
+                tensor: name,
+                what,
+                value: stride as u64,
+            });
+        }
+        // Strides travel as i64 byte-addressable element offsets.
+        if stride > i64::MAX as usize / ELEM_BYTES {
+            return Err(FlashAttnError::TooLarge {
+                what,
+                value: stride,
+                limit: i64::MAX as usize / ELEM_BYTES,
+            });
+        }
+    }
+    let needed = t.layout.span().ok_or(FlashAttnError::TooLarge {
+        what: "the layout's extent",
+        value: usize::MAX,
+        limit: isize::MAX as usize,
+    })?;
+    if needed > t.len {
+        return Err(FlashAttnError::BufferTooSmall {
+            tensor: name,
+            needed,
+            len: t.len,
+        });
+    }
+    Ok(())
+}
+
+/// An output written by many threads needs every element at its own address:
+/// ordered by stride, each dimension must step past the whole extent of the
+/// smaller ones.
+fn check_one_to_one(name: &'static str, layout: &Layout) -> Result<(), FlashAttnError> {
+    let mut dims: Vec<(usize, usize)> = layout
+        .strides
+        .iter()
+        .zip(&layout.shape)
+        .filter(|(_, &n)| n > 1)
+        .map(|(&s, &n)| (s, n))
+        .collect();
+    dims.sort_unstable();
+    let mut extent = 1usize;
+    for (stride, n) in dims {
+        if stride < extent {
+            return Err(FlashAttnError::OverlappingOutput { tensor: name });
+        }
+        extent = stride.saturating_mul(n);
+    }
+    Ok(())
+}
+
+fn expect_dim(
+    tensor: &'static str,
+    dim: usize,
+    expected: usize,
+    got: usize,
+) -> Result<(), FlashAttnError> {
+    if expected != got {
+        return Err(FlashAttnError::ShapeMismatch {
+            tensor,
+            dim: DIM_NAMES[dim],
+            expected,
+            got,
+        });
+    }
+    Ok(())
+}
+
+fn expect_shape(
+    tensor: &'static str,
+    expected: [usize; 4],
+    got: [usize; 4],
+) -> Result<(), FlashAttnError> {
+    for dim in 0..4 {
+        expect_dim(tensor, dim, expected[dim], got[dim])?;
+    }
+    Ok(())
+}
+
+fn check_heads_and_scale(
+    head_dim: usize,
+    heads: usize,
+    kv_heads: usize,
+    opts: &AttnOptions,
+) -> Result<f32, FlashAttnError> {
+    if AttnTile::for_head_dim(head_dim).is_none() {
+        return Err(FlashAttnError::UnsupportedHeadDim {
+            got: head_dim,
+            supported: &SUPPORTED_HEAD_DIMS,
+        });
+    }
+    if heads % kv_heads != 0 {
+        return Err(FlashAttnError::HeadsNotDivisible { heads, kv_heads });
+    }
+    if heads > MAX_GRID_YZ {
+        return Err(FlashAttnError::TooLarge {
+            what: "heads",
+            value: heads,
+            limit: MAX_GRID_YZ,
+        });
+    }
+    let scale = opts.softmax_scale.unwrap_or(1.0 / (head_dim as f32).sqrt());
+    if !(scale.is_finite() && scale > 0.0) {
+        return Err(FlashAttnError::InvalidScale(scale));
+    }
+    Ok(scale)
+}
+
+fn check_lse(
+    lse_len: Option<usize>,
+    batch: usize,
+    heads: usize,
+    seqlen_q: usize,
+) -> Result<(), FlashAttnError> {
+    if let Some(got) = lse_len {
+        let expected = batch * heads * seqlen_q;
+        if got < expected {
+            return Err(FlashAttnError::LseLength { expected, got });
+        }
+    }
+    Ok(())
+}
+
+/// Validates a forward call: Q/O [B, Sq, H, D], K/V [B, Skv, Hkv, D].
+pub fn check_forward(
+    q: &TensorInfo,
+    k: &TensorInfo,
+    v: &TensorInfo,
+    o: &TensorInfo,
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<ForwardShape, FlashAttnError> {
+    let [batch, seqlen_q, heads, head_dim] = q.layout.shape;
+    check_tensor("q", q)?;
+    check_tensor("k", k)?;
+    check_tensor("v", v)?;
+    check_tensor("o", o)?;
+    check_one_to_one("o", &o.layout)?;
+    let [kb, seqlen_k, kv_heads, kd] = k.layout.shape;
+    expect_dim("k", 0, batch, kb)?;
+    expect_dim("k", 3, head_dim, kd)?;
+    expect_shape("v", k.layout.shape, v.layout.shape)?;
+    expect_shape("o", q.layout.shape, o.layout.shape)?;
+    let softmax_scale = check_heads_and_scale(head_dim, heads, kv_heads, opts)?;
+    if batch > MAX_GRID_YZ {
+        return Err(FlashAttnError::TooLarge {
+            what: "batch",
+            value: batch,
+            limit: MAX_GRID_YZ,
+        });
+    }
+    check_lse(lse_len, batch, heads, seqlen_q)?;
+    Ok(ForwardShape {
+        batch,
+        seqlen_q,
+        seqlen_k,
+        heads,
+        kv_heads,
+        head_dim,
+        causal: opts.causal,
+        softmax_scale,
+    })
+}
+
+/// Validates a decode call: Q/O [B, Sq, H, D], K/V caches [B, Lmax, Hkv, D],
+/// `cache_seqlens` one i32 per batch entry. The values of `cache_seqlens` live
+/// on the device and cannot be checked here; the kernel clamps each to
+/// `[0, Lmax]`.
+pub fn check_decode(
+    q: &TensorInfo,
+    k_cache: &TensorInfo,
+    v_cache: &TensorInfo,
+    o: &TensorInfo,
+    cache_seqlens_len: usize,
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<DecodeShape, FlashAttnError> {
+    let shape = check_forward(q, k_cache, v_cache, o, lse_len, opts)?;
+    if cache_seqlens_len != shape.batch {
+        return Err(FlashAttnError::SeqlensLength {
+            expected: shape.batch,
+            got: cache_seqlens_len,
+        });
+    }
+    Ok(DecodeShape {
+        batch: shape.batch,
+        seqlen_q: shape.seqlen_q,
+        cache_len: shape.seqlen_k,
+        heads: shape.heads,
+        kv_heads: shape.kv_heads,
+        head_dim: shape.head_dim,
+        causal: shape.causal,
+        softmax_scale: shape.softmax_scale,
+    })
+}

@@ -1,0 +1,73 @@
+//! Global-memory loads and stores with an explicit `.global` state space (the
+//! pointers come from `u64` launch parameters, so the compiler cannot infer it).
+use core::arch::asm;
+
+/// `st.global.v4.b32 [p], {a,b,c,d};` 16 bytes, `p` 16-byte aligned.
+#[inline(always)]
+pub fn st_v4_b32(p: u64, v: [u32; 4]) {
+    unsafe {
+        asm!(
+            "st.global.v4.b32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack),
+        );
+    }
+}
+
+/// `st.global.v2.b32 [p], {a,b};` 8 bytes, `p` 8-byte aligned.
+#[inline(always)]
+pub fn st_v2_b32(p: u64, a: u32, b: u32) {
+    unsafe {
+        asm!("st.global.v2.b32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack));
+    }
+}
+
+/// `st.global.v2.f32 [p], {a,b};` 8 bytes, `p` 8-byte aligned.
+#[inline(always)]
+pub fn st_v2_f32(p: u64, a: f32, b: f32) {
+    unsafe {
+        asm!("st.global.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack));
+    }
+}
+
+/// `st.global.f32 [p], v;`
+#[inline(always)]
+pub fn st_f32(p: u64, v: f32) {
+    unsafe {
+        asm!("st.global.f32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
+    }
+}
+
+/// `ld.global.nc.f32 d, [p];` read-only data (not written by this kernel).
+#[inline(always)]
+pub fn ld_nc_f32(p: u64) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("ld.global.nc.f32 {r}, [{p}];", r = out(reg32) r, p = in(reg64) p, options(nostack, readonly, pure));
+    }
+    r
+}
+
+/// `ld.global.nc.v4.f32 {a,b,c,d}, [p];` 16 bytes of read-only data.
+#[inline(always)]
+pub fn ld_nc_v4_f32(p: u64) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    unsafe {
+        asm!(
+            "ld.global.nc.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+            options(nostack, readonly, pure),
+        );
+    }
+    [a, b, c, d]
+}
+
+/// `ld.global.nc.s32 d, [p];`
+#[inline(always)]
+pub fn ld_nc_s32(p: u64) -> i32 {
+    let r: i32;
+    unsafe {
+        asm!("ld.global.nc.s32 {r}, [{p}];", r = out(reg32) r, p = in(reg64) p, options(nostack, readonly, pure));
+    }
+    r
+}

@@ -1,0 +1,52 @@
+//! Special-function and conversion instructions.
+use core::arch::asm;
+
+/// `ex2.approx.ftz.f32`: 2^x (MUFU); 2^-inf = +0.
+#[inline(always)]
+pub fn ex2(x: f32) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("ex2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `lg2.approx.ftz.f32`: log2(x) (MUFU).
+#[inline(always)]
+pub fn lg2(x: f32) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("lg2.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `cvt.rn.f16x2.f32 d, hi, lo;` packs two f32 into f16x2, `lo` in bits 0..16.
+#[inline(always)]
+pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `cvt.rn.bf16x2.f32 d, hi, lo;` packs two f32 into bf16x2, `lo` in bits 0..16.
+#[inline(always)]
+pub fn pack_bf16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("cvt.rn.bf16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `fma.rn.f32 d, a, b, c;` a*b + c with one rounding.
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("fma.rn.f32 {r}, {a}, {b}, {c};", r = out(reg32) r, a = in(reg32) a, b = in(reg32) b, c = in(reg32) c, options(pure, nomem, nostack));
+    }
+    r
+}

@@ -1,0 +1,39 @@
+//! Dynamic shared memory and plain shared-memory loads/stores.
+use core::arch::{asm, global_asm};
+
+// The dynamic shared-memory window of every kernel in the module; its size is
+// the launch's `shared_mem_bytes`.
+global_asm!(".extern .shared .align 16 .b8 SMEM[];");
+
+/// `mov.u32 %r, SMEM;` the `.shared` address of the dynamic shared memory.
+#[inline(always)]
+pub fn base() -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("mov.u32 {r}, SMEM;", r = out(reg32) r, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `st.shared.b32 [addr], v;`
+#[inline(always)]
+pub fn st_b32(addr: u32, v: u32) {
+    unsafe {
+        asm!("st.shared.b32 [{a}], {v};", a = in(reg32) addr, v = in(reg32) v, options(nostack));
+    }
+}
+
+/// `ld.shared.v4.b32 {x,y,z,w}, [addr];` 16 bytes, `addr` 16-byte aligned.
+#[inline(always)]
+pub fn ld_v4_b32(addr: u32) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!(
+            "ld.shared.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d,
+            p = in(reg32) addr,
+            options(nostack, readonly),
+        );
+    }
+    [a, b, c, d]
+}

@@ -1,0 +1,224 @@
+//! Kernel configuration: the single definition of tile shapes, thread counts,
+//! shared-memory budgets and entry-point names, used by the kernels, by the
+//! host's dispatch and launch geometry, and by the PTX build.
+
+/// Threads in a warp.
+pub const WARP_SIZE: usize = 32;
+/// Rows of the `mma.sync.m16n8k16` tile (A rows, C rows).
+pub const MMA_M: usize = 16;
+/// Columns of the `mma.sync.m16n8k16` tile (B and C columns).
+pub const MMA_N: usize = 8;
+/// Depth of the `mma.sync.m16n8k16` tile.
+pub const MMA_K: usize = 16;
+/// Bytes of one f16/bf16 element.
+pub const ELEM_BYTES: usize = 2;
+/// One `cp.async`/`ldmatrix` row segment: 16 bytes, the widest single copy.
+pub const CHUNK_BYTES: usize = 16;
+/// Elements in one 16-byte chunk.
+pub const CHUNK_ELEMS: usize = CHUNK_BYTES / ELEM_BYTES;
+/// The XOR swizzle permutes chunks within groups of this many rows; 8 rows of
+/// 16 bytes cover all 32 banks once, so an 8-row `ldmatrix` phase is conflict-free.
+pub const SWIZZLE_ROWS: usize = 8;
+/// Alignment (bytes) required of every tensor base pointer and of every
+/// batch/sequence/head stride, so each row chunk is one aligned 16-byte copy.
+pub const REQUIRED_ALIGN_BYTES: usize = CHUNK_BYTES;
+
+/// Head dimensions with compiled kernels. Adding one is a new [`AttnTile`] arm
+/// plus one line per entry in the device entry-point table.
+pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Minimum compute capability: `cp.async`, `ldmatrix` and bf16 `mma.sync` are sm_80.
+pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
+
+/// Tile of one attention thread block (CTA). Each warp owns [`MMA_M`] query rows,
+/// so `block_m == warps * MMA_M`; K and V are streamed through shared memory in
+/// tiles of `block_n` keys.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnTile {
+    pub head_dim: usize,
+    pub block_m: usize,
+    pub block_n: usize,
+    pub warps: usize,
+    /// CTAs that must fit on one SM (`.minnctapersm`): caps registers at
+    /// 64K / (threads * this). Without it ptxas picks its own occupancy target
+    /// and may spill to reach it.
+    pub min_ctas_per_sm: usize,
+}
+
+impl AttnTile {
+    /// The tile used for a head dimension, `None` when it is not compiled.
+    pub const fn for_head_dim(head_dim: usize) -> Option<AttnTile> {
+        match head_dim {
+            64 | 128 => Some(AttnTile {
+                head_dim,
+                block_m: 4 * MMA_M,
+                block_n: 64,
+                warps: 4,
+                min_ctas_per_sm: 2,
+            }),
+            _ => None,
+        }
+    }
+
+    /// [`Self::for_head_dim`] for compile-time use, where an unsupported head dim
+    /// is a build error.
+    pub const fn of(head_dim: usize) -> AttnTile {
+        match Self::for_head_dim(head_dim) {
+            Some(t) => t,
+            None => panic!("unsupported head dim"),
+        }
+    }
+
+    pub const fn threads(self) -> usize {
+        self.warps * WARP_SIZE
+    }
+    /// 16-byte chunks in one row of Q, K, V or O.
+    pub const fn row_chunks(self) -> usize {
+        self.head_dim / CHUNK_ELEMS
+    }
+    pub const fn q_smem_bytes(self) -> usize {
+        self.block_m * self.head_dim * ELEM_BYTES
+    }
+    pub const fn kv_smem_bytes(self) -> usize {
+        self.block_n * self.head_dim * ELEM_BYTES
+    }
+    /// Byte offsets of the Q, K and V tiles in dynamic shared memory. The O tile
+    /// of the epilogue reuses the Q region.
+    pub const fn q_smem_offset(self) -> usize {
+        0
+    }
+    pub const fn k_smem_offset(self) -> usize {
+        self.q_smem_bytes()
+    }
+    pub const fn v_smem_offset(self) -> usize {
+        self.k_smem_offset() + self.kv_smem_bytes()
+    }
+    /// Dynamic shared memory of one CTA.
+    pub const fn smem_bytes(self) -> usize {
+        self.v_smem_offset() + self.kv_smem_bytes()
+    }
+}
+
+/// Threads of one split-KV combine CTA.
+pub const COMBINE_THREADS: usize = 128;
+/// Output elements each combine thread owns (one 8-byte store of f16/bf16).
+pub const COMBINE_ELEMS_PER_THREAD: usize = 4;
+/// Upper bound on KV splits; the combine kernel reads every split's LSE per row.
+pub const MAX_SPLITS: usize = 128;
+
+/// Query rows one combine CTA finishes for a head dimension.
+pub const fn combine_rows_per_cta(head_dim: usize) -> usize {
+    COMBINE_THREADS / (head_dim / COMBINE_ELEMS_PER_THREAD)
+}
+
+/// Element type of Q, K, V and O.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Dtype {
+    F16,
+    Bf16,
+}
+
+impl Dtype {
+    pub const fn name(self) -> &'static str {
+        match self {
+            Dtype::F16 => "f16",
+            Dtype::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The three kernel families.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelKind {
+    /// Prefill / full attention: one CTA per (query block, head, batch).
+    Forward,
+    /// Decode against a KV cache: query heads of one KV head packed into the
+    /// CTA's rows, the keys split across CTAs (flash-decoding).
+    Decode,
+    /// Merges the split-KV partial outputs of `Decode`.
+    Combine,
+}
+
+/// One compiled kernel entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Entry {
+    pub name: &'static str,
+    pub kind: KernelKind,
+    pub dtype: Dtype,
+    pub head_dim: usize,
+    /// Meaningless for `Combine`, which is always `false`.
+    pub causal: bool,
+}
+
+impl Entry {
+    /// Threads per CTA, the value the PTX build writes into `.maxntid`.
+    pub const fn threads(&self) -> usize {
+        match self.kind {
+            KernelKind::Combine => COMBINE_THREADS,
+            _ => AttnTile::of(self.head_dim).threads(),
+        }
+    }
+    /// Dynamic shared memory per CTA.
+    pub const fn smem_bytes(&self) -> usize {
+        match self.kind {
+            KernelKind::Combine => 0,
+            _ => AttnTile::of(self.head_dim).smem_bytes(),
+        }
+    }
+    /// Occupancy the PTX build requests with `.minnctapersm`, if any.
+    pub const fn min_ctas_per_sm(&self) -> Option<usize> {
+        match self.kind {
+            KernelKind::Combine => None,
+            _ => Some(AttnTile::of(self.head_dim).min_ctas_per_sm),
+        }
+    }
+}
+
+macro_rules! entry_table {
+    ($( $name:literal => $kind:ident, $dtype:ident, $hd:literal, $causal:literal; )*) => {
+        /// Every kernel entry point in the PTX. Names follow
+        /// `flash_{fwd|decode|combine}_{dtype}_hd{D}[_{causal|full}]`.
+        pub const ENTRIES: &[Entry] = &[
+            $( Entry { name: $name, kind: KernelKind::$kind, dtype: Dtype::$dtype, head_dim: $hd, causal: $causal }, )*
+        ];
+    };
+}
+
+entry_table! {
+    "flash_fwd_f16_hd64_full" => Forward, F16, 64, false;
+    "flash_fwd_f16_hd64_causal" => Forward, F16, 64, true;
+    "flash_fwd_f16_hd128_full" => Forward, F16, 128, false;
+    "flash_fwd_f16_hd128_causal" => Forward, F16, 128, true;
+    "flash_fwd_bf16_hd64_full" => Forward, Bf16, 64, false;
+    "flash_fwd_bf16_hd64_causal" => Forward, Bf16, 64, true;
+    "flash_fwd_bf16_hd128_full" => Forward, Bf16, 128, false;
+    "flash_fwd_bf16_hd128_causal" => Forward, Bf16, 128, true;
+    "flash_decode_f16_hd64_full" => Decode, F16, 64, false;
+    "flash_decode_f16_hd64_causal" => Decode, F16, 64, true;
+    "flash_decode_f16_hd128_full" => Decode, F16, 128, false;
+    "flash_decode_f16_hd128_causal" => Decode, F16, 128, true;
+    "flash_decode_bf16_hd64_full" => Decode, Bf16, 64, false;
+    "flash_decode_bf16_hd64_causal" => Decode, Bf16, 64, true;
+    "flash_decode_bf16_hd128_full" => Decode, Bf16, 128, false;
+    "flash_decode_bf16_hd128_causal" => Decode, Bf16, 128, true;
+    "flash_combine_f16_hd64" => Combine, F16, 64, false;
+    "flash_combine_f16_hd128" => Combine, F16, 128, false;
+    "flash_combine_bf16_hd64" => Combine, Bf16, 64, false;
+    "flash_combine_bf16_hd128" => Combine, Bf16, 128, false;
+}
+
+/// The entry point for a (kind, dtype, head dim, causal) combination.
+pub fn find_entry(
+    kind: KernelKind,
+    dtype: Dtype,
+    head_dim: usize,
+    causal: bool,
+) -> Option<&'static Entry> {
+    let causal = causal && kind != KernelKind::Combine;
+    ENTRIES.iter().find(|e| {
+        e.kind == kind && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal
+    })
+}
+
+/// Compute architectures the PTX is built for (`target-cpu` values).
+pub const PTX_ARCHS: [&str; 2] = ["sm_80", "sm_90"];

@@ -1,0 +1,61 @@
+//! Flash-decoding combine: O = Σ_s exp(lse_s - lse) · O_s with
+//! lse = log Σ_s exp(lse_s), for every (b, h, token) row.
+use super::element::Element;
+use super::unroll::unroll;
+use crate::arch::{global, math, special};
+use crate::config::{combine_rows_per_cta, COMBINE_ELEMS_PER_THREAD};
+use crate::params::CombineParams;
+
+const LOG2_E: f32 = core::f32::consts::LOG2_E;
+const LN_2: f32 = core::f32::consts::LN_2;
+
+#[inline(always)]
+pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
+    let threads_per_row = (D / COMBINE_ELEMS_PER_THREAD) as u32;
+    let tid = special::thread_idx_x();
+    let rows = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
+    let row = special::block_idx_x() as u64 * combine_rows_per_cta(D) as u64
+        + (tid / threads_per_row) as u64;
+    if row >= rows {
+        return;
+    }
+    let col = ((tid % threads_per_row) as usize * COMBINE_ELEMS_PER_THREAD) as u64;
+    let splits = p.num_splits as u64;
+
+    let mut lse_max = f32::NEG_INFINITY;
+    for s in 0..splits {
+        lse_max = lse_max.max(global::ld_nc_f32(p.lse_accum + (s * rows + row) * 4));
+    }
+    let mut acc = [0f32; COMBINE_ELEMS_PER_THREAD];
+    let mut sum = 0.0;
+    if lse_max != f32::NEG_INFINITY {
+        for s in 0..splits {
+            let w = math::ex2(
+                (global::ld_nc_f32(p.lse_accum + (s * rows + row) * 4) - lse_max) * LOG2_E,
+            );
+            let part = global::ld_nc_v4_f32(p.o_accum + ((s * rows + row) * D as u64 + col) * 4);
+            sum += w;
+            unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] = math::fma(w, part[e], acc[e]));
+        }
+    }
+    let (inv, lse) = if sum > 0.0 {
+        (1.0 / sum, lse_max + math::lg2(sum) * LN_2)
+    } else {
+        (0.0, f32::NEG_INFINITY)
+    };
+
+    let (seqlen_q, heads) = (p.seqlen_q.max(1) as u64, p.heads.max(1) as u64);
+    let (bh, token) = (row / seqlen_q, row % seqlen_q);
+    let (b, h) = (bh / heads, bh % heads);
+    let s = &p.o_strides;
+    let off = b as i64 * s.batch + token as i64 * s.row + h as i64 * s.head + col as i64;
+    let dst = p.o.wrapping_add((off * 2) as u64);
+    global::st_v2_b32(
+        dst,
+        T::pack(acc[0] * inv, acc[1] * inv),
+        T::pack(acc[2] * inv, acc[3] * inv),
+    );
+    if p.lse != 0 && col == 0 {
+        global::st_f32(p.lse + row * 4, lse);
+    }
+}

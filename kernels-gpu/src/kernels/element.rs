@@ -1,0 +1,34 @@
+//! The two 16-bit element types, as seen by the tensor cores.
+use crate::arch::{math, mma};
+
+pub trait Element {
+    /// D += A·B on one m16n8k16 tile with f32 accumulation.
+    fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32);
+    /// Two f32 rounded to nearest into one packed pair, `lo` first in memory.
+    fn pack(lo: f32, hi: f32) -> u32;
+}
+
+pub struct F16;
+pub struct Bf16;
+
+impl Element for F16 {
+    #[inline(always)]
+    fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32) {
+        mma::m16n8k16_f16(c, a, b0, b1)
+    }
+    #[inline(always)]
+    fn pack(lo: f32, hi: f32) -> u32 {
+        math::pack_f16x2(lo, hi)
+    }
+}
+
+impl Element for Bf16 {
+    #[inline(always)]
+    fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32) {
+        mma::m16n8k16_bf16(c, a, b0, b1)
+    }
+    #[inline(always)]
+    fn pack(lo: f32, hi: f32) -> u32 {
+        math::pack_bf16x2(lo, hi)
+    }
+}

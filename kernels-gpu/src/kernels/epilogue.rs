@@ -1,0 +1,88 @@
+//! Writing O (and the LSE): normalised 16-bit output through shared memory for
+//! 16-byte coalesced stores, or f32 split-KV partials for the combine kernel.
+use super::block_info::BlockInfo;
+use super::element::Element;
+use super::mainloop::Lane;
+use super::smem_tile::SmemTile;
+use super::unroll::unroll;
+use crate::arch::{barrier, global, smem};
+use crate::config::AttnTile;
+use crate::params::AttnParams;
+
+/// Final O = acc / l in the output dtype, plus the LSE when requested.
+#[inline(always)]
+pub fn write_output<T: Element, const D: usize, const OT: usize>(
+    p: &AttnParams,
+    info: &BlockInfo,
+    stage: SmemTile<D>,
+    lane: Lane,
+    o: &[[f32; 4]; OT],
+    inv_l: [f32; 2],
+    lse: [f32; 2],
+) {
+    let tile = const { AttnTile::of(D) };
+    // Every warp has finished reading Q (and K/V) before the O tile reuses the space.
+    barrier::sync_cta();
+    unroll::<2>(|r| {
+        let row = lane.warp_row() + lane.group() + 8 * r as u32;
+        unroll::<OT>(|dd| {
+            let col = dd as u32 * 8 + 2 * lane.pair();
+            let v = T::pack(o[dd][2 * r] * inv_l[r], o[dd][2 * r + 1] * inv_l[r]);
+            smem::st_b32(stage.pair_addr(row, col), v);
+        });
+    });
+    barrier::sync_cta();
+
+    let chunks = tile.row_chunks() as u32;
+    let per_thread = tile.block_m * tile.row_chunks() / tile.threads();
+    for i in 0..per_thread {
+        let idx = lane.tid + (i * tile.threads()) as u32;
+        let (row, chunk) = (idx / chunks, idx % chunks);
+        if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
+            global::st_v4_b32(
+                dst + chunk as u64 * 16,
+                smem::ld_v4_b32(stage.chunk_addr(row, chunk)),
+            );
+        }
+    }
+
+    if p.lse != 0 && lane.pair() == 0 {
+        unroll::<2>(|r| {
+            let row = lane.warp_row() + lane.group() + 8 * r as u32;
+            if let Some(token) = info.token(row) {
+                global::st_f32(p.lse + info.lse_index(p.heads, row, token) * 4, lse[r]);
+            }
+        });
+    }
+}
+
+/// This split's normalised partial O (f32) and its LSE, at
+/// `[split, b, h, token]` of the [num_splits, B, H, Sq, (D)] workspaces.
+#[inline(always)]
+pub fn write_partial<const D: usize, const OT: usize>(
+    p: &AttnParams,
+    info: &BlockInfo,
+    lane: Lane,
+    o: &[[f32; 4]; OT],
+    inv_l: [f32; 2],
+    lse: [f32; 2],
+) {
+    let rows_per_split = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
+    unroll::<2>(|r| {
+        let row = lane.warp_row() + lane.group() + 8 * r as u32;
+        let Some(token) = info.token(row) else { return };
+        let index = info.split as u64 * rows_per_split + info.lse_index(p.heads, row, token);
+        let dst = p.o_accum + index * D as u64 * 4;
+        unroll::<OT>(|dd| {
+            let col = dd as u64 * 8 + 2 * lane.pair() as u64;
+            global::st_v2_f32(
+                dst + col * 4,
+                o[dd][2 * r] * inv_l[r],
+                o[dd][2 * r + 1] * inv_l[r],
+            );
+        });
+        if lane.pair() == 0 {
+            global::st_f32(p.lse_accum + index * 4, lse[r]);
+        }
+    });
+}

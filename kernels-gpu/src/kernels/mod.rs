@@ -1,0 +1,14 @@
+//! Attention kernels, organised as in FlashAttention-2: block info (which rows
+//! and keys a CTA owns), mask, online softmax, mainloop, epilogue, and the
+//! split-KV combine. `entries` instantiates them as named PTX entry points.
+
+mod block_info;
+mod combine;
+mod element;
+mod entries;
+mod epilogue;
+mod mainloop;
+mod mask;
+mod smem_tile;
+mod softmax;
+mod unroll;

@@ -1,0 +1,135 @@
+//! A row-major [rows][head_dim] tile of 16-bit elements in shared memory, its
+//! 16-byte chunks XOR-swizzled within each group of 8 rows: chunk `c` of row `r`
+//! is stored at chunk `c ^ (r % 8)`. An `ldmatrix` phase reads one logical chunk
+//! of 8 consecutive rows, which the swizzle spreads over all 32 banks.
+use crate::arch::cp_async;
+use crate::config::{CHUNK_BYTES, ELEM_BYTES, SWIZZLE_ROWS};
+
+/// Swizzled `ldmatrix` addresses of one lane, which reads row
+/// `block_row + lane_row` and chunk `chunk + lane_chunk` (block_row a multiple of
+/// 8, chunk even, lane_chunk 0 or 1). As block_row does not change `row % 8`,
+/// the swizzled chunk is `8 * (chunk / 8) + ((chunk % 8) ^ (lane_row % 8 & 6)) +
+/// (lane_chunk ^ (lane_row & 1))`: four per-lane offsets (one per `chunk % 8`
+/// pair) plus a compile-time immediate, instead of one live register per
+/// (row, chunk) pair of the unrolled loops.
+#[derive(Clone, Copy)]
+pub struct FragAddr<const D: usize> {
+    off: [u32; 4],
+}
+
+impl<const D: usize> FragAddr<D> {
+    #[inline(always)]
+    pub fn at(&self, block_row: u32, chunk: u32) -> u32 {
+        let group_bytes = (SWIZZLE_ROWS * CHUNK_BYTES) as u32;
+        self.off[((chunk / 2) % 4) as usize]
+            + block_row * SmemTile::<D>::ROW_BYTES
+            + (chunk / SWIZZLE_ROWS as u32) * group_bytes
+    }
+}
+
+#[derive(Clone, Copy)]
+pub struct SmemTile<const D: usize> {
+    pub base: u32,
+}
+
+impl<const D: usize> SmemTile<D> {
+    const ROW_BYTES: u32 = (D * ELEM_BYTES) as u32;
+
+    /// Address of 16-byte chunk `chunk` of row `row`.
+    #[inline(always)]
+    pub fn chunk_addr(self, row: u32, chunk: u32) -> u32 {
+        let phys = chunk ^ (row % SWIZZLE_ROWS as u32);
+        self.base + row * Self::ROW_BYTES + phys * CHUNK_BYTES as u32
+    }
+
+    /// Address of element `col` (even) of row `row`: a 4-byte pair within a chunk.
+    #[inline(always)]
+    pub fn pair_addr(self, row: u32, col: u32) -> u32 {
+        let elems_per_chunk = (CHUNK_BYTES / ELEM_BYTES) as u32;
+        self.chunk_addr(row, col / elems_per_chunk) + (col % elems_per_chunk) * ELEM_BYTES as u32
+    }
+
+    /// Per-lane `ldmatrix` addressing for this tile; see [`FragAddr`].
+    #[inline(always)]
+    pub fn frag_addr(self, lane_row: u32, lane_chunk: u32) -> FragAddr<D> {
+        let lr = lane_row % SWIZZLE_ROWS as u32;
+        let low = lane_chunk ^ (lr & 1);
+        let mut off = [0u32; 4];
+        let mut b = 0;
+        while b < 4 {
+            let chunk = ((2 * b as u32) ^ (lr & 6)) + low;
+            off[b] = self.base + lane_row * Self::ROW_BYTES + chunk * CHUNK_BYTES as u32;
+            b += 1;
+        }
+        FragAddr { off }
+    }
+
+    /// Issues `cp.async` copies of `rows` rows that are evenly spaced in global
+    /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
+    /// are zero-filled with a 0-byte read of `src`. Each thread's copies are
+    /// `rows_per_pass` rows apart, a multiple of the swizzle period, so its
+    /// shared and global addresses advance by constants.
+    #[inline(always)]
+    pub fn load_rows_async(
+        self,
+        rows: usize,
+        threads: usize,
+        tid: u32,
+        src: u64,
+        stride_bytes: u64,
+        valid: u32,
+    ) {
+        let chunks = D * ELEM_BYTES / CHUNK_BYTES;
+        let rows_per_pass = threads / chunks;
+        let row0 = tid / chunks as u32;
+        let chunk = tid % chunks as u32;
+        let dst0 = self.chunk_addr(row0, chunk);
+        let mut src_row =
+            src.wrapping_add(row0 as u64 * stride_bytes + chunk as u64 * CHUNK_BYTES as u64);
+        let step = stride_bytes * rows_per_pass as u64;
+        let mut i = 0;
+        while i < rows / rows_per_pass {
+            let row = row0 + (i * rows_per_pass) as u32;
+            let dst = dst0 + (i * rows_per_pass) as u32 * Self::ROW_BYTES;
+            if row < valid {
+                cp_async::cg_16(dst, src_row, CHUNK_BYTES as u32);
+            } else {
+                cp_async::cg_16(dst, src, 0);
+            }
+            src_row = src_row.wrapping_add(step);
+            i += 1;
+        }
+    }
+
+    /// Issues `cp.async` copies of `rows` rows into the tile. Row `r` comes from
+    /// `src(r)`; rows for which it returns `None` are zero-filled with a 0-byte
+    /// read of `fallback`, a valid address that keeps memory checkers quiet.
+    /// Every thread of the CTA calls this with its own `tid`.
+    #[inline(always)]
+    pub fn load_async(
+        self,
+        rows: usize,
+        threads: usize,
+        tid: u32,
+        fallback: u64,
+        src: impl Fn(u32) -> Option<u64>,
+    ) {
+        let chunks = (D * ELEM_BYTES / CHUNK_BYTES) as u32;
+        let per_thread = rows * D * ELEM_BYTES / CHUNK_BYTES / threads;
+        let mut i = 0;
+        while i < per_thread {
+            let idx = tid + (i * threads) as u32;
+            let row = idx / chunks;
+            let chunk = idx % chunks;
+            let (addr, bytes) = match src(row) {
+                Some(p) => (
+                    p + (chunk as usize * CHUNK_BYTES) as u64,
+                    CHUNK_BYTES as u32,
+                ),
+                None => (fallback, 0),
+            };
+            cp_async::cg_16(self.chunk_addr(row, chunk), addr, bytes);
+            i += 1;
+        }
+    }
+}

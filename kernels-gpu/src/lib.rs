@@ -1,0 +1,25 @@
+//! Device code of flash-attn, plus the configuration the host shares with it.
+//!
+//! `config` and `params` are plain Rust that compiles for every target: the host
+//! crate uses the very same tile sizes, thread counts, shared-memory sizes and
+//! launch-parameter layouts as the kernels, so launch geometry cannot drift.
+//! Everything under `arch` and `kernels` exists only on `nvptx64`.
+#![no_std]
+#![cfg_attr(
+    target_arch = "nvptx64",
+    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)
+)]
+
+pub mod config;
+pub mod params;
+
+#[cfg(target_arch = "nvptx64")]
+mod arch;
+#[cfg(target_arch = "nvptx64")]
+mod kernels;
+
+#[cfg(target_arch = "nvptx64")]
+#[panic_handler]
+fn panic(_: &core::panic::PanicInfo) -> ! {
+    arch::special::trap()
+}

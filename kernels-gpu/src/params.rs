@@ -1,0 +1,68 @@
+//! `#[repr(C)]` launch parameters, passed by value to the kernels. The host fills
+//! them; the device reads them; both compile this one definition.
+
+/// Element strides of a [batch, seq, head, dim] tensor whose last dim is contiguous.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BshStrides {
+    pub batch: i64,
+    pub row: i64,
+    pub head: i64,
+}
+
+/// Parameters of the forward and decode attention kernels.
+///
+/// Rows of a CTA: the forward kernel gives each CTA `block_m` query tokens of one
+/// head (`pack == 1`, grid.y = heads). The decode kernel packs the `pack = heads /
+/// kv_heads` query heads that share a KV head into the rows (row `r` is token
+/// `r / pack`, head `grid.y * pack + r % pack`), so each K/V byte is read once per
+/// sequence. grid.z = batch * num_splits.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AttnParams {
+    /// Q [B, Sq, H, D]
+    pub q: u64,
+    /// K [B, Skv, Hkv, D] (forward) or the K cache [B, Lmax, Hkv, D] (decode)
+    pub k: u64,
+    pub v: u64,
+    /// O [B, Sq, H, D]
+    pub o: u64,
+    /// Optional f32 LSE [B, H, Sq] (natural log); 0 when not requested.
+    pub lse: u64,
+    /// f32 partial outputs [num_splits, B, H, Sq, D], used when `num_splits > 1`.
+    pub o_accum: u64,
+    /// f32 partial LSEs [num_splits, B, H, Sq], used when `num_splits > 1`.
+    pub lse_accum: u64,
+    /// Optional i32 [B] key counts on the device (decode); 0 means `seqlen_k` for all.
+    pub cache_seqlens: u64,
+    pub q_strides: BshStrides,
+    pub k_strides: BshStrides,
+    pub v_strides: BshStrides,
+    pub o_strides: BshStrides,
+    pub batch: u32,
+    pub heads: u32,
+    pub kv_heads: u32,
+    pub seqlen_q: u32,
+    /// Keys per sequence when `cache_seqlens` is 0; otherwise the cache capacity.
+    pub seqlen_k: u32,
+    pub pack: u32,
+    pub num_splits: u32,
+    /// softmax_scale * log2(e): the kernels work in the exp2 domain.
+    pub scale_log2: f32,
+}
+
+/// Parameters of the split-KV combine kernel. One thread group per (b, h, token)
+/// row of O merges `num_splits` partial rows from [`AttnParams::o_accum`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CombineParams {
+    pub o_accum: u64,
+    pub lse_accum: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub o_strides: BshStrides,
+    pub batch: u32,
+    pub heads: u32,
+    pub seqlen_q: u32,
+    pub num_splits: u32,
+}

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Assembles the committed PTX (kernels-gpu/ptx/flash_attn_smXY.ptx) with
+# `ptxas -v -arch=sm_XY` and prints registers, stack frame and spills per entry.
+# Fails if an attention kernel (flash_fwd_*, flash_decode_*, flash_combine_*)
+# has a stack frame or spills, or if the PTX uses local memory at all.
+# ptxas: see scripts/ptxas.sh.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+ptxas=$(scripts/ptxas.sh)
+echo "ptxas-check: $ptxas ($("$ptxas" --version | tail -n 1))"
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+shopt -s nullglob
+ptx_files=(kernels-gpu/ptx/flash_attn_sm*.ptx)
+if ((${#ptx_files[@]} == 0)); then
+    echo "ptxas-check: no PTX in kernels-gpu/ptx (run scripts/update-ptx.sh)" >&2
+    exit 1
+fi
+
+fail=0
+printf '%-6s %-32s %5s %6s %12s %11s\n' arch entry regs stack spill_stores spill_loads
+for ptx in "${ptx_files[@]}"; do
+    name=$(basename "$ptx" .ptx)           # flash_attn_sm80
+    sm="${name#flash_attn_sm}"             # 80
+    arch="sm_$sm"
+    # Local memory is what spills and stack frames live in; the kernels are
+    # meant not to use it at all.
+    if grep -n '\.local\b' "$ptx" | head -n 5 >"$tmp/local"; [[ -s "$tmp/local" ]]; then
+        echo "ptxas-check: $ptx uses .local memory:" >&2
+        cat "$tmp/local" >&2
+        fail=1
+    fi
+    if ! "$ptxas" -v -arch="$arch" -o "$tmp/$name.cubin" "$ptx" >"$tmp/$name.log" 2>&1; then
+        cat "$tmp/$name.log" >&2
+        echo "ptxas-check: ptxas failed on $ptx" >&2
+        exit 1
+    fi
+    # ptxas -v prints, per entry:
+    #   ptxas info : Compiling entry function 'NAME' for 'sm_80'
+    #   ptxas info : Function properties for NAME
+    #       S bytes stack frame, SS bytes spill stores, SL bytes spill loads
+    #   ptxas info : Used R registers, ...
+    awk -v arch="$arch" '
+        function flush() {
+            if (entry == "") return
+            printf "%-6s %-32s %5s %6s %12s %11s\n", arch, entry, regs, stack, st, ld
+            # "?" (output not understood) counts as a failure too.
+            if (entry ~ /^flash_(fwd|decode|combine)_/ && (stack != "0" || st != "0" || ld != "0"))
+                bad = bad " " entry
+            entry = ""
+        }
+        /Compiling entry function/ {
+            flush()
+            entry = $0; sub(/.*entry function \047/, "", entry); sub(/\047.*/, "", entry)
+            regs = "?"; stack = "?"; st = "?"; ld = "?"
+        }
+        /bytes stack frame/ && entry != "" {
+            for (i = 1; i <= NF; i++) {
+                if ($(i + 1) == "bytes" && $(i + 2) == "stack") stack = $i
+                if ($(i + 1) == "bytes" && $(i + 2) == "spill" && $(i + 3) ~ /^stores/) st = $i
+                if ($(i + 1) == "bytes" && $(i + 2) == "spill" && $(i + 3) ~ /^loads/) ld = $i
+            }
+        }
+        /Used [0-9]+ registers/ && entry != "" {
+            for (i = 1; i <= NF; i++) if ($i == "Used") regs = $(i + 1)
+        }
+        END {
+            flush()
+            if (bad != "") { print "FAIL (" arch "): stack frame or spills in" bad; exit 1 }
+        }
+    ' "$tmp/$name.log" || fail=1
+done
+
+if ((fail)); then
+    echo "ptxas-check: FAILED" >&2
+    exit 1
+fi
+echo "ptxas-check: OK, no stack frames, spills or local memory"

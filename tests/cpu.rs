@@ -1,0 +1,1188 @@
+//! Tests that need no GPU: properties of the reference (the oracle the GPU tests
+//! trust, so it is checked against independent formulations of attention),
+//! every argument-validation rule, the kernel configuration's invariants, and
+//! `Layout::span`.
+use approx::assert_relative_eq;
+use flash_attn::reference::{self, RefOutput};
+use flash_attn::validate::{check_decode, check_forward, TensorInfo};
+use flash_attn::{AttnOptions, DecodeShape, FlashAttnError, ForwardShape, Layout};
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+// ---------------------------------------------------------------------------
+// Reference properties
+// ---------------------------------------------------------------------------
+
+/// Values are drawn from a seed rather than by proptest itself: shrinking
+/// thousands of floats is slow and the shapes are what matter when a case fails.
+fn random_vec(rng: &mut StdRng, n: usize) -> Vec<f64> {
+    (0..n).map(|_| rng.random_range(-2.0..=2.0)).collect()
+}
+
+/// Head dims include odd and tiny ones: the reference has no tile constraints.
+fn head_dim() -> impl Strategy<Value = usize> {
+    prop_oneof![
+        Just(1usize),
+        Just(3),
+        Just(8),
+        Just(16),
+        Just(64),
+        Just(128)
+    ]
+}
+
+/// (kv_heads, heads) with kv_heads dividing heads.
+fn heads() -> impl Strategy<Value = (usize, usize)> {
+    (1usize..=3, 1usize..=3).prop_map(|(kv, group)| (kv, kv * group))
+}
+
+/// Both the default scale and arbitrary ones, so a wrong scale cannot hide.
+fn scale(d: usize, custom: Option<f32>) -> f32 {
+    custom.unwrap_or(1.0 / (d as f32).sqrt())
+}
+
+prop_compose! {
+    fn forward_shape(causal: Option<bool>)(
+        batch in 1usize..3,
+        seqlen_q in 1usize..40,
+        seqlen_k in 1usize..40,
+        (kv_heads, heads) in heads(),
+        head_dim in head_dim(),
+        c in any::<bool>(),
+        custom in proptest::option::of(0.05f32..1.5),
+    ) -> ForwardShape {
+        ForwardShape {
+            batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim,
+            causal: causal.unwrap_or(c),
+            softmax_scale: scale(head_dim, custom),
+        }
+    }
+}
+
+struct Qkv {
+    q: Vec<f64>,
+    k: Vec<f64>,
+    v: Vec<f64>,
+}
+
+fn qkv(s: &ForwardShape, seed: u64) -> Qkv {
+    let mut rng = StdRng::seed_from_u64(seed);
+    Qkv {
+        q: random_vec(&mut rng, s.batch * s.seqlen_q * s.heads * s.head_dim),
+        k: random_vec(&mut rng, s.batch * s.seqlen_k * s.kv_heads * s.head_dim),
+        v: random_vec(&mut rng, s.batch * s.seqlen_k * s.kv_heads * s.head_dim),
+    }
+}
+
+/// The mask as specified, in the form `j + Sq <= i + Skv` so it needs no signed
+/// arithmetic and shares nothing with the reference's formulation.
+fn sees(s: &ForwardShape, i: usize, j: usize) -> bool {
+    !s.causal || j + s.seqlen_q <= i + s.seqlen_k
+}
+
+fn q_at(s: &ForwardShape, q: &[f64], b: usize, i: usize, h: usize) -> Vec<f64> {
+    let start = ((b * s.seqlen_q + i) * s.heads + h) * s.head_dim;
+    q[start..start + s.head_dim].to_vec()
+}
+
+/// Row `j` of K or V seen by query head `h`.
+fn kv_at(s: &ForwardShape, t: &[f64], b: usize, j: usize, h: usize) -> Vec<f64> {
+    let kvh = h / (s.heads / s.kv_heads);
+    let start = ((b * s.seqlen_k + j) * s.kv_heads + kvh) * s.head_dim;
+    t[start..start + s.head_dim].to_vec()
+}
+
+fn score(s: &ForwardShape, x: &Qkv, b: usize, i: usize, h: usize, j: usize) -> f64 {
+    let q = q_at(s, &x.q, b, i, h);
+    let k = kv_at(s, &x.k, b, j, h);
+    f64::from(s.softmax_scale) * q.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>()
+}
+
+fn o_row(s: &ForwardShape, o: &[f64], b: usize, i: usize, h: usize) -> Vec<f64> {
+    q_at(s, o, b, i, h)
+}
+
+fn lse_at(s: &ForwardShape, lse: &[f64], b: usize, i: usize, h: usize) -> f64 {
+    lse[(b * s.heads + h) * s.seqlen_q + i]
+}
+
+fn assert_close(got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len());
+    for (idx, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= 1e-10 + 1e-10 * w.abs(),
+            "element {idx}: got {g}, want {w}"
+        );
+    }
+}
+
+/// LSE vectors may hold -inf, which must match exactly.
+fn assert_lse_close(got: &[f64], want: &[f64]) {
+    assert_eq!(got.len(), want.len());
+    for (idx, (&g, &w)) in got.iter().zip(want).enumerate() {
+        if w == f64::NEG_INFINITY {
+            assert_eq!(g, w, "lse {idx}");
+        } else {
+            assert!(
+                (g - w).abs() <= 1e-10 + 1e-10 * w.abs(),
+                "lse {idx}: got {g}, want {w}"
+            );
+        }
+    }
+}
+
+fn assert_outputs_close(got: &RefOutput, want: &RefOutput) {
+    assert_close(&got.o, &want.o);
+    assert_lse_close(&got.lse, &want.lse);
+}
+
+#[test]
+fn reference_hand_computed() {
+    // S = [0, ln 3] so P = [1/4, 3/4]: O = 4/4 + 3*8/4 = 7, LSE = ln 4.
+    let s = ForwardShape {
+        batch: 1,
+        seqlen_q: 1,
+        seqlen_k: 2,
+        heads: 1,
+        kv_heads: 1,
+        head_dim: 1,
+        causal: false,
+        softmax_scale: 0.5,
+    };
+    let q = [2.0];
+    let k = [0.0, 3f64.ln()];
+    let v = [4.0, 8.0];
+    let out = reference::attention(&s, &q, &k, &v);
+    assert_relative_eq!(out.o[0], 7.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], 4f64.ln(), max_relative = 1e-12);
+    let p = reference::probabilities(&s, &q, &k);
+    assert_relative_eq!(p[0], 0.25, max_relative = 1e-12);
+    assert_relative_eq!(p[1], 0.75, max_relative = 1e-12);
+
+    // Causal with Sq = Skv = 2: row 0 sees key 0 only, so it is exactly V[0].
+    let s = ForwardShape {
+        seqlen_q: 2,
+        causal: true,
+        ..s
+    };
+    let out = reference::attention(&s, &[1.0, 1.0], &k, &v);
+    assert_relative_eq!(out.o[0], 4.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], 0.0, epsilon = 1e-12);
+}
+
+#[test]
+fn reference_huge_scores_are_stable() {
+    // exp(1000) overflows f64; the max-subtracted form must not.
+    let s = ForwardShape {
+        batch: 1,
+        seqlen_q: 1,
+        seqlen_k: 2,
+        heads: 1,
+        kv_heads: 1,
+        head_dim: 1,
+        causal: false,
+        softmax_scale: 1.0,
+    };
+    let out = reference::attention(&s, &[1000.0], &[1.0, 1.0], &[1.0, 3.0]);
+    assert_relative_eq!(out.o[0], 2.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], 1000.0 + 2f64.ln(), max_relative = 1e-12);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn probabilities_are_a_masked_softmax(s in forward_shape(None), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let p = reference::probabilities(&s, &x.q, &x.k);
+        prop_assert_eq!(p.len(), s.batch * s.heads * s.seqlen_q * s.seqlen_k);
+        for (r, row) in p.chunks(s.seqlen_k).enumerate() {
+            let i = r % s.seqlen_q;
+            let visible = (0..s.seqlen_k).filter(|&j| sees(&s, i, j)).count();
+            for (j, &pj) in row.iter().enumerate() {
+                prop_assert!(pj >= 0.0 && pj.is_finite(), "row {} key {}: {}", r, j, pj);
+                if !sees(&s, i, j) {
+                    prop_assert_eq!(pj, 0.0, "masked row {} key {}", r, j);
+                }
+            }
+            let sum: f64 = row.iter().sum();
+            let want = if visible > 0 { 1.0 } else { 0.0 };
+            prop_assert!((sum - want).abs() < 1e-12, "row {} sums to {}", r, sum);
+        }
+    }
+
+    #[test]
+    fn attention_is_p_times_v_and_lse_is_logsumexp(s in forward_shape(None), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let p = reference::probabilities(&s, &x.q, &x.k);
+        let out = reference::attention(&s, &x.q, &x.k, &x.v);
+        prop_assert_eq!(out.o.len(), x.q.len());
+        prop_assert_eq!(out.lse.len(), s.batch * s.heads * s.seqlen_q);
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                for i in 0..s.seqlen_q {
+                    let prow = &p[((b * s.heads + h) * s.seqlen_q + i) * s.seqlen_k..][..s.seqlen_k];
+                    let mut want = vec![0.0; s.head_dim];
+                    for (j, &pj) in prow.iter().enumerate() {
+                        for (w, vc) in want.iter_mut().zip(kv_at(&s, &x.v, b, j, h)) {
+                            *w += pj * vc;
+                        }
+                    }
+                    assert_close(&o_row(&s, &out.o, b, i, h), &want);
+
+                    let scores: Vec<f64> =
+                        (0..s.seqlen_k).filter(|&j| sees(&s, i, j)).map(|j| score(&s, &x, b, i, h, j)).collect();
+                    let lse = lse_at(&s, &out.lse, b, i, h);
+                    if scores.is_empty() {
+                        prop_assert_eq!(lse, f64::NEG_INFINITY);
+                        continue;
+                    }
+                    let m = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                    let want_lse = m + scores.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+                    prop_assert!((lse - want_lse).abs() < 1e-10 * (1.0 + want_lse.abs()), "lse {} vs {}", lse, want_lse);
+                    // P and LSE must describe the same softmax: P_ij = exp(S_ij - LSE_i).
+                    for (j, &sj) in (0..s.seqlen_k).filter(|&j| sees(&s, i, j)).zip(&scores) {
+                        let pj = (sj - lse).exp();
+                        prop_assert!((prow[j] - pj).abs() < 1e-10 * (1.0 + pj), "p {} vs exp(s - lse) {}", prow[j], pj);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn causal_rows_ignore_keys_they_cannot_see(
+        s in forward_shape(Some(true)),
+        seed in any::<u64>(),
+        cut_frac in 0.0f64..1.0,
+    ) {
+        let x = qkv(&s, seed);
+        let base = reference::attention(&s, &x.q, &x.k, &x.v);
+        // Rewrite every key and value at positions >= cut with large values.
+        let cut = (cut_frac * s.seqlen_k as f64) as usize;
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        let (mut k, mut v) = (x.k.clone(), x.v.clone());
+        let row = s.kv_heads * s.head_dim;
+        for b in 0..s.batch {
+            let tail = (b * s.seqlen_k + cut) * row..(b + 1) * s.seqlen_k * row;
+            for e in tail {
+                k[e] = rng.random_range(-50.0..50.0);
+                v[e] = rng.random_range(-50.0..50.0);
+            }
+        }
+        let changed = reference::attention(&s, &x.q, &k, &v);
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                for i in 0..s.seqlen_q {
+                    // Row i sees keys j <= i + Skv - Sq, all of them below cut.
+                    if i + s.seqlen_k < s.seqlen_q + cut {
+                        prop_assert_eq!(o_row(&s, &changed.o, b, i, h), o_row(&s, &base.o, b, i, h));
+                        prop_assert_eq!(lse_at(&s, &changed.lse, b, i, h), lse_at(&s, &base.lse, b, i, h));
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn decode_is_bottom_right_causal_attention_over_the_cache_prefix(
+        batch in 1usize..3,
+        seqlen_q in 1usize..8,
+        cache_len in 1usize..40,
+        (kv_heads, heads) in heads(),
+        head_dim in head_dim(),
+        causal in any::<bool>(),
+        seqlens in proptest::collection::vec(-3i32..45, 2),
+        seed in any::<u64>(),
+    ) {
+        let shape = DecodeShape {
+            batch, seqlen_q, cache_len, heads, kv_heads, head_dim, causal,
+            softmax_scale: scale(head_dim, None),
+        };
+        let mut rng = StdRng::seed_from_u64(seed);
+        let q = random_vec(&mut rng, batch * seqlen_q * heads * head_dim);
+        let k = random_vec(&mut rng, batch * cache_len * kv_heads * head_dim);
+        let v = random_vec(&mut rng, batch * cache_len * kv_heads * head_dim);
+        let seqlens = &seqlens[..batch];
+        let out = reference::decode(&shape, &q, &k, &v, seqlens);
+        prop_assert_eq!(out.o.len(), q.len());
+        prop_assert_eq!(out.lse.len(), batch * heads * seqlen_q);
+
+        let (q_per_b, kv_per_b) = (seqlen_q * heads * head_dim, cache_len * kv_heads * head_dim);
+        let lse_per_b = heads * seqlen_q;
+        for b in 0..batch {
+            let n = seqlens[b].clamp(0, cache_len as i32) as usize;
+            let got = RefOutput {
+                o: out.o[b * q_per_b..][..q_per_b].to_vec(),
+                lse: out.lse[b * lse_per_b..][..lse_per_b].to_vec(),
+            };
+            let qb = &q[b * q_per_b..][..q_per_b];
+            if n == 0 {
+                prop_assert!(got.o.iter().all(|&x| x == 0.0));
+                prop_assert!(got.lse.iter().all(|&x| x == f64::NEG_INFINITY));
+                continue;
+            }
+            // The cache prefix, contiguous [1, n, Hkv, D].
+            let kb = &k[b * kv_per_b..][..n * kv_heads * head_dim];
+            let vb = &v[b * kv_per_b..][..n * kv_heads * head_dim];
+            let fwd = ForwardShape {
+                batch: 1, seqlen_q, seqlen_k: n, heads, kv_heads, head_dim, causal,
+                softmax_scale: shape.softmax_scale,
+            };
+            assert_outputs_close(&got, &reference::attention(&fwd, qb, kb, vb));
+
+            // Bottom-right alignment: the decode queries are the last Sq rows of
+            // a square causal problem over the same n keys, whose other rows are
+            // arbitrary.
+            if causal && seqlen_q <= n {
+                let row = heads * head_dim;
+                let mut q_full = random_vec(&mut rng, (n - seqlen_q) * row);
+                q_full.extend_from_slice(qb);
+                let square = ForwardShape { seqlen_q: n, ..fwd };
+                let full = reference::attention(&square, &q_full, kb, vb);
+                let want_o = full.o[(n - seqlen_q) * row..].to_vec();
+                let want_lse: Vec<f64> = (0..heads)
+                    .flat_map(|h| full.lse[h * n + n - seqlen_q..(h + 1) * n].to_vec())
+                    .collect();
+                assert_outputs_close(&got, &RefOutput { o: want_o, lse: want_lse });
+            }
+        }
+    }
+
+    #[test]
+    fn gqa_equals_mha_with_repeated_kv_heads(s in forward_shape(None), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let group = s.heads / s.kv_heads;
+        let repeat = |t: &[f64]| -> Vec<f64> {
+            let mut out = Vec::with_capacity(t.len() * group);
+            for kv_row in t.chunks(s.head_dim) {
+                for _ in 0..group {
+                    out.extend_from_slice(kv_row);
+                }
+            }
+            out
+        };
+        let mha = ForwardShape { kv_heads: s.heads, ..s };
+        let want = reference::attention(&mha, &x.q, &repeat(&x.k), &repeat(&x.v));
+        assert_outputs_close(&reference::attention(&s, &x.q, &x.k, &x.v), &want);
+    }
+
+    #[test]
+    fn unmasked_attention_ignores_key_order(s in forward_shape(Some(false)), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let mut perm: Vec<usize> = (0..s.seqlen_k).collect();
+        perm.shuffle(&mut StdRng::seed_from_u64(seed.wrapping_add(1)));
+        let row = s.kv_heads * s.head_dim;
+        let permute = |t: &[f64]| -> Vec<f64> {
+            let mut out = Vec::with_capacity(t.len());
+            for b in 0..s.batch {
+                for &j in &perm {
+                    out.extend_from_slice(&t[(b * s.seqlen_k + j) * row..][..row]);
+                }
+            }
+            out
+        };
+        let want = reference::attention(&s, &x.q, &x.k, &x.v);
+        assert_outputs_close(&reference::attention(&s, &x.q, &permute(&x.k), &permute(&x.v)), &want);
+    }
+
+    #[test]
+    fn causal_rows_without_keys_are_zero_with_lse_minus_inf(
+        s in forward_shape(Some(true)).prop_filter("Sq > Skv", |s| s.seqlen_q > s.seqlen_k),
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let out = reference::attention(&s, &x.q, &x.k, &x.v);
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                for i in 0..s.seqlen_q {
+                    let lse = lse_at(&s, &out.lse, b, i, h);
+                    if i < s.seqlen_q - s.seqlen_k {
+                        prop_assert_eq!(lse, f64::NEG_INFINITY, "row {}", i);
+                        prop_assert!(o_row(&s, &out.o, b, i, h).iter().all(|&x| x == 0.0));
+                    } else {
+                        prop_assert!(lse.is_finite(), "row {} sees a key", i);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Validation
+// ---------------------------------------------------------------------------
+
+const B: usize = 2;
+const SQ: usize = 16;
+const SK: usize = 24;
+const H: usize = 4;
+const HKV: usize = 2;
+const D: usize = 64;
+const BASE: u64 = 0x7f00_0000_0000;
+
+fn info(layout: Layout, addr: u64) -> TensorInfo {
+    TensorInfo {
+        layout,
+        len: layout.span().expect("test layouts do not overflow"),
+        addr,
+    }
+}
+
+/// A valid GQA problem; each test breaks exactly one rule of it.
+struct Args {
+    q: TensorInfo,
+    k: TensorInfo,
+    v: TensorInfo,
+    o: TensorInfo,
+    lse_len: Option<usize>,
+    opts: AttnOptions,
+}
+
+impl Args {
+    fn new() -> Args {
+        Args::with_shapes([B, SQ, H, D], [B, SK, HKV, D])
+    }
+
+    fn with_shapes(q: [usize; 4], kv: [usize; 4]) -> Args {
+        Args {
+            q: info(Layout::contiguous(q), BASE),
+            k: info(Layout::contiguous(kv), BASE + 0x1000_0000),
+            v: info(Layout::contiguous(kv), BASE + 0x2000_0000),
+            o: info(Layout::contiguous(q), BASE + 0x3000_0000),
+            lse_len: Some(q[0] * q[2] * q[1]),
+            opts: AttnOptions {
+                causal: true,
+                softmax_scale: None,
+            },
+        }
+    }
+
+    fn forward(&self) -> Result<ForwardShape, FlashAttnError> {
+        check_forward(&self.q, &self.k, &self.v, &self.o, self.lse_len, &self.opts)
+    }
+
+    fn decode(&self, seqlens_len: usize) -> Result<DecodeShape, FlashAttnError> {
+        check_decode(
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.o,
+            seqlens_len,
+            self.lse_len,
+            &self.opts,
+        )
+    }
+
+    /// The four tensors by name, for rules that apply to each.
+    fn tensor(&mut self, name: &str) -> &mut TensorInfo {
+        match name {
+            "q" => &mut self.q,
+            "k" => &mut self.k,
+            "v" => &mut self.v,
+            "o" => &mut self.o,
+            _ => unreachable!(),
+        }
+    }
+}
+
+const TENSORS: [&str; 4] = ["q", "k", "v", "o"];
+const DIMS: [&str; 4] = ["batch", "seqlen", "heads", "head_dim"];
+
+#[test]
+fn valid_forward_and_decode_pass() {
+    let a = Args::new();
+    let shape = a.forward().unwrap();
+    assert_eq!(
+        shape,
+        ForwardShape {
+            batch: B,
+            seqlen_q: SQ,
+            seqlen_k: SK,
+            heads: H,
+            kv_heads: HKV,
+            head_dim: D,
+            causal: true,
+            softmax_scale: 0.125,
+        }
+    );
+    let d = a.decode(B).unwrap();
+    assert_eq!(
+        d,
+        DecodeShape {
+            batch: B,
+            seqlen_q: SQ,
+            cache_len: SK,
+            heads: H,
+            kv_heads: HKV,
+            head_dim: D,
+            causal: true,
+            softmax_scale: 0.125,
+        }
+    );
+    // LSE is optional, and a longer buffer is fine; MQA and head dim 128 too.
+    let mut a = Args::with_shapes([1, 3, 8, 128], [1, 5, 1, 128]);
+    a.lse_len = None;
+    assert_eq!(a.forward().unwrap().head_dim, 128);
+    a.lse_len = Some(1000);
+    a.opts.softmax_scale = Some(0.3);
+    assert_eq!(a.forward().unwrap().softmax_scale, 0.3);
+}
+
+#[test]
+fn packed_qkv_views_validate() {
+    // Q, K and V sliced out of one [B, S, 3H, D] buffer, as after a fused QKV
+    // projection; each view's buffer runs from its offset to the end.
+    let (b, s, h, d) = (2, 10, 4, 64);
+    let strides = [s * 3 * h * d, 3 * h * d, d, 1];
+    let total = b * s * 3 * h * d;
+    let view = |i: usize| TensorInfo {
+        layout: Layout {
+            shape: [b, s, h, d],
+            strides,
+        },
+        len: total - i * h * d,
+        addr: BASE + (i * h * d * 2) as u64,
+    };
+    // The V view ends exactly at the end of the buffer.
+    assert_eq!(view(2).layout.span(), Some(view(2).len));
+    let o = info(Layout::contiguous([b, s, h, d]), BASE + 0x1000_0000);
+    let opts = AttnOptions {
+        causal: false,
+        softmax_scale: None,
+    };
+    let shape = check_forward(&view(0), &view(1), &view(2), &o, Some(b * h * s), &opts).unwrap();
+    assert_eq!(
+        shape,
+        ForwardShape {
+            batch: b,
+            seqlen_q: s,
+            seqlen_k: s,
+            heads: h,
+            kv_heads: h,
+            head_dim: d,
+            causal: false,
+            softmax_scale: 1.0 / 8.0,
+        }
+    );
+    // One element less and V overruns its buffer.
+    let mut v = view(2);
+    v.len -= 1;
+    assert!(matches!(
+        check_forward(&view(0), &view(1), &v, &o, None, &opts),
+        Err(FlashAttnError::BufferTooSmall { tensor: "v", .. })
+    ));
+}
+
+#[test]
+fn unsupported_head_dims() {
+    for d in [8, 16, 32, 80, 96, 256] {
+        let a = Args::with_shapes([B, SQ, H, d], [B, SK, HKV, d]);
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::UnsupportedHeadDim { got, .. }) if got == d),
+            "head dim {d}"
+        );
+    }
+}
+
+#[test]
+fn heads_not_divisible_by_kv_heads() {
+    for (h, hkv) in [(6, 4), (3, 2), (1, 2)] {
+        let a = Args::with_shapes([B, SQ, h, D], [B, SK, hkv, D]);
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::HeadsNotDivisible { heads, kv_heads }) if heads == h && kv_heads == hkv),
+            "{h} / {hkv}"
+        );
+    }
+}
+
+#[test]
+fn k_batch_mismatch() {
+    let a = Args::with_shapes([B, SQ, H, D], [B + 1, SK, HKV, D]);
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::ShapeMismatch { tensor: "k", dim: "batch", expected: B, got }) if got == B + 1
+    ));
+}
+
+#[test]
+fn k_head_dim_mismatch() {
+    // Both head dims are supported; they just disagree.
+    let mut a = Args::new();
+    a.k = info(Layout::contiguous([B, SK, HKV, 128]), a.k.addr);
+    a.v = a.k;
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::ShapeMismatch {
+            tensor: "k",
+            dim: "head_dim",
+            expected: D,
+            got: 128
+        })
+    ));
+}
+
+#[test]
+fn v_must_match_k() {
+    for dim in 0..4 {
+        let mut a = Args::new();
+        let mut shape = a.k.layout.shape;
+        shape[dim] += if dim == 3 { 64 } else { 1 };
+        a.v = info(Layout::contiguous(shape), a.v.addr);
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::ShapeMismatch { tensor: "v", dim: got, .. }) if got == DIMS[dim]),
+            "dim {dim}: {:?}",
+            a.forward()
+        );
+    }
+}
+
+#[test]
+fn o_must_match_q() {
+    for dim in 0..4 {
+        let mut a = Args::new();
+        let mut shape = a.o.layout.shape;
+        shape[dim] += if dim == 3 { 64 } else { 1 };
+        a.o = info(Layout::contiguous(shape), a.o.addr);
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::ShapeMismatch { tensor: "o", dim: got, .. }) if got == DIMS[dim]),
+            "dim {dim}: {:?}",
+            a.forward()
+        );
+    }
+}
+
+#[test]
+fn zero_sized_dims() {
+    for name in TENSORS {
+        for (dim, dim_name) in DIMS.iter().enumerate() {
+            let mut a = Args::new();
+            let t = a.tensor(name);
+            t.layout.shape[dim] = 0;
+            assert!(
+                matches!(a.forward(), Err(FlashAttnError::ZeroSized { tensor, dim: d }) if tensor == name && d == *dim_name),
+                "{name}.{dim_name}: {:?}",
+                a.forward()
+            );
+        }
+    }
+}
+
+#[test]
+fn zero_kv_heads_is_an_error_not_a_division_by_zero() {
+    let a = Args::with_shapes([B, SQ, H, D], [B, SK, 0, D]);
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::ZeroSized {
+            tensor: "k",
+            dim: "heads"
+        })
+    ));
+}
+
+#[test]
+fn dims_beyond_i32_are_too_large() {
+    let mut a = Args::new();
+    let n = i32::MAX as usize + 1;
+    // Zero strides keep the span small, so only the length rule can fire.
+    a.k.layout = Layout {
+        shape: [B, n, HKV, D],
+        strides: [0, 0, D, 1],
+    };
+    a.v.layout = a.k.layout;
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::TooLarge { what: "seqlen", value, .. }) if value == n
+    ));
+}
+
+#[test]
+fn non_contiguous_last_dim() {
+    for name in TENSORS {
+        let mut a = Args::new();
+        let t = a.tensor(name);
+        t.layout.strides[3] = 2;
+        t.len *= 2;
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::NonContiguousLastDim { tensor, stride: 2 }) if tensor == name),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn misaligned_base_address() {
+    for name in TENSORS {
+        for offset in [2, 8, 14] {
+            let mut a = Args::new();
+            a.tensor(name).addr += offset;
+            assert!(
+                matches!(a.forward(), Err(FlashAttnError::Misaligned { tensor, what: "the base address", .. }) if tensor == name),
+                "{name} + {offset}"
+            );
+        }
+        // 16-byte aligned but not 256: fine.
+        let mut a = Args::new();
+        a.tensor(name).addr += 16;
+        assert!(a.forward().is_ok());
+    }
+}
+
+#[test]
+fn misaligned_strides() {
+    let whats = ["the batch stride", "the sequence stride", "the head stride"];
+    for name in TENSORS {
+        for (dim, want) in whats.iter().enumerate() {
+            let mut a = Args::new();
+            let t = a.tensor(name);
+            // 4 more elements (8 bytes) break the 16-byte alignment of every
+            // row after the first.
+            t.layout.strides[dim] += 4;
+            t.len = t.layout.span().unwrap();
+            assert!(
+                matches!(a.forward(), Err(FlashAttnError::Misaligned { tensor, what, value }) if tensor == name && what == *want && value % 8 == 4),
+                "{name} dim {dim}: {:?}",
+                a.forward()
+            );
+        }
+    }
+    // Padding by 8 elements (16 bytes) is fine.
+    let mut a = Args::new();
+    a.q.layout.strides = [SQ * (H * D + 8), H * D + 8, D, 1];
+    a.q.len = a.q.layout.span().unwrap();
+    assert!(a.forward().is_ok());
+}
+
+#[test]
+fn strides_beyond_i64_are_too_large() {
+    let mut a = Args::new();
+    let stride = 1usize << 62; // > i64::MAX / 2 bytes per element, still aligned
+    a.q.layout.strides[0] = stride;
+    a.q.len = a.q.layout.span().unwrap();
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::TooLarge { what: "the batch stride", value, .. }) if value == stride
+    ));
+}
+
+#[test]
+fn overflowing_span_is_too_large() {
+    let mut a = Args::new();
+    a.k.layout = Layout {
+        shape: [8, SK, HKV, D],
+        strides: [(1 << 62) - 8, HKV * D, D, 1],
+    };
+    a.k.len = usize::MAX;
+    a.q.layout.shape[0] = 8;
+    a.q.len = a.q.layout.span().unwrap();
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::TooLarge {
+            what: "the layout's extent",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn buffer_too_small() {
+    for name in TENSORS {
+        let mut a = Args::new();
+        let t = a.tensor(name);
+        let span = t.len;
+        t.len -= 1;
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::BufferTooSmall { tensor, needed, len }) if tensor == name && needed == span && len == span - 1),
+            "{name}"
+        );
+    }
+}
+
+#[test]
+fn invalid_softmax_scale() {
+    for scale in [0.0, -0.0, -1.0, f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let mut a = Args::new();
+        a.opts.softmax_scale = Some(scale);
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::InvalidScale(s)) if s.to_bits() == scale.to_bits()),
+            "{scale}"
+        );
+    }
+    let mut a = Args::new();
+    a.opts.softmax_scale = Some(f32::MIN_POSITIVE);
+    assert!(a.forward().is_ok());
+}
+
+#[test]
+fn lse_too_short() {
+    let mut a = Args::new();
+    let expected = B * H * SQ;
+    a.lse_len = Some(expected - 1);
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::LseLength { expected: e, got }) if e == expected && got == expected - 1
+    ));
+    a.lse_len = Some(expected);
+    assert!(a.forward().is_ok());
+    a.lse_len = Some(expected - 1);
+    assert!(matches!(a.decode(B), Err(FlashAttnError::LseLength { .. })));
+}
+
+#[test]
+fn cache_seqlens_length_must_equal_batch() {
+    let a = Args::new();
+    for n in [0, B - 1, B + 1] {
+        assert!(
+            matches!(a.decode(n), Err(FlashAttnError::SeqlensLength { expected: B, got }) if got == n),
+            "{n}"
+        );
+    }
+}
+
+#[test]
+fn decode_applies_the_forward_rules() {
+    let a = Args::with_shapes([B, 1, H, 96], [B, SK, HKV, 96]);
+    assert!(matches!(
+        a.decode(B),
+        Err(FlashAttnError::UnsupportedHeadDim { got: 96, .. })
+    ));
+    let mut a = Args::new();
+    a.k.addr += 8;
+    assert!(matches!(
+        a.decode(B),
+        Err(FlashAttnError::Misaligned { tensor: "k", .. })
+    ));
+}
+
+/// A tensor of `shape` whose only non-zero stride is the last, so huge extents
+/// need no real buffer.
+fn broadcast(shape: [usize; 4], addr: u64) -> TensorInfo {
+    info(
+        Layout {
+            shape,
+            strides: [0, 0, 0, 1],
+        },
+        addr,
+    )
+}
+
+#[test]
+fn heads_beyond_grid_limit() {
+    let mut a = Args::new();
+    for (h, ok) in [(65_535, true), (65_536, false)] {
+        a.q = broadcast([1, 1, h, D], a.q.addr);
+        a.o = info(Layout::contiguous([1, 1, h, D]), a.o.addr);
+        a.k = broadcast([1, 1, 1, D], a.k.addr);
+        a.v = broadcast([1, 1, 1, D], a.v.addr);
+        a.lse_len = None;
+        let r = a.forward();
+        if ok {
+            assert!(r.is_ok(), "{r:?}");
+        } else {
+            assert!(
+                matches!(
+                    r,
+                    Err(FlashAttnError::TooLarge {
+                        what: "heads",
+                        value: 65_536,
+                        limit: 65_535
+                    })
+                ),
+                "{r:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn batch_beyond_grid_limit() {
+    let mut a = Args::new();
+    for (b, ok) in [(65_535, true), (65_536, false)] {
+        a.q = broadcast([b, 1, 1, D], a.q.addr);
+        a.o = info(Layout::contiguous([b, 1, 1, D]), a.o.addr);
+        a.k = broadcast([b, 1, 1, D], a.k.addr);
+        a.v = broadcast([b, 1, 1, D], a.v.addr);
+        a.lse_len = None;
+        let r = a.forward();
+        if ok {
+            assert!(r.is_ok(), "{r:?}");
+        } else {
+            assert!(
+                matches!(
+                    r,
+                    Err(FlashAttnError::TooLarge {
+                        what: "batch",
+                        value: 65_536,
+                        limit: 65_535
+                    })
+                ),
+                "{r:?}"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Kernel configuration
+// ---------------------------------------------------------------------------
+
+mod config {
+    use flash_attn_kernels::config::*;
+    use std::collections::HashSet;
+
+    const KINDS: [KernelKind; 3] = [KernelKind::Forward, KernelKind::Decode, KernelKind::Combine];
+    const DTYPES: [Dtype; 2] = [Dtype::F16, Dtype::Bf16];
+
+    fn expected_name(e: &Entry) -> String {
+        let kind = match e.kind {
+            KernelKind::Forward => "fwd",
+            KernelKind::Decode => "decode",
+            KernelKind::Combine => "combine",
+        };
+        let suffix = match (e.kind, e.causal) {
+            (KernelKind::Combine, _) => "",
+            (_, true) => "_causal",
+            (_, false) => "_full",
+        };
+        format!("flash_{kind}_{}_hd{}{suffix}", e.dtype.name(), e.head_dim)
+    }
+
+    #[test]
+    fn entry_names_are_unique_and_describe_the_entry() {
+        let mut names = HashSet::new();
+        let mut keys = HashSet::new();
+        for e in ENTRIES {
+            assert_eq!(e.name, expected_name(e));
+            assert!(names.insert(e.name), "duplicate name {}", e.name);
+            assert!(
+                keys.insert((e.kind, e.dtype, e.head_dim, e.causal)),
+                "duplicate entry {e:?}"
+            );
+            assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+            assert!(!(e.kind == KernelKind::Combine && e.causal), "{e:?}");
+        }
+        assert_eq!(Dtype::F16.name(), "f16");
+        assert_eq!(Dtype::Bf16.name(), "bf16");
+    }
+
+    #[test]
+    fn every_combination_has_exactly_one_entry() {
+        let mut expected = 0;
+        for kind in KINDS {
+            for dtype in DTYPES {
+                for hd in SUPPORTED_HEAD_DIMS {
+                    let causals: &[bool] = if kind == KernelKind::Combine {
+                        &[false]
+                    } else {
+                        &[false, true]
+                    };
+                    for &causal in causals {
+                        expected += 1;
+                        let matching = ENTRIES
+                            .iter()
+                            .filter(|e| {
+                                e.kind == kind
+                                    && e.dtype == dtype
+                                    && e.head_dim == hd
+                                    && e.causal == causal
+                            })
+                            .count();
+                        assert_eq!(matching, 1, "{kind:?} {dtype:?} hd{hd} causal={causal}");
+                        let e = find_entry(kind, dtype, hd, causal).expect("entry");
+                        assert_eq!(
+                            (e.kind, e.dtype, e.head_dim, e.causal),
+                            (kind, dtype, hd, causal)
+                        );
+                    }
+                }
+            }
+            // Combine ignores the mask.
+            for dtype in DTYPES {
+                for hd in SUPPORTED_HEAD_DIMS {
+                    if kind == KernelKind::Combine {
+                        assert_eq!(
+                            find_entry(kind, dtype, hd, true),
+                            find_entry(kind, dtype, hd, false)
+                        );
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            ENTRIES.len(),
+            expected,
+            "no entries beyond the combinations"
+        );
+        assert!(find_entry(KernelKind::Forward, Dtype::F16, 96, false).is_none());
+    }
+
+    #[test]
+    fn tiles_satisfy_the_kernels_assumptions() {
+        for hd in SUPPORTED_HEAD_DIMS {
+            let t = AttnTile::for_head_dim(hd).expect("supported head dim has a tile");
+            assert_eq!(t, AttnTile::of(hd));
+            assert_eq!(t.head_dim, hd);
+            assert_eq!(hd % MMA_K, 0, "hd{hd}");
+            assert_eq!(hd % CHUNK_ELEMS, 0, "hd{hd}");
+            assert_eq!(t.block_m, t.warps * MMA_M, "hd{hd}");
+            assert_eq!(t.block_n % 16, 0, "hd{hd}");
+            assert_eq!(t.threads(), t.warps * WARP_SIZE, "hd{hd}");
+            assert!(
+                t.smem_bytes() <= 99 * 1024,
+                "hd{hd}: {} bytes exceed sm_86's 99 KB",
+                t.smem_bytes()
+            );
+            let chunks = t.row_chunks();
+            assert_eq!(chunks * CHUNK_ELEMS, hd);
+            // Each thread copies whole rows' chunks, and one pass covers whole
+            // swizzle groups.
+            assert_eq!(t.threads() % chunks, 0, "hd{hd}");
+            assert_eq!((t.threads() / chunks) % SWIZZLE_ROWS, 0, "hd{hd}");
+            assert_eq!((t.block_m * chunks) % t.threads(), 0, "hd{hd}");
+            assert_eq!((t.block_n * chunks) % t.threads(), 0, "hd{hd}");
+            // Shared-memory regions are laid out back to back, 16-byte aligned.
+            assert_eq!(t.q_smem_offset(), 0);
+            assert_eq!(t.k_smem_offset(), t.q_smem_bytes());
+            assert_eq!(t.v_smem_offset(), t.k_smem_offset() + t.kv_smem_bytes());
+            assert_eq!(t.smem_bytes(), t.q_smem_bytes() + 2 * t.kv_smem_bytes());
+            assert_eq!(t.k_smem_offset() % CHUNK_BYTES, 0);
+            assert_eq!(t.v_smem_offset() % CHUNK_BYTES, 0);
+
+            assert_eq!(
+                combine_rows_per_cta(hd) * hd / COMBINE_ELEMS_PER_THREAD,
+                COMBINE_THREADS,
+                "hd{hd}"
+            );
+            assert_eq!(hd % COMBINE_ELEMS_PER_THREAD, 0);
+        }
+        assert!(AttnTile::for_head_dim(96).is_none());
+        assert!(AttnTile::for_head_dim(0).is_none());
+    }
+
+    #[test]
+    fn entries_report_their_tiles() {
+        for e in ENTRIES {
+            match e.kind {
+                KernelKind::Combine => {
+                    assert_eq!(e.threads(), COMBINE_THREADS);
+                    assert_eq!(e.smem_bytes(), 0);
+                }
+                _ => {
+                    let t = AttnTile::of(e.head_dim);
+                    assert_eq!(e.threads(), t.threads());
+                    assert_eq!(e.smem_bytes(), t.smem_bytes());
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Layout::span
+// ---------------------------------------------------------------------------
+
+#[test]
+fn contiguous_span_is_the_product() {
+    for shape in [[1, 1, 1, 1], [2, 3, 4, 5], [3, 1000, 8, 128]] {
+        let l = Layout::contiguous(shape);
+        assert_eq!(l.span(), Some(shape.iter().product()));
+    }
+    assert_eq!(Layout::contiguous([2, 3, 4, 5]).strides, [60, 20, 5, 1]);
+}
+
+#[test]
+fn strided_span_reaches_the_last_element() {
+    // Padded rows: the last element is at 1*S*P + 2*P + 3*D + 7.
+    let l = Layout {
+        shape: [2, 3, 4, 8],
+        strides: [3 * 40, 40, 8, 1],
+    };
+    assert_eq!(l.span(), Some(120 + 2 * 40 + 3 * 8 + 7 + 1));
+    // Broadcast (zero strides) spans one row.
+    let l = Layout {
+        shape: [5, 6, 7, 8],
+        strides: [0, 0, 0, 1],
+    };
+    assert_eq!(l.span(), Some(8));
+}
+
+#[test]
+fn zero_dim_span_is_zero() {
+    for dim in 0..4 {
+        let mut shape = [2, 3, 4, 5];
+        shape[dim] = 0;
+        assert_eq!(Layout::contiguous(shape).span(), Some(0), "dim {dim}");
+        // Even with strides that would overflow.
+        let l = Layout {
+            shape,
+            strides: [usize::MAX; 4],
+        };
+        assert_eq!(l.span(), Some(0), "dim {dim}");
+    }
+}
+
+#[test]
+fn overflowing_span_is_none() {
+    // The product overflows.
+    let l = Layout {
+        shape: [3, 1, 1, 1],
+        strides: [usize::MAX / 2 + 1, 1, 1, 1],
+    };
+    assert_eq!(l.span(), None);
+    // The sum overflows.
+    let l = Layout {
+        shape: [2, 2, 1, 1],
+        strides: [usize::MAX / 2 + 1, usize::MAX / 2 + 1, 1, 1],
+    };
+    assert_eq!(l.span(), None);
+    // Only the final +1 overflows.
+    let l = Layout {
+        shape: [2, 1, 1, 1],
+        strides: [usize::MAX, 1, 1, 1],
+    };
+    assert_eq!(l.span(), None);
+    // One below that fits.
+    let l = Layout {
+        shape: [2, 1, 1, 1],
+        strides: [usize::MAX - 1, 1, 1, 1],
+    };
+    assert_eq!(l.span(), Some(usize::MAX));
+}
+
+#[test]
+fn overlapping_output_is_rejected() {
+    // Broadcast (stride 0) and strides smaller than a row make two O elements share an address.
+    for strides in [
+        [0, H * D, D, 1],
+        [SQ * H * D, 0, D, 1],
+        [SQ * H * D, H * D, 8, 1],
+    ] {
+        let mut a = Args::new();
+        a.o.layout.strides = strides;
+        assert!(
+            matches!(
+                a.forward(),
+                Err(FlashAttnError::OverlappingOutput { tensor: "o" })
+            ),
+            "{strides:?}: {:?}",
+            a.forward()
+        );
+    }
+    // A head-major output ([B, H, S, D] in memory) is one-to-one and accepted.
+    let mut a = Args::new();
+    a.o.layout.strides = [SQ * H * D, D, SQ * D, 1];
+    assert!(a.forward().is_ok(), "{:?}", a.forward());
+}
+
+#[test]
+fn unit_dims_ignore_stride_alignment() {
+    // PyTorch leaves arbitrary strides on size-1 dims, e.g. a [B, 1, H, D] decode query.
+    let mut a = Args::new();
+    a.q.layout.shape[1] = 1;
+    a.o.layout.shape[1] = 1;
+    a.q.layout.strides[1] = 3;
+    a.lse_len = None;
+    assert!(a.forward().is_ok(), "{:?}", a.forward());
+}

@@ -1,0 +1,605 @@
+//! GPU tests: every kernel against the f64 reference on fresh random inputs.
+//!
+//! Without a CUDA driver or device every trial is reported *ignored*.
+//!
+//! Tolerance. The kernels round P to the input dtype before P·V (as
+//! FlashAttention-2 does) and round O once at the end; accumulation is f32.
+//! With inputs in [-1, 1), |O| <= 1, so the output error is a few units of the
+//! dtype's rounding: 2^-11 (f16) and 2^-8 (bf16). We require
+//! max |O - O_ref| <= 4 units (`abs_tol`) and a relative L2 error of at most
+//! 2 units (`rel_l2_tol`), where O_ref is the f64 reference on the same
+//! (rounded) inputs. LSE is f32 with approximate exp2/log2: |LSE - LSE_ref| <=
+//! 2e-3. NaN or an unwritten element never passes: O and LSE are poisoned with
+//! NaN before each launch.
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use flash_attn::reference;
+use flash_attn::validate::{DecodeShape, ForwardShape};
+use flash_attn::{
+    AttnElement, AttnOptions, Dtype, FlashAttention, FlashAttnError, Layout, TensorMut, TensorRef,
+};
+use half::{bf16, f16};
+use libtest_mimic::{Arguments, Failed, Trial};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+struct Gpu {
+    stream: Arc<CudaStream>,
+    fa: FlashAttention,
+}
+
+fn open_gpu() -> Option<Gpu> {
+    // SAFETY: only probes whether the driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return None;
+    }
+    if CudaContext::device_count().ok()? < 1 {
+        return None;
+    }
+    let ctx = CudaContext::new(0).ok()?;
+    let fa = FlashAttention::new(&ctx).expect("a GPU is present, so the module must load");
+    Some(Gpu {
+        stream: ctx.default_stream(),
+        fa,
+    })
+}
+
+/// Largest acceptable |O - O_ref| for outputs of magnitude <= 1.
+fn abs_tol(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F16 => 4.0 / 2048.0,
+        Dtype::Bf16 => 4.0 / 256.0,
+    }
+}
+/// Largest acceptable ‖O - O_ref‖₂ / ‖O_ref‖₂.
+fn rel_l2_tol(dtype: Dtype) -> f64 {
+    abs_tol(dtype) / 2.0
+}
+const LSE_TOL: f64 = 2e-3;
+
+fn random_values<T: AttnElement>(rng: &mut StdRng, n: usize) -> Vec<T> {
+    (0..n)
+        .map(|_| T::from_f64(rng.random_range(-1.0..1.0)))
+        .collect()
+}
+
+fn to_f64<T: AttnElement>(x: &[T]) -> Vec<f64> {
+    x.iter().map(|v| v.to_f64()).collect()
+}
+
+/// A NaN of the element type, to poison outputs.
+fn nan<T: AttnElement>() -> T {
+    T::from_f64(f64::NAN)
+}
+
+/// Compares `got` (laid out by `layout`) with the contiguous reference.
+fn check_output<T: AttnElement>(
+    got: &[T],
+    layout: &Layout,
+    want: &[f64],
+    what: &str,
+) -> Result<(), String> {
+    let [b, s, h, d] = layout.shape;
+    let mut max_err = 0.0f64;
+    let (mut err2, mut ref2) = (0.0f64, 0.0f64);
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                for di in 0..d {
+                    let g = got[bi * layout.strides[0]
+                        + si * layout.strides[1]
+                        + hi * layout.strides[2]
+                        + di]
+                        .to_f64();
+                    let w = want[((bi * s + si) * h + hi) * d + di];
+                    if !g.is_finite() {
+                        return Err(format!(
+                            "{what}: O[{bi},{si},{hi},{di}] = {g} (unwritten or NaN), want {w}"
+                        ));
+                    }
+                    max_err = max_err.max((g - w).abs());
+                    err2 += (g - w) * (g - w);
+                    ref2 += w * w;
+                }
+            }
+        }
+    }
+    let rel = (err2 / ref2.max(1e-30)).sqrt();
+    let (atol, rtol) = (abs_tol(T::DTYPE), rel_l2_tol(T::DTYPE));
+    if max_err > atol || (ref2 > 1e-12 && rel > rtol) {
+        return Err(format!(
+            "{what}: max |err| {max_err:.3e} (tol {atol:.1e}), rel L2 {rel:.3e} (tol {rtol:.1e})"
+        ));
+    }
+    Ok(())
+}
+
+fn check_lse(got: &[f32], want: &[f64], what: &str) -> Result<(), String> {
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let ok = if w == f64::NEG_INFINITY {
+            g == f32::NEG_INFINITY
+        } else {
+            (g as f64 - w).abs() <= LSE_TOL
+        };
+        if !ok {
+            return Err(format!("{what}: lse[{i}] = {g}, want {w}"));
+        }
+    }
+    Ok(())
+}
+
+/// One forward case. `packed_qkv` lays Q, K, V out as slices of one
+/// [B, S, 3H, D] buffer (non-contiguous strides), which needs Sq == Skv, H == Hkv.
+#[derive(Clone, Debug)]
+struct FwdCase {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    causal: bool,
+    with_lse: bool,
+    packed_qkv: bool,
+    seed: u64,
+}
+
+fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, sq, sk, h, hk, d) = (
+        c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.kv_heads, c.head_dim,
+    );
+    let q_layout = Layout::contiguous([b, sq, h, d]);
+    let kv_layout = Layout::contiguous([b, sk, hk, d]);
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let k_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let v_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+
+    // Either three contiguous tensors or three strided views into one QKV buffer.
+    let (bufs, layouts, offsets): (Vec<CudaSlice<T>>, [Layout; 3], [usize; 3]) = if c.packed_qkv {
+        assert!(sq == sk && h == hk);
+        let mut packed = vec![T::from_f64(0.0); b * sq * 3 * h * d];
+        for (which, src) in [&q_host, &k_host, &v_host].into_iter().enumerate() {
+            for bi in 0..b {
+                for si in 0..sq {
+                    for hi in 0..h {
+                        let from = ((bi * sq + si) * h + hi) * d;
+                        let to = ((bi * sq + si) * 3 * h + which * h + hi) * d;
+                        packed[to..to + d].copy_from_slice(&src[from..from + d]);
+                    }
+                }
+            }
+        }
+        let l = Layout {
+            shape: [b, sq, h, d],
+            strides: [sq * 3 * h * d, 3 * h * d, d, 1],
+        };
+        (
+            vec![s.clone_htod(&packed).map_err(e)?],
+            [l, l, l],
+            [0, h * d, 2 * h * d],
+        )
+    } else {
+        let q = s.clone_htod(&q_host).map_err(e)?;
+        let k = s.clone_htod(&k_host).map_err(e)?;
+        let v = s.clone_htod(&v_host).map_err(e)?;
+        (vec![q, k, v], [q_layout, kv_layout, kv_layout], [0, 0, 0])
+    };
+    let buf = |i: usize| if c.packed_qkv { &bufs[0] } else { &bufs[i] };
+    let view = |i: usize| TensorRef::new(buf(i).slice(offsets[i]..), layouts[i]);
+
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let opts = AttnOptions {
+        causal: c.causal,
+        softmax_scale: None,
+    };
+    {
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .forward(
+                s,
+                &view(0),
+                &view(1),
+                &view(2),
+                &mut TensorMut::new(o.as_view_mut(), q_layout),
+                if c.with_lse {
+                    Some(&mut lse_view)
+                } else {
+                    None
+                },
+                &opts,
+            )
+            .map_err(|x| x.to_string())?;
+    }
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    let lse_host = s.clone_dtoh(&lse).map_err(e)?;
+
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: c.causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+    };
+    let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
+    check_output(&o_host, &q_layout, &want.o, &format!("{c:?}"))?;
+    if c.with_lse {
+        check_lse(&lse_host, &want.lse, &format!("{c:?}"))?;
+    } else if lse_host.iter().any(|x| !x.is_nan()) {
+        return Err(format!("{c:?}: lse was written although not requested"));
+    }
+    Ok(())
+}
+
+#[derive(Clone, Debug)]
+struct DecodeCase {
+    batch: usize,
+    seqlen_q: usize,
+    cache_len: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    causal: bool,
+    /// Per-sequence key counts; entries may be 1 or cache_len.
+    seqlens: Vec<i32>,
+    seed: u64,
+}
+
+fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, sq, l, h, hk, d) = (
+        c.batch,
+        c.seqlen_q,
+        c.cache_len,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+    );
+    let q_layout = Layout::contiguous([b, sq, h, d]);
+    let cache_layout = Layout::contiguous([b, l, hk, d]);
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let k_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let v_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let q = s.clone_htod(&q_host).map_err(e)?;
+    let k = s.clone_htod(&k_host).map_err(e)?;
+    let v = s.clone_htod(&v_host).map_err(e)?;
+    let seqlens = s.clone_htod(&c.seqlens).map_err(e)?;
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let opts = AttnOptions {
+        causal: c.causal,
+        softmax_scale: None,
+    };
+    {
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .decode(
+                s,
+                &TensorRef::new(q.as_view(), q_layout),
+                &TensorRef::new(k.as_view(), cache_layout),
+                &TensorRef::new(v.as_view(), cache_layout),
+                &seqlens.as_view(),
+                &mut TensorMut::new(o.as_view_mut(), q_layout),
+                Some(&mut lse_view),
+                &opts,
+                None,
+            )
+            .map_err(|x| x.to_string())?;
+    }
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    let lse_host = s.clone_dtoh(&lse).map_err(e)?;
+    let shape = DecodeShape {
+        batch: b,
+        seqlen_q: sq,
+        cache_len: l,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: c.causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+    };
+    let want = reference::decode(
+        &shape,
+        &to_f64(&q_host),
+        &to_f64(&k_host),
+        &to_f64(&v_host),
+        &c.seqlens,
+    );
+    let splits = gpu.fa.decode_splits::<T>(&shape);
+    check_output(
+        &o_host,
+        &q_layout,
+        &want.o,
+        &format!("{c:?} splits={splits}"),
+    )?;
+    check_lse(&lse_host, &want.lse, &format!("{c:?} splits={splits}"))
+}
+
+fn head_dims() -> impl Strategy<Value = usize> {
+    prop::sample::select(flash_attn::SUPPORTED_HEAD_DIMS.to_vec())
+}
+
+/// (heads, kv_heads) with heads / kv_heads in {1, 2, 4, 8}.
+fn head_counts() -> impl Strategy<Value = (usize, usize)> {
+    (1usize..=3, prop::sample::select(vec![1usize, 2, 4, 8])).prop_map(|(hk, g)| (hk * g, hk))
+}
+
+/// Sequence lengths: mostly short and ragged, sometimes past a few tiles.
+fn seqlen() -> impl Strategy<Value = usize> {
+    prop_oneof![3 => 1usize..=80, 2 => 81usize..=300, 1 => 900usize..=1100]
+}
+
+fn fwd_strategy() -> impl Strategy<Value = FwdCase> {
+    (
+        1usize..=2,
+        seqlen(),
+        seqlen(),
+        head_counts(),
+        head_dims(),
+        any::<bool>(),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(batch, seqlen_q, seqlen_k, (heads, kv_heads), head_dim, causal, with_lse, seed)| {
+                FwdCase {
+                    batch,
+                    seqlen_q,
+                    seqlen_k,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    with_lse,
+                    packed_qkv: false,
+                    seed,
+                }
+            },
+        )
+}
+
+fn decode_strategy() -> impl Strategy<Value = DecodeCase> {
+    (
+        1usize..=4,
+        1usize..=4,
+        prop_oneof![1usize..=200, 201usize..=3000],
+        head_counts(),
+        head_dims(),
+        any::<bool>(),
+        any::<u64>(),
+    )
+        .prop_flat_map(
+            |(batch, seqlen_q, cache_len, (heads, kv_heads), head_dim, causal, seed)| {
+                let len = prop_oneof![Just(1i32), Just(cache_len as i32), 1i32..=cache_len as i32];
+                prop::collection::vec(len, batch).prop_map(move |seqlens| DecodeCase {
+                    batch,
+                    seqlen_q,
+                    cache_len,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    seqlens,
+                    seed,
+                })
+            },
+        )
+}
+
+/// Random cases per proptest trial; `FLASH_ATTN_GPU_CASES` lowers it for
+/// slow runs such as compute-sanitizer's.
+fn case_count() -> u32 {
+    std::env::var("FLASH_ATTN_GPU_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(48)
+}
+
+fn proptest_trial<S, F>(
+    gpu: &Arc<Option<Gpu>>,
+    cases: u32,
+    strategy: S,
+    run: F,
+) -> Result<(), Failed>
+where
+    S: Strategy,
+    S::Value: std::fmt::Debug,
+    F: Fn(&Gpu, &S::Value) -> Result<(), String>,
+{
+    let gpu = gpu.as_ref().as_ref().expect("trial runs only with a GPU");
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&strategy, |c| run(gpu, &c).map_err(TestCaseError::fail))
+        .map_err(|e| Failed::from(e.to_string()))
+}
+
+fn fixed_forward_cases() -> Vec<FwdCase> {
+    let base = FwdCase {
+        batch: 1,
+        seqlen_q: 1,
+        seqlen_k: 1,
+        heads: 2,
+        kv_heads: 2,
+        head_dim: 64,
+        causal: false,
+        with_lse: true,
+        packed_qkv: false,
+        seed: 7,
+    };
+    let mut v = Vec::new();
+    for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
+        for causal in [false, true] {
+            for (sq, sk) in [
+                (1, 1),
+                (17, 17),
+                (1000, 1000),
+                (1, 1000),
+                (1000, 17),
+                (17, 1000),
+                (64, 128),
+                (129, 65),
+            ] {
+                v.push(FwdCase {
+                    seqlen_q: sq,
+                    seqlen_k: sk,
+                    head_dim,
+                    causal,
+                    ..base.clone()
+                });
+            }
+            v.push(FwdCase {
+                batch: 2,
+                seqlen_q: 333,
+                seqlen_k: 333,
+                head_dim,
+                causal,
+                packed_qkv: true,
+                ..base.clone()
+            });
+            v.push(FwdCase {
+                heads: 8,
+                kv_heads: 1,
+                seqlen_q: 200,
+                seqlen_k: 300,
+                head_dim,
+                causal,
+                ..base.clone()
+            });
+        }
+    }
+    v
+}
+
+fn main() {
+    let args = Arguments::from_args();
+    let gpu = Arc::new(open_gpu());
+    let have_gpu = gpu.is_some();
+    let mut trials = Vec::new();
+
+    macro_rules! dtype_trials {
+        ($t:ty, $name:literal) => {{
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!("forward_random_", $name), move || {
+                proptest_trial(&g, case_count(), fwd_strategy(), run_forward::<$t>)
+            }));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("forward_fixed_shapes_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    for c in fixed_forward_cases() {
+                        run_forward::<$t>(gpu, &c)?;
+                    }
+                    Ok(())
+                },
+            ));
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!("decode_random_", $name), move || {
+                proptest_trial(&g, case_count(), decode_strategy(), run_decode::<$t>)
+            }));
+        }};
+    }
+    dtype_trials!(f16, "f16");
+    dtype_trials!(bf16, "bf16");
+
+    let g = gpu.clone();
+    trials.push(Trial::test("decode_long_cache_uses_splits", move || {
+        let gpu = g.as_ref().as_ref().unwrap();
+        for (batch, cache_len, heads, kv_heads) in
+            [(1, 16384, 32, 8), (2, 5000, 9, 9), (3, 4096, 8, 1)]
+        {
+            let c = DecodeCase {
+                batch,
+                seqlen_q: 1,
+                cache_len,
+                heads,
+                kv_heads,
+                head_dim: 128,
+                causal: true,
+                seqlens: (0..batch).map(|i| (cache_len - 97 * i) as i32).collect(),
+                seed: 11,
+            };
+            let shape = DecodeShape {
+                batch,
+                seqlen_q: 1,
+                cache_len,
+                heads,
+                kv_heads,
+                head_dim: 128,
+                causal: true,
+                softmax_scale: 0.1,
+            };
+            if gpu.fa.decode_splits::<f16>(&shape) < 2 {
+                return Err(format!("{c:?}: expected a split-KV launch").into());
+            }
+            run_decode::<f16>(gpu, &c)?;
+        }
+        Ok(())
+    }));
+
+    let g = gpu.clone();
+    trials.push(Trial::test(
+        "invalid_input_leaves_output_untouched",
+        move || {
+            let gpu = g.as_ref().as_ref().unwrap();
+            let s = &gpu.stream;
+            let poison = vec![f16::from_f32(-7.25); 2 * 16 * 3 * 64];
+            let q = s
+                .clone_htod(&vec![f16::from_f32(0.5); 2 * 16 * 3 * 64])
+                .unwrap();
+            let kv = s
+                .clone_htod(&vec![f16::from_f32(0.5); 2 * 16 * 2 * 64])
+                .unwrap();
+            let mut o = s.clone_htod(&poison).unwrap();
+            let ql = Layout::contiguous([2, 16, 3, 64]);
+            let kvl = Layout::contiguous([2, 16, 2, 64]);
+            let err = gpu.fa.forward(
+                s,
+                &TensorRef::new(q.as_view(), ql),
+                &TensorRef::new(kv.as_view(), kvl),
+                &TensorRef::new(kv.as_view(), kvl),
+                &mut TensorMut::new(o.as_view_mut(), ql),
+                None,
+                &AttnOptions::default(),
+            );
+            if !matches!(
+                err,
+                Err(FlashAttnError::HeadsNotDivisible {
+                    heads: 3,
+                    kv_heads: 2
+                })
+            ) {
+                return Err(format!("expected HeadsNotDivisible, got {err:?}").into());
+            }
+            s.synchronize().unwrap();
+            if s.clone_dtoh(&o).unwrap() != poison {
+                return Err("O changed after a rejected call".into());
+            }
+            Ok(())
+        },
+    ));
+
+    let trials: Vec<Trial> = trials
+        .into_iter()
+        .map(|t| t.with_ignored_flag(!have_gpu))
+        .collect();
+    if !have_gpu {
+        eprintln!("no CUDA device found: every GPU test is ignored");
+    }
+    libtest_mimic::run(&args, trials).exit();
+}
