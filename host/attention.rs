@@ -170,7 +170,7 @@ impl FlashAttention {
             None => (0, None),
         };
         let kernel = self.kernel::<T>(KernelKind::Forward, shape.head_dim, shape.causal);
-        let tile = AttnTile::of(shape.head_dim);
+        let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
         let params = AttnParams {
             q: q_ptr,
             k: k_ptr,
@@ -201,7 +201,7 @@ impl FlashAttention {
 
     /// Split count the decode kernel uses for `shape` with element type `T`.
     pub fn decode_splits<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
-        let tile = AttnTile::of(shape.head_dim);
+        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
         let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
         let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
         let key_blocks = shape.cache_len.div_ceil(tile.block_n);
@@ -296,7 +296,7 @@ impl FlashAttention {
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
-        let tile = AttnTile::of(shape.head_dim);
+        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
         let pack = shape.heads / shape.kv_heads;
         let o_strides = strides(&o.layout);
         let params = AttnParams {

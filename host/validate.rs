@@ -181,7 +181,7 @@ fn check_heads_and_scale(
     kv_heads: usize,
     opts: &AttnOptions,
 ) -> Result<f32, FlashAttnError> {
-    if AttnTile::for_head_dim(head_dim).is_none() {
+    if !AttnTile::supports(head_dim) {
         return Err(FlashAttnError::UnsupportedHeadDim {
             got: head_dim,
             supported: &SUPPORTED_HEAD_DIMS,

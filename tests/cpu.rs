@@ -1020,13 +1020,18 @@ mod config {
 
     #[test]
     fn tiles_satisfy_the_kernels_assumptions() {
-        for hd in SUPPORTED_HEAD_DIMS {
-            let t = AttnTile::for_head_dim(hd).expect("supported head dim has a tile");
-            assert_eq!(t, AttnTile::of(hd));
+        for (hd, kind) in SUPPORTED_HEAD_DIMS
+            .into_iter()
+            .flat_map(|hd| [(hd, KernelKind::Forward), (hd, KernelKind::Decode)])
+        {
+            let t = AttnTile::for_kernel(kind, hd).expect("supported head dim has a tile");
+            assert!(AttnTile::supports(hd));
+            assert_eq!(t, AttnTile::of(kind, hd));
             assert_eq!(t.head_dim, hd);
             assert_eq!(hd % MMA_K, 0, "hd{hd}");
             assert_eq!(hd % CHUNK_ELEMS, 0, "hd{hd}");
-            assert_eq!(t.block_m, t.warps * MMA_M, "hd{hd}");
+            assert_eq!(t.block_m, t.warps * t.m_tiles * MMA_M, "hd{hd}");
+            assert_eq!(t.warp_rows(), t.m_tiles * MMA_M, "hd{hd}");
             assert_eq!(t.block_n % 16, 0, "hd{hd}");
             assert_eq!(t.threads(), t.warps * WARP_SIZE, "hd{hd}");
             assert!(
@@ -1057,8 +1062,9 @@ mod config {
             );
             assert_eq!(hd % COMBINE_ELEMS_PER_THREAD, 0);
         }
-        assert!(AttnTile::for_head_dim(96).is_none());
-        assert!(AttnTile::for_head_dim(0).is_none());
+        assert!(!AttnTile::supports(96));
+        assert!(!AttnTile::supports(0));
+        assert!(AttnTile::for_kernel(KernelKind::Decode, 96).is_none());
     }
 
     #[test]
@@ -1070,7 +1076,7 @@ mod config {
                     assert_eq!(e.smem_bytes(), 0);
                 }
                 _ => {
-                    let t = AttnTile::of(e.head_dim);
+                    let t = AttnTile::of(e.kind, e.head_dim);
                     assert_eq!(e.threads(), t.threads());
                     assert_eq!(e.smem_bytes(), t.smem_bytes());
                 }

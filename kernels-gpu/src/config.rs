@@ -30,15 +30,21 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Minimum compute capability: `cp.async`, `ldmatrix` and bf16 `mma.sync` are sm_80.
 pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
 
-/// Tile of one attention thread block (CTA). Each warp owns [`MMA_M`] query rows,
-/// so `block_m == warps * MMA_M`; K and V are streamed through shared memory in
-/// tiles of `block_n` keys.
+/// Tile of one attention thread block (CTA). Each warp owns `m_tiles` x
+/// [`MMA_M`] consecutive query rows, so `block_m == warps * m_tiles * MMA_M`;
+/// K and V are streamed through shared memory in tiles of `block_n` keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnTile {
     pub head_dim: usize,
     pub block_m: usize,
     pub block_n: usize,
     pub warps: usize,
+    /// 16-row MMA tiles per warp. Two halve the `ldmatrix` traffic per MMA (each
+    /// K/V fragment feeds both) at the cost of twice the accumulators.
+    pub m_tiles: usize,
+    /// Keep Q's A fragments in registers for the whole CTA (else re-read them
+    /// from shared memory at every key block, to leave registers to O).
+    pub q_in_regs: bool,
     /// CTAs that must fit on one SM (`.minnctapersm`): caps registers at
     /// 64K / (threads * this). Without it ptxas picks its own occupancy target
     /// and may spill to reach it.
@@ -46,27 +52,50 @@ pub struct AttnTile {
 }
 
 impl AttnTile {
-    /// The tile used for a head dimension, `None` when it is not compiled.
-    pub const fn for_head_dim(head_dim: usize) -> Option<AttnTile> {
-        match head_dim {
-            64 | 128 => Some(AttnTile {
-                head_dim,
-                block_m: 4 * MMA_M,
-                block_n: 64,
-                warps: 4,
-                min_ctas_per_sm: 2,
-            }),
-            _ => None,
-        }
+    /// The tile of a kernel family for a head dimension, `None` when that head
+    /// dimension is not compiled.
+    pub const fn for_kernel(kind: KernelKind, head_dim: usize) -> Option<AttnTile> {
+        let (m_tiles, q_in_regs, block_n) = match (kind, head_dim) {
+            // Decode has few query rows (new tokens x heads per KV head): one
+            // m-tile per warp wastes the least MMA work.
+            (KernelKind::Decode | KernelKind::Combine, 64 | 128) => (1, true, 64),
+            (KernelKind::Forward, 64) => (2, false, 64),
+            // 2 x 16 rows of D=128 accumulators (128 registers) leave no room
+            // for Q's 64 fragment registers.
+            (KernelKind::Forward, 128) => (2, false, 32),
+            _ => return None,
+        };
+        let warps = 4;
+        Some(AttnTile {
+            head_dim,
+            block_m: warps * m_tiles * MMA_M,
+            block_n,
+            warps,
+            m_tiles,
+            q_in_regs,
+            // 64K registers / (2 x 128 threads) = 256: the full per-thread
+            // budget, which two 32-row m-tiles of D=128 need.
+            min_ctas_per_sm: 2,
+        })
     }
 
-    /// [`Self::for_head_dim`] for compile-time use, where an unsupported head dim
-    /// is a build error.
-    pub const fn of(head_dim: usize) -> AttnTile {
-        match Self::for_head_dim(head_dim) {
+    /// Whether any kernel is compiled for this head dimension.
+    pub const fn supports(head_dim: usize) -> bool {
+        Self::for_kernel(KernelKind::Forward, head_dim).is_some()
+    }
+
+    /// [`Self::for_kernel`] for compile-time use, where an unsupported head
+    /// dim is a build error.
+    pub const fn of(kind: KernelKind, head_dim: usize) -> AttnTile {
+        match Self::for_kernel(kind, head_dim) {
             Some(t) => t,
             None => panic!("unsupported head dim"),
         }
+    }
+
+    /// Rows of the CTA owned by one warp.
+    pub const fn warp_rows(self) -> usize {
+        self.m_tiles * MMA_M
     }
 
     pub const fn threads(self) -> usize {
@@ -155,21 +184,21 @@ impl Entry {
     pub const fn threads(&self) -> usize {
         match self.kind {
             KernelKind::Combine => COMBINE_THREADS,
-            _ => AttnTile::of(self.head_dim).threads(),
+            kind => AttnTile::of(kind, self.head_dim).threads(),
         }
     }
     /// Dynamic shared memory per CTA.
     pub const fn smem_bytes(&self) -> usize {
         match self.kind {
             KernelKind::Combine => 0,
-            _ => AttnTile::of(self.head_dim).smem_bytes(),
+            kind => AttnTile::of(kind, self.head_dim).smem_bytes(),
         }
     }
     /// Occupancy the PTX build requests with `.minnctapersm`, if any.
     pub const fn min_ctas_per_sm(&self) -> Option<usize> {
         match self.kind {
             KernelKind::Combine => None,
-            _ => Some(AttnTile::of(self.head_dim).min_ctas_per_sm),
+            kind => Some(AttnTile::of(kind, self.head_dim).min_ctas_per_sm),
         }
     }
 }

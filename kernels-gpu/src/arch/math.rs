@@ -50,3 +50,13 @@ pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     }
     r
 }
+
+/// `rcp.approx.ftz.f32`: 1/x within 1 ulp (MUFU), no slow-path call.
+#[inline(always)]
+pub fn rcp(x: f32) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("rcp.approx.ftz.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack));
+    }
+    r
+}

@@ -7,20 +7,37 @@ use core::arch::nvptx;
 pub fn thread_idx_x() -> u32 {
     unsafe { nvptx::_thread_idx_x() as u32 }
 }
-/// `%ctaid.x`
+// The CTA coordinates are read with non-pure `mov`s: LLVM then re-reads them
+// where they are needed (a cheap S2R) instead of keeping them live in
+// registers across the whole key loop for the epilogue.
+
+/// `mov.u32 %r, %ctaid.x;`
 #[inline(always)]
 pub fn block_idx_x() -> u32 {
-    unsafe { nvptx::_block_idx_x() as u32 }
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %ctaid.x;", r = out(reg32) r, options(nomem, nostack)) };
+    r
 }
-/// `%ctaid.y`
+/// `mov.u32 %r, %nctaid.x;`
+#[inline(always)]
+pub fn grid_dim_x() -> u32 {
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %nctaid.x;", r = out(reg32) r, options(nomem, nostack)) };
+    r
+}
+/// `mov.u32 %r, %ctaid.y;`
 #[inline(always)]
 pub fn block_idx_y() -> u32 {
-    unsafe { nvptx::_block_idx_y() as u32 }
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %ctaid.y;", r = out(reg32) r, options(nomem, nostack)) };
+    r
 }
-/// `%ctaid.z`
+/// `mov.u32 %r, %ctaid.z;`
 #[inline(always)]
 pub fn block_idx_z() -> u32 {
-    unsafe { nvptx::_block_idx_z() as u32 }
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %ctaid.z;", r = out(reg32) r, options(nomem, nostack)) };
+    r
 }
 
 /// `trap;` aborts the kernel; the launch then reports an error.
@@ -29,4 +46,18 @@ pub fn trap() -> ! {
     unsafe {
         asm!("trap;", options(noreturn, nostack));
     }
+}
+
+/// `mov.b32 d, x;` as an optimisation barrier. The asm is not `pure`, so LLVM
+/// can neither hoist it out of a loop nor see through it: address arithmetic
+/// built on the result stays next to its use, where ptxas folds constant
+/// offsets into the instruction's immediate, instead of living in one register
+/// per address for the whole loop.
+#[inline(always)]
+pub fn opaque_u32(x: u32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("mov.b32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(nomem, nostack));
+    }
+    r
 }

@@ -12,6 +12,9 @@ pub struct BlockInfo {
     /// First packed row: row `r` is token `(m0 + r) / pack`.
     pub m0: u32,
     pub pack: u32,
+    /// `pack` may exceed 1 (decode). The forward kernel knows it is 1 at
+    /// compile time and skips the divisions.
+    pub packed: bool,
     pub seqlen_q: u32,
     /// Keys of this sequence (the cache length in decode).
     pub seqlen_k: u32,
@@ -35,11 +38,19 @@ fn row_ptr(base: u64, s: &BshStrides, batch: u32, row: u32, head: u32) -> u64 {
 }
 
 impl BlockInfo {
+    /// `heaviest_first` visits query blocks in reverse: with a causal mask the
+    /// last blocks see the most keys, and starting them first shortens the tail
+    /// of the last wave.
     #[inline(always)]
-    pub fn new<const CAUSAL: bool>(p: &AttnParams, tile: AttnTile) -> BlockInfo {
+    pub fn new<const CAUSAL: bool>(
+        p: &AttnParams,
+        tile: AttnTile,
+        packed: bool,
+        heaviest_first: bool,
+    ) -> BlockInfo {
         let bm = tile.block_m as u32;
         let bn = tile.block_n as u32;
-        let pack = p.pack.max(1);
+        let pack = if packed { p.pack.max(1) } else { 1 };
         let splits = p.num_splits.max(1);
         let z = special::block_idx_z();
         let batch = z / splits;
@@ -47,7 +58,12 @@ impl BlockInfo {
         let head_base = special::block_idx_y() * pack;
         let group = (p.heads / p.kv_heads.max(1)).max(1);
         let kv_head = head_base / group;
-        let m0 = special::block_idx_x() * bm;
+        let m_block = if heaviest_first {
+            special::grid_dim_x() - 1 - special::block_idx_x()
+        } else {
+            special::block_idx_x()
+        };
+        let m0 = m_block * bm;
         // Device-side lengths are clamped to the cache capacity so a bad entry
         // cannot make the kernel read outside the cache.
         let seqlen_k = if p.cache_seqlens != 0 {
@@ -73,6 +89,7 @@ impl BlockInfo {
             kv_head,
             m0,
             pack,
+            packed,
             seqlen_q: p.seqlen_q,
             seqlen_k,
             n_lo,
@@ -81,10 +98,20 @@ impl BlockInfo {
         }
     }
 
+    /// Query token of CTA row `r`, which may lie past the sequence's end.
+    #[inline(always)]
+    fn token_unchecked(&self, r: u32) -> u32 {
+        if self.packed {
+            (self.m0 + r) / self.pack
+        } else {
+            self.m0 + r
+        }
+    }
+
     /// Query token of CTA row `r`; `None` past the end of the sequence.
     #[inline(always)]
     pub fn token(&self, r: u32) -> Option<u32> {
-        let t = (self.m0 + r) / self.pack;
+        let t = self.token_unchecked(r);
         if t < self.seqlen_q {
             Some(t)
         } else {
@@ -94,7 +121,11 @@ impl BlockInfo {
 
     #[inline(always)]
     pub fn head(&self, r: u32) -> u32 {
-        self.head_base + (self.m0 + r) % self.pack
+        if self.packed {
+            self.head_base + (self.m0 + r) % self.pack
+        } else {
+            self.head_base
+        }
     }
 
     /// Start of CTA row `r` in a [B, Sq, H, D] tensor (Q or O).
@@ -116,8 +147,7 @@ impl BlockInfo {
     pub fn key_limit<const CAUSAL: bool>(&self, r: u32) -> i32 {
         let last_key = self.seqlen_k as i32 - 1;
         if CAUSAL {
-            let t = (self.m0 + r) / self.pack;
-            (t as i32 + self.causal_offset).min(last_key)
+            (self.token_unchecked(r) as i32 + self.causal_offset).min(last_key)
         } else {
             last_key
         }
@@ -129,7 +159,7 @@ impl BlockInfo {
     pub fn block_needs_mask<const CAUSAL: bool>(&self, n: u32, block_n: u32) -> bool {
         let end = (n + 1) * block_n;
         let past_end = end > self.seqlen_k;
-        let first_row_limit = (self.m0 / self.pack) as i32 + self.causal_offset;
+        let first_row_limit = self.token_unchecked(0) as i32 + self.causal_offset;
         past_end || (CAUSAL && end as i32 - 1 > first_row_limit)
     }
 

@@ -39,7 +39,7 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
         }
     }
     let (inv, lse) = if sum > 0.0 {
-        (1.0 / sum, lse_max + math::lg2(sum) * LN_2)
+        (math::rcp(sum), lse_max + math::lg2(sum) * LN_2)
     } else {
         (0.0, f32::NEG_INFINITY)
     };

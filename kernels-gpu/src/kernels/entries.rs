@@ -3,35 +3,44 @@
 use super::combine::combine;
 use super::element::{Bf16, F16};
 use super::mainloop::attention;
-use crate::config::AttnTile;
+use crate::config::{AttnTile, KernelKind};
 use crate::params::{AttnParams, CombineParams};
 
 macro_rules! attention_entries {
-    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal, decode = $decode:literal;)*) => {$(
+    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal, $kind:ident;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(p: AttnParams) {
-            attention::<$elem, $d, { $d / 16 }, { $d / 8 }, { AttnTile::of($d).block_n / 8 }, $causal, $decode>(&p)
+            attention::<
+                $elem,
+                $d,
+                { AttnTile::of(KernelKind::$kind, $d).m_tiles },
+                { $d / 16 },
+                { $d / 8 },
+                { AttnTile::of(KernelKind::$kind, $d).block_n / 8 },
+                $causal,
+                { matches!(KernelKind::$kind, KernelKind::Decode) },
+            >(&p)
         }
     )*};
 }
 
 attention_entries! {
-    flash_fwd_f16_hd64_full: F16, 64, causal = false, decode = false;
-    flash_fwd_f16_hd64_causal: F16, 64, causal = true, decode = false;
-    flash_fwd_f16_hd128_full: F16, 128, causal = false, decode = false;
-    flash_fwd_f16_hd128_causal: F16, 128, causal = true, decode = false;
-    flash_fwd_bf16_hd64_full: Bf16, 64, causal = false, decode = false;
-    flash_fwd_bf16_hd64_causal: Bf16, 64, causal = true, decode = false;
-    flash_fwd_bf16_hd128_full: Bf16, 128, causal = false, decode = false;
-    flash_fwd_bf16_hd128_causal: Bf16, 128, causal = true, decode = false;
-    flash_decode_f16_hd64_full: F16, 64, causal = false, decode = true;
-    flash_decode_f16_hd64_causal: F16, 64, causal = true, decode = true;
-    flash_decode_f16_hd128_full: F16, 128, causal = false, decode = true;
-    flash_decode_f16_hd128_causal: F16, 128, causal = true, decode = true;
-    flash_decode_bf16_hd64_full: Bf16, 64, causal = false, decode = true;
-    flash_decode_bf16_hd64_causal: Bf16, 64, causal = true, decode = true;
-    flash_decode_bf16_hd128_full: Bf16, 128, causal = false, decode = true;
-    flash_decode_bf16_hd128_causal: Bf16, 128, causal = true, decode = true;
+    flash_fwd_f16_hd64_full: F16, 64, causal = false, Forward;
+    flash_fwd_f16_hd64_causal: F16, 64, causal = true, Forward;
+    flash_fwd_f16_hd128_full: F16, 128, causal = false, Forward;
+    flash_fwd_f16_hd128_causal: F16, 128, causal = true, Forward;
+    flash_fwd_bf16_hd64_full: Bf16, 64, causal = false, Forward;
+    flash_fwd_bf16_hd64_causal: Bf16, 64, causal = true, Forward;
+    flash_fwd_bf16_hd128_full: Bf16, 128, causal = false, Forward;
+    flash_fwd_bf16_hd128_causal: Bf16, 128, causal = true, Forward;
+    flash_decode_f16_hd64_full: F16, 64, causal = false, Decode;
+    flash_decode_f16_hd64_causal: F16, 64, causal = true, Decode;
+    flash_decode_f16_hd128_full: F16, 128, causal = false, Decode;
+    flash_decode_f16_hd128_causal: F16, 128, causal = true, Decode;
+    flash_decode_bf16_hd64_full: Bf16, 64, causal = false, Decode;
+    flash_decode_bf16_hd64_causal: Bf16, 64, causal = true, Decode;
+    flash_decode_bf16_hd128_full: Bf16, 128, causal = false, Decode;
+    flash_decode_bf16_hd128_causal: Bf16, 128, causal = true, Decode;
 }
 
 macro_rules! combine_entries {

@@ -10,25 +10,43 @@ use crate::config::AttnTile;
 use crate::params::AttnParams;
 
 /// Final O = acc / l in the output dtype, plus the LSE when requested.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub fn write_output<T: Element, const D: usize, const OT: usize>(
+pub fn write_output<T: Element, const D: usize, const MT: usize, const OT: usize>(
     p: &AttnParams,
     info: &BlockInfo,
+    tile: AttnTile,
     stage: SmemTile<D>,
     lane: Lane,
-    o: &[[f32; 4]; OT],
-    inv_l: [f32; 2],
-    lse: [f32; 2],
+    o: &[[[f32; 4]; OT]; MT],
+    inv_l: [[f32; 2]; MT],
+    lse: [[f32; 2]; MT],
 ) {
-    let tile = const { AttnTile::of(D) };
+    // The LSE goes out first, so its values die before the O staging.
+    if p.lse != 0 && lane.pair() == 0 {
+        unroll::<MT>(|mt| {
+            unroll::<2>(|r| {
+                let row = lane.acc_row(tile, mt, r);
+                if let Some(token) = info.token(row) {
+                    global::st_f32(p.lse + info.lse_index(p.heads, row, token) * 4, lse[mt][r]);
+                }
+            });
+        });
+    }
+
     // Every warp has finished reading Q (and K/V) before the O tile reuses the space.
     barrier::sync_cta();
-    unroll::<2>(|r| {
-        let row = lane.warp_row() + lane.group() + 8 * r as u32;
-        unroll::<OT>(|dd| {
-            let col = dd as u32 * 8 + 2 * lane.pair();
-            let v = T::pack(o[dd][2 * r] * inv_l[r], o[dd][2 * r + 1] * inv_l[r]);
-            smem::st_b32(stage.pair_addr(row, col), v);
+    unroll::<MT>(|mt| {
+        unroll::<2>(|r| {
+            let row = lane.acc_row(tile, mt, r);
+            unroll::<OT>(|dd| {
+                let col = dd as u32 * 8 + 2 * lane.pair();
+                let v = T::pack(
+                    o[mt][dd][2 * r] * inv_l[mt][r],
+                    o[mt][dd][2 * r + 1] * inv_l[mt][r],
+                );
+                smem::st_b32(stage.pair_addr(row, col), v);
+            });
         });
     });
     barrier::sync_cta();
@@ -45,44 +63,38 @@ pub fn write_output<T: Element, const D: usize, const OT: usize>(
             );
         }
     }
-
-    if p.lse != 0 && lane.pair() == 0 {
-        unroll::<2>(|r| {
-            let row = lane.warp_row() + lane.group() + 8 * r as u32;
-            if let Some(token) = info.token(row) {
-                global::st_f32(p.lse + info.lse_index(p.heads, row, token) * 4, lse[r]);
-            }
-        });
-    }
 }
 
 /// This split's normalised partial O (f32) and its LSE, at
 /// `[split, b, h, token]` of the [num_splits, B, H, Sq, (D)] workspaces.
 #[inline(always)]
-pub fn write_partial<const D: usize, const OT: usize>(
+pub fn write_partial<const D: usize, const MT: usize, const OT: usize>(
     p: &AttnParams,
     info: &BlockInfo,
+    tile: AttnTile,
     lane: Lane,
-    o: &[[f32; 4]; OT],
-    inv_l: [f32; 2],
-    lse: [f32; 2],
+    o: &[[[f32; 4]; OT]; MT],
+    inv_l: [[f32; 2]; MT],
+    lse: [[f32; 2]; MT],
 ) {
     let rows_per_split = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
-    unroll::<2>(|r| {
-        let row = lane.warp_row() + lane.group() + 8 * r as u32;
-        let Some(token) = info.token(row) else { return };
-        let index = info.split as u64 * rows_per_split + info.lse_index(p.heads, row, token);
-        let dst = p.o_accum + index * D as u64 * 4;
-        unroll::<OT>(|dd| {
-            let col = dd as u64 * 8 + 2 * lane.pair() as u64;
-            global::st_v2_f32(
-                dst + col * 4,
-                o[dd][2 * r] * inv_l[r],
-                o[dd][2 * r + 1] * inv_l[r],
-            );
+    unroll::<MT>(|mt| {
+        unroll::<2>(|r| {
+            let row = lane.acc_row(tile, mt, r);
+            let Some(token) = info.token(row) else { return };
+            let index = info.split as u64 * rows_per_split + info.lse_index(p.heads, row, token);
+            let dst = p.o_accum + index * D as u64 * 4;
+            unroll::<OT>(|dd| {
+                let col = dd as u64 * 8 + 2 * lane.pair() as u64;
+                let (x, y) = (
+                    o[mt][dd][2 * r] * inv_l[mt][r],
+                    o[mt][dd][2 * r + 1] * inv_l[mt][r],
+                );
+                global::st_v2_f32(dst + col * 4, x, y);
+            });
+            if lane.pair() == 0 {
+                global::st_f32(p.lse_accum + index * 4, lse[mt][r]);
+            }
         });
-        if lane.pair() == 0 {
-            global::st_f32(p.lse_accum + index * 4, lse[r]);
-        }
     });
 }

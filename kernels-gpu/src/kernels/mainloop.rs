@@ -9,14 +9,14 @@ use super::block_info::BlockInfo;
 use super::element::Element;
 use super::epilogue;
 use super::mask;
-use super::smem_tile::SmemTile;
+use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
 use crate::arch::{barrier, cp_async, ldmatrix, smem, special};
-use crate::config::{AttnTile, MMA_K, MMA_M, MMA_N, WARP_SIZE};
-use crate::params::AttnParams;
+use crate::config::{AttnTile, KernelKind, MMA_K, MMA_M, MMA_N, WARP_SIZE};
+use crate::params::{AttnParams, BshStrides};
 
-/// Per-lane fragment coordinates inside the warp's 16-row slice.
+/// Per-lane fragment coordinates.
 #[derive(Clone, Copy)]
 pub struct Lane {
     pub tid: u32,
@@ -34,7 +34,7 @@ impl Lane {
             lane: tid % WARP_SIZE as u32,
         }
     }
-    /// Accumulator row group g (rows g and g + 8).
+    /// Accumulator row group g (rows g and g + 8 of an m-tile).
     #[inline(always)]
     pub fn group(self) -> u32 {
         self.lane / 4
@@ -44,27 +44,51 @@ impl Lane {
     pub fn pair(self) -> u32 {
         self.lane % 4
     }
-    /// First CTA row of this warp.
+    /// First CTA row of m-tile `mt` of this warp (a warp owns consecutive rows).
     #[inline(always)]
-    pub fn warp_row(self) -> u32 {
-        self.warp * MMA_M as u32
+    pub fn tile_row(self, tile: AttnTile, mt: usize) -> u32 {
+        (self.warp as usize * tile.warp_rows() + mt * MMA_M) as u32
+    }
+    /// CTA row of accumulator half `r` (0: row g, 1: row g + 8) of m-tile `mt`.
+    #[inline(always)]
+    pub fn acc_row(self, tile: AttnTile, mt: usize, r: usize) -> u32 {
+        self.tile_row(tile, mt) + self.group() + 8 * r as u32
     }
 }
 
-/// Shared-memory tiles of one CTA.
+/// Shared-memory tiles of one CTA, and the `ldmatrix` addressing they share.
 struct Tiles<const D: usize> {
+    base: u32,
     q: SmemTile<D>,
     k: SmemTile<D>,
     v: SmemTile<D>,
 }
 
-/// One attention CTA. `QK = D/16` (k-steps of Q·Kᵀ), `OT = D/8` (n-tiles of O),
-/// `ST = block_n/8` (n-tiles of S); they are separate parameters only because
-/// array lengths cannot be computed from `D` on stable Rust.
+/// Per-warp register state: `MT` m-tiles of O accumulators and softmax
+/// statistics, plus Q's A fragments when the tile keeps them in registers.
+struct WarpState<const MT: usize, const QK: usize, const OT: usize> {
+    q: [[[u32; 4]; QK]; MT],
+    o: [[[f32; 4]; OT]; MT],
+    softmax: [OnlineSoftmax; MT],
+}
+
+const fn kind(decode: bool) -> KernelKind {
+    if decode {
+        KernelKind::Decode
+    } else {
+        KernelKind::Forward
+    }
+}
+
+/// One attention CTA. `MT` = m-tiles per warp, `QK = D/16` (k-steps of Q·Kᵀ),
+/// `OT = D/8` (n-tiles of O), `ST = block_n/8` (n-tiles of S); they are
+/// separate parameters only because array lengths cannot be computed from the
+/// tile on stable Rust, and are checked against it at compile time.
 #[inline(always)]
 pub fn attention<
     T: Element,
     const D: usize,
+    const MT: usize,
     const QK: usize,
     const OT: usize,
     const ST: usize,
@@ -73,14 +97,16 @@ pub fn attention<
 >(
     p: &AttnParams,
 ) {
-    let tile = const { AttnTile::of(D) };
+    let tile = const { AttnTile::of(kind(DECODE), D) };
     const {
-        assert!(QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == AttnTile::of(D).block_n);
+        let t = AttnTile::of(kind(DECODE), D);
+        assert!(MT == t.m_tiles && QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == t.block_n);
     }
     let lane = Lane::current();
-    let info = BlockInfo::new::<CAUSAL>(p, tile);
+    let info = BlockInfo::new::<CAUSAL>(p, tile, DECODE, CAUSAL && !DECODE);
     let base = smem::base();
     let t = Tiles::<D> {
+        base,
         q: SmemTile {
             base: base + tile.q_smem_offset() as u32,
         },
@@ -92,82 +118,85 @@ pub fn attention<
         },
     };
 
-    let q_fallback = p.q;
-    t.q.load_async(tile.block_m, tile.threads(), lane.tid, q_fallback, |r| {
+    t.q.load_async(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     cp_async::commit();
     if info.n_lo < info.n_hi {
-        load_kv::<D>(t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
+        load_kv::<D, DECODE>(t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
     }
     cp_async::wait_group::<0>();
     barrier::sync_cta();
 
-    // Q stays in registers for the whole CTA: one A fragment per k-step.
-    let mut q = [[0u32; 4]; QK];
-    let q_addr = t.q.frag_addr(lane.lane % 16, lane.lane / 16);
-    unroll::<QK>(|kk| q[kk] = ldmatrix::x4(q_addr.at(lane.warp_row(), kk as u32 * 2)));
+    let frag = FragAddr::<D>::new(t.base, lane.lane);
+    let mut w = WarpState::<MT, QK, OT> {
+        q: [[[0u32; 4]; QK]; MT],
+        o: [[[0f32; 4]; OT]; MT],
+        softmax: [const { OnlineSoftmax::new() }; MT],
+    };
+    unroll::<MT>(|mt| {
+        if tile.q_in_regs {
+            unroll::<QK>(|kk| {
+                w.q[mt][kk] = ldmatrix::x4(frag.at(
+                    tile.q_smem_offset(),
+                    lane.tile_row(tile, mt),
+                    kk as u32 * 2,
+                ))
+            });
+        }
+    });
 
-    let row0 = lane.warp_row() + lane.group();
-    let limits = [
-        info.key_limit::<CAUSAL>(row0),
-        info.key_limit::<CAUSAL>(row0 + 8),
-    ];
-    let mut o = [[0f32; 4]; OT];
-    let mut softmax = OnlineSoftmax::new();
     let mut n = info.n_hi;
     while n > info.n_lo {
         n -= 1;
-        if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
-            kv_block::<T, D, QK, OT, ST, true>(
-                p,
-                &info,
-                &t,
-                lane,
-                &q,
-                &mut o,
-                &mut softmax,
-                limits,
-                n,
+        // Causal: one loop body whose mask is a uniform branch (the diagonal
+        // blocks are interleaved with the rest, and a second body costs
+        // registers D=128 does not have). Otherwise only the ragged last block
+        // needs a mask, so the hot body is compiled without one. Both choices
+        // were measured (docs/perf-notes.md, v3/v4).
+        if CAUSAL {
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL, DECODE, MASK_IF_NEEDED>(
+                p, &info, &t, lane, &mut w, n,
+            );
+        } else if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL, DECODE, MASK_ALWAYS>(
+                p, &info, &t, lane, &mut w, n,
             );
         } else {
-            kv_block::<T, D, QK, OT, ST, false>(
-                p,
-                &info,
-                &t,
-                lane,
-                &q,
-                &mut o,
-                &mut softmax,
-                limits,
-                n,
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL, DECODE, MASK_NEVER>(
+                p, &info, &t, lane, &mut w, n,
             );
         }
     }
 
-    let (inv_l, lse) = softmax.finalize(p.scale_log2);
+    let mut inv_l = [[0f32; 2]; MT];
+    let mut lse = [[0f32; 2]; MT];
+    unroll::<MT>(|mt| (inv_l[mt], lse[mt]) = w.softmax[mt].finalize(p.scale_log2));
+    // The epilogue rebuilds the block info from the CTA coordinates rather than
+    // keeping it live through the loop, which would cost registers there.
+    let info = BlockInfo::new::<CAUSAL>(p, tile, DECODE, CAUSAL && !DECODE);
     if DECODE && p.num_splits > 1 {
-        epilogue::write_partial::<D, OT>(p, &info, lane, &o, inv_l, lse);
+        epilogue::write_partial::<D, MT, OT>(p, &info, tile, lane, &w.o, inv_l, lse);
     } else {
-        epilogue::write_output::<T, D, OT>(p, &info, t.q, lane, &o, inv_l, lse);
+        epilogue::write_output::<T, D, MT, OT>(p, &info, tile, t.q, lane, &w.o, inv_l, lse);
     }
 }
 
 /// Issues and commits the `cp.async` copies of key block `n` of K or V.
 #[inline(always)]
-fn load_kv<const D: usize>(
+fn load_kv<const D: usize, const DECODE: bool>(
     dst: SmemTile<D>,
     info: &BlockInfo,
     base: u64,
-    strides: &crate::params::BshStrides,
+    strides: &BshStrides,
     n: u32,
     tid: u32,
 ) {
     const {
-        let tile = AttnTile::of(D);
+        let tile = AttnTile::of(kind(DECODE), D);
         assert!((tile.threads() / tile.row_chunks()) % crate::config::SWIZZLE_ROWS == 0);
     }
-    let tile = const { AttnTile::of(D) };
+    let tile = const { AttnTile::of(kind(DECODE), D) };
     let first = n * tile.block_n as u32;
     let src = info.kv_row_ptr(base, strides, first);
     let valid = info.seqlen_k.saturating_sub(first);
@@ -182,80 +211,109 @@ fn load_kv<const D: usize>(
     cp_async::commit();
 }
 
-/// One key block: S = Q·K(n)ᵀ, mask, softmax update, O += P·V(n).
-#[allow(clippy::too_many_arguments)]
+/// How a key block is masked: never, always, or after a run-time check.
+const MASK_NEVER: u8 = 0;
+const MASK_ALWAYS: u8 = 1;
+const MASK_IF_NEEDED: u8 = 2;
+
+/// One key block: S = Q·K(n)ᵀ, mask (see `MASK`), softmax update, O += P·V(n).
 #[inline(always)]
 fn kv_block<
     T: Element,
     const D: usize,
+    const MT: usize,
     const QK: usize,
     const OT: usize,
     const ST: usize,
-    const MASK: bool,
+    const CAUSAL: bool,
+    const DECODE: bool,
+    const MASK: u8,
 >(
     p: &AttnParams,
     info: &BlockInfo,
     t: &Tiles<D>,
     lane: Lane,
-    q: &[[u32; 4]; QK],
-    o: &mut [[f32; 4]; OT],
-    softmax: &mut OnlineSoftmax,
-    limits: [i32; 2],
+    w: &mut WarpState<MT, QK, OT>,
     n: u32,
 ) {
-    let bn = const { AttnTile::of(D).block_n } as u32;
+    let tile = const { AttnTile::of(kind(DECODE), D) };
+    let bn = tile.block_n as u32;
     // K(n) has landed and every warp is done with V(n+1): V(n) may be overwritten.
     cp_async::wait_group::<0>();
     barrier::sync_cta();
-    load_kv::<D>(t.v, info, p.v, &p.v_strides, n, lane.tid);
+    load_kv::<D, DECODE>(t.v, info, p.v, &p.v_strides, n, lane.tid);
 
-    // S = Q·K(n)ᵀ. One ldmatrix.x4 of K gives the B fragments of two 8-key n-tiles.
-    let mut s = [[0f32; 4]; ST];
-    let k_addr =
-        t.k.frag_addr(lane.lane % 8 + (lane.lane / 16) * 8, (lane.lane / 8) % 2);
-    unroll::<ST>(|j| {
-        let nn = j / 2;
-        if j % 2 == 0 {
-            unroll::<QK>(|kk| {
-                let b = ldmatrix::x4(k_addr.at(nn as u32 * 16, kk as u32 * 2));
-                T::mma(&mut s[2 * nn], &q[kk], b[0], b[1]);
-                T::mma(&mut s[2 * nn + 1], &q[kk], b[2], b[3]);
-            });
-        }
+    // S = Q·K(n)ᵀ. Per k-step: one A fragment per m-tile, and one ldmatrix.x4
+    // of K gives the B fragments of two 8-key n-tiles, shared by all m-tiles.
+    let mut s = [[[0f32; 4]; ST]; MT];
+    let frag = FragAddr::<D>::new(t.base, lane.lane);
+    unroll::<QK>(|kk| {
+        let mut a = [[0u32; 4]; MT];
+        unroll::<MT>(|mt| {
+            a[mt] = if tile.q_in_regs {
+                w.q[mt][kk]
+            } else {
+                ldmatrix::x4(frag.at(tile.q_smem_offset(), lane.tile_row(tile, mt), kk as u32 * 2))
+            };
+        });
+        unroll::<ST>(|j| {
+            if j % 2 == 0 {
+                // Matrices: (keys j*8.., dims 0-7), (keys j*8+8.., dims 0-7),
+                // (keys j*8.., dims 8-15), (keys j*8+8.., dims 8-15).
+                let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), j as u32 * 8, kk as u32 * 2));
+                unroll::<MT>(|mt| {
+                    T::mma(&mut s[mt][j], &a[mt], b[0], b[2]);
+                    T::mma(&mut s[mt][j + 1], &a[mt], b[1], b[3]);
+                });
+            }
+        });
     });
-    if MASK {
-        mask::apply(&mut s, (n * bn + 2 * lane.pair()) as i32, limits);
+    let masked = match MASK {
+        MASK_NEVER => false,
+        MASK_ALWAYS => true,
+        _ => info.block_needs_mask::<CAUSAL>(n, bn),
+    };
+    if masked {
+        unroll::<MT>(|mt| {
+            // Largest visible key of the lane's rows g and g + 8, recomputed
+            // here rather than kept live through the loop.
+            let limits = [0, 1].map(|r| info.key_limit::<CAUSAL>(lane.acc_row(tile, mt, r)));
+            mask::apply(&mut s[mt], (n * bn + 2 * lane.pair()) as i32, limits);
+        });
     }
 
     // V(n) has landed and every warp is done with K(n): prefetch K(n-1).
     cp_async::wait_group::<0>();
     barrier::sync_cta();
     if n > info.n_lo {
-        load_kv::<D>(t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
+        load_kv::<D, DECODE>(t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
     }
 
-    softmax.update(&mut s, o, p.scale_log2);
+    unroll::<MT>(|mt| w.softmax[mt].update(&mut s[mt], &mut w.o[mt], p.scale_log2));
 
     // O += P·V(n). The S accumulators of n-tiles 2kk and 2kk+1 are exactly the
     // A fragment of k-step kk once packed to 16 bits: P never leaves registers.
-    let v_addr =
-        t.v.frag_addr(lane.lane % 8 + ((lane.lane / 8) % 2) * 8, lane.lane / 16);
     unroll::<ST>(|j| {
         if j % 2 == 0 {
             let kk = j / 2;
-            let (lo, hi) = (&s[2 * kk], &s[2 * kk + 1]);
-            let a = [
-                T::pack(lo[0], lo[1]),
-                T::pack(lo[2], lo[3]),
-                T::pack(hi[0], hi[1]),
-                T::pack(hi[2], hi[3]),
-            ];
+            let mut a = [[0u32; 4]; MT];
+            unroll::<MT>(|mt| {
+                let (lo, hi) = (&s[mt][j], &s[mt][j + 1]);
+                a[mt] = [
+                    T::pack(lo[0], lo[1]),
+                    T::pack(lo[2], lo[3]),
+                    T::pack(hi[0], hi[1]),
+                    T::pack(hi[2], hi[3]),
+                ];
+            });
             unroll::<OT>(|d| {
                 if d % 2 == 0 {
-                    let dd = d / 2;
-                    let b = ldmatrix::x4_trans(v_addr.at(kk as u32 * 16, dd as u32 * 2));
-                    T::mma(&mut o[2 * dd], &a, b[0], b[1]);
-                    T::mma(&mut o[2 * dd + 1], &a, b[2], b[3]);
+                    let b =
+                        ldmatrix::x4_trans(frag.at(tile.v_smem_offset(), kk as u32 * 16, d as u32));
+                    unroll::<MT>(|mt| {
+                        T::mma(&mut w.o[mt][d], &a[mt], b[0], b[1]);
+                        T::mma(&mut w.o[mt][d + 1], &a[mt], b[2], b[3]);
+                    });
                 }
             });
         }

@@ -2,26 +2,51 @@
 //! 16-byte chunks XOR-swizzled within each group of 8 rows: chunk `c` of row `r`
 //! is stored at chunk `c ^ (r % 8)`. An `ldmatrix` phase reads one logical chunk
 //! of 8 consecutive rows, which the swizzle spreads over all 32 banks.
-use crate::arch::cp_async;
+use crate::arch::{cp_async, special};
 use crate::config::{CHUNK_BYTES, ELEM_BYTES, SWIZZLE_ROWS};
 
-/// Swizzled `ldmatrix` addresses of one lane, which reads row
-/// `block_row + lane_row` and chunk `chunk + lane_chunk` (block_row a multiple of
-/// 8, chunk even, lane_chunk 0 or 1). As block_row does not change `row % 8`,
-/// the swizzled chunk is `8 * (chunk / 8) + ((chunk % 8) ^ (lane_row % 8 & 6)) +
-/// (lane_chunk ^ (lane_row & 1))`: four per-lane offsets (one per `chunk % 8`
-/// pair) plus a compile-time immediate, instead of one live register per
-/// (row, chunk) pair of the unrolled loops.
+/// Swizzled `ldmatrix` addresses of one lane, shared by every tile of the CTA
+/// (Q, K and V have the same row length and swizzle, and lie at compile-time
+/// offsets). Every `ldmatrix.x4` here uses one lane pattern: lane `l` points at
+/// row `block_row + l % 16` and chunk `chunk + l / 16` (block_row a multiple of
+/// 16, chunk even), so matrix 0 is (rows 0-7, chunk), 1 is (rows 8-15, chunk),
+/// 2 is (rows 0-7, chunk + 1) and 3 is (rows 8-15, chunk + 1). As block_row
+/// does not change `row % 8`, the swizzled chunk is `8 * (chunk / 8) +
+/// ((chunk % 8) ^ (row % 8 & 6)) + (l / 16 ^ (row & 1))`: four per-lane
+/// offsets (one per `chunk % 8` pair) plus a compile-time immediate.
 #[derive(Clone, Copy)]
 pub struct FragAddr<const D: usize> {
     off: [u32; 4],
 }
 
 impl<const D: usize> FragAddr<D> {
+    /// Offsets for lane `lane` relative to the shared-memory window `base`.
+    /// The offsets pass through [`special::opaque_u32`] so LLVM rebuilds them
+    /// where they are used instead of hoisting one register per address.
     #[inline(always)]
-    pub fn at(&self, block_row: u32, chunk: u32) -> u32 {
+    pub fn new(base: u32, lane: u32) -> Self {
+        let lane_row = lane % 16;
+        let lr = lane_row % SWIZZLE_ROWS as u32;
+        let low = (lane / 16) ^ (lr & 1);
+        let mut off = [0u32; 4];
+        let mut b = 0;
+        while b < 4 {
+            let chunk = ((2 * b as u32) ^ (lr & 6)) + low;
+            off[b] = special::opaque_u32(
+                base + lane_row * SmemTile::<D>::ROW_BYTES + chunk * CHUNK_BYTES as u32,
+            );
+            b += 1;
+        }
+        FragAddr { off }
+    }
+
+    /// Address for the `ldmatrix.x4` of rows `block_row..block_row + 16` and
+    /// chunks `chunk, chunk + 1` of the tile at byte offset `tile_offset`.
+    #[inline(always)]
+    pub fn at(&self, tile_offset: usize, block_row: u32, chunk: u32) -> u32 {
         let group_bytes = (SWIZZLE_ROWS * CHUNK_BYTES) as u32;
         self.off[((chunk / 2) % 4) as usize]
+            + tile_offset as u32
             + block_row * SmemTile::<D>::ROW_BYTES
             + (chunk / SWIZZLE_ROWS as u32) * group_bytes
     }
@@ -49,21 +74,6 @@ impl<const D: usize> SmemTile<D> {
         self.chunk_addr(row, col / elems_per_chunk) + (col % elems_per_chunk) * ELEM_BYTES as u32
     }
 
-    /// Per-lane `ldmatrix` addressing for this tile; see [`FragAddr`].
-    #[inline(always)]
-    pub fn frag_addr(self, lane_row: u32, lane_chunk: u32) -> FragAddr<D> {
-        let lr = lane_row % SWIZZLE_ROWS as u32;
-        let low = lane_chunk ^ (lr & 1);
-        let mut off = [0u32; 4];
-        let mut b = 0;
-        while b < 4 {
-            let chunk = ((2 * b as u32) ^ (lr & 6)) + low;
-            off[b] = self.base + lane_row * Self::ROW_BYTES + chunk * CHUNK_BYTES as u32;
-            b += 1;
-        }
-        FragAddr { off }
-    }
-
     /// Issues `cp.async` copies of `rows` rows that are evenly spaced in global
     /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
     /// are zero-filled with a 0-byte read of `src`. Each thread's copies are
@@ -83,7 +93,7 @@ impl<const D: usize> SmemTile<D> {
         let rows_per_pass = threads / chunks;
         let row0 = tid / chunks as u32;
         let chunk = tid % chunks as u32;
-        let dst0 = self.chunk_addr(row0, chunk);
+        let dst0 = special::opaque_u32(self.chunk_addr(row0, chunk));
         let mut src_row =
             src.wrapping_add(row0 as u64 * stride_bytes + chunk as u64 * CHUNK_BYTES as u64);
         let step = stride_bytes * rows_per_pass as u64;

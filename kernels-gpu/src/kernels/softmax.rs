@@ -29,7 +29,7 @@ fn quad_sum(x: f32) -> f32 {
 
 impl OnlineSoftmax {
     #[inline(always)]
-    pub fn new() -> Self {
+    pub const fn new() -> Self {
         OnlineSoftmax {
             m: [f32::NEG_INFINITY; 2],
             l: [0.0; 2],
@@ -85,7 +85,7 @@ impl OnlineSoftmax {
         unroll::<2>(|r| {
             let l = quad_sum(self.l[r]);
             if l > 0.0 {
-                inv[r] = 1.0 / l;
+                inv[r] = math::rcp(l);
                 lse[r] = (self.m[r] * scale_log2 + math::lg2(l)) * LN_2;
             }
         });
