@@ -10,14 +10,17 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    combine_rows_per_cta, find_entry, AttnTile, Entry, KernelKind, ENTRIES, MAX_SPLITS,
+    combine_rows_per_cta, find_entry, AttnTile, Entry, KernelKind, APPEND_THREADS, CHUNK_ELEMS,
+    ENTRIES, MAX_SPLITS,
 };
-use flash_attn_kernels::params::{AttnParams, BshStrides, CombineParams};
+use flash_attn_kernels::params::{AppendParams, AttnParams, BshStrides, CombineParams};
 
 use crate::error::FlashAttnError;
 use crate::kernels::ptx_for_arch;
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
-use crate::validate::{check_decode, check_forward, AttnOptions, DecodeShape, TensorInfo};
+use crate::validate::{
+    check_decode, check_forward, check_kvcache, AttnOptions, DecodeShape, KvCacheShape, TensorInfo,
+};
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
 #[repr(transparent)]
@@ -26,6 +29,7 @@ struct ByValue<T>(T);
 // declare as their single by-value parameter.
 unsafe impl DeviceRepr for ByValue<AttnParams> {}
 unsafe impl DeviceRepr for ByValue<CombineParams> {}
+unsafe impl DeviceRepr for ByValue<AppendParams> {}
 
 /// Shared memory a CTA may use without opting in.
 const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
@@ -50,6 +54,38 @@ pub struct FlashAttention {
     kernels: HashMap<&'static str, Kernel>,
     num_sms: usize,
     compute_capability: (i32, i32),
+}
+
+/// The append kernel's name; it is dtype and head-dim agnostic.
+const APPEND_ENTRY: &str = "flash_append_kv";
+
+/// A KV cache for [`FlashAttention::decode_kvcache`].
+pub struct KvCache<'a, T> {
+    /// Contiguous [B, Lmax, Hkv, D], or with `block_table` a page pool
+    /// [num_pages, page_size, Hkv, D].
+    pub k: TensorMut<'a, T>,
+    pub v: TensorMut<'a, T>,
+    /// i32 [B] on the device: tokens already in the cache per sequence.
+    pub seqlens: CudaView<'a, i32>,
+    pub block_table: Option<BlockTable<'a>>,
+}
+
+/// Page table of a paged KV cache: i32 [B, max_pages] on the device, row-major;
+/// entry (b, i) is the pool page holding tokens `i * page_size..` of sequence b.
+pub struct BlockTable<'a> {
+    pub table: CudaView<'a, i32>,
+    pub max_pages: usize,
+}
+
+/// Validated device pointers and element strides of one decode call.
+struct DecodeCall {
+    q: (u64, BshStrides),
+    k: (u64, BshStrides),
+    v: (u64, BshStrides),
+    o: (u64, BshStrides),
+    seqlens: u64,
+    block_table: u64,
+    cache: KvCacheShape,
 }
 
 /// f32 scratch for split-KV decode partials. Allocate once with
@@ -123,6 +159,10 @@ impl FlashAttention {
     }
     pub fn num_sms(&self) -> usize {
         self.num_sms
+    }
+
+    fn kernel_named(&self, name: &str) -> &Kernel {
+        &self.kernels[name]
     }
 
     fn kernel<T: AttnElement>(&self, kind: KernelKind, head_dim: usize, causal: bool) -> &Kernel {
@@ -236,6 +276,7 @@ impl FlashAttention {
     /// sees keys `j <= cache_seqlens[b] - Sq + t`. The keys are split across
     /// CTAs when the batch alone cannot fill the GPU; `workspace` (from
     /// [`Self::decode_workspace`]) holds the partials, or one is allocated.
+    /// For a paged cache or appending new K/V first, see [`Self::decode_kvcache`].
     #[allow(clippy::too_many_arguments)]
     pub fn decode<T: AttnElement>(
         &self,
@@ -255,17 +296,146 @@ impl FlashAttention {
         let (seqlens_ptr, _s_sync) = cache_seqlens.device_ptr(stream);
         let o_len = o.data.len();
         let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
-        let lse_len = lse.as_ref().map(|l| l.len());
         let shape = check_decode(
             &info(q.layout, q.data.len(), q_ptr),
             &info(k_cache.layout, k_cache.data.len(), k_ptr),
             &info(v_cache.layout, v_cache.data.len(), v_ptr),
             &info(o.layout, o_len, o_ptr),
             cache_seqlens.len(),
-            lse_len,
+            lse.as_ref().map(|l| l.len()),
             opts,
         )?;
-        let splits = self.decode_splits::<T>(&shape);
+        let call = DecodeCall {
+            q: (q_ptr, strides(&q.layout)),
+            k: (k_ptr, strides(&k_cache.layout)),
+            v: (v_ptr, strides(&v_cache.layout)),
+            o: (o_ptr, strides(&o.layout)),
+            seqlens: seqlens_ptr,
+            block_table: 0,
+            cache: KvCacheShape {
+                decode: shape,
+                paging: None,
+                seqlen_new: 0,
+            },
+        };
+        self.run_decode::<T>(stream, &call, lse, workspace)
+    }
+
+    /// [`Self::decode`] with a KV cache that may be paged, optionally after
+    /// appending `new_kv` = (K_new, V_new) [B, Snew, Hkv, D] at positions
+    /// `cache.seqlens[b]..+Snew` (which then attend to `seqlens[b] + Snew`
+    /// keys). Like FlashAttention's `flash_attn_with_kvcache`, `seqlens` is not
+    /// advanced: the caller adds Snew for the next step. Host-side checks cover
+    /// shapes, page size and block-table length; device data (page indices,
+    /// lengths past the capacity) cannot be checked before the launch, so the
+    /// kernels clamp them: page indices to the pool, lengths to the capacity,
+    /// and appended tokens past the capacity are dropped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decode_kvcache<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        q: &TensorRef<'_, T>,
+        cache: &mut KvCache<'_, T>,
+        new_kv: Option<(&TensorRef<'_, T>, &TensorRef<'_, T>)>,
+        o: &mut TensorMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        opts: &AttnOptions,
+        workspace: Option<&mut DecodeWorkspace>,
+    ) -> Result<(), FlashAttnError> {
+        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
+        let (seqlens_ptr, _s_sync) = cache.seqlens.device_ptr(stream);
+        let (k_len, v_len) = (cache.k.data.len(), cache.v.data.len());
+        let (k_ptr, _k_sync) = cache.k.data.device_ptr_mut(stream);
+        let (v_ptr, _v_sync) = cache.v.data.device_ptr_mut(stream);
+        let (table_ptr, _t_sync) = match &cache.block_table {
+            Some(t) => {
+                let (p, s) = t.table.device_ptr(stream);
+                (p, Some(s))
+            }
+            None => (0, None),
+        };
+        let new_ptrs = new_kv.map(|(k, v)| (k.data.device_ptr(stream), v.data.device_ptr(stream)));
+        let o_len = o.data.len();
+        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let new_infos = match (new_kv, &new_ptrs) {
+            (Some((k, v)), Some(((kp, _), (vp, _)))) => Some((
+                info(k.layout, k.data.len(), *kp),
+                info(v.layout, v.data.len(), *vp),
+            )),
+            _ => None,
+        };
+        let shape = check_kvcache(
+            &info(q.layout, q.data.len(), q_ptr),
+            &info(cache.k.layout, k_len, k_ptr),
+            &info(cache.v.layout, v_len, v_ptr),
+            &info(o.layout, o_len, o_ptr),
+            cache.seqlens.len(),
+            cache
+                .block_table
+                .as_ref()
+                .map(|t| (t.table.len(), t.max_pages)),
+            new_infos.as_ref().map(|(k, v)| (k, v)),
+            lse.as_ref().map(|l| l.len()),
+            opts,
+        )?;
+        if let (Some((k_new, v_new)), Some(((kp, _), (vp, _)))) = (new_kv, &new_ptrs) {
+            let paging = shape.paging.unwrap_or_default();
+            let params = AppendParams {
+                k_new: *kp,
+                v_new: *vp,
+                k_cache: k_ptr,
+                v_cache: v_ptr,
+                cache_seqlens: seqlens_ptr,
+                block_table: table_ptr,
+                k_new_strides: strides(&k_new.layout),
+                v_new_strides: strides(&v_new.layout),
+                k_cache_strides: strides(&cache.k.layout),
+                v_cache_strides: strides(&cache.v.layout),
+                batch: shape.decode.batch as u32,
+                seqlen_new: shape.seqlen_new as u32,
+                kv_heads: shape.decode.kv_heads as u32,
+                row_chunks: (shape.decode.head_dim / CHUNK_ELEMS) as u32,
+                capacity: shape.decode.cache_len as u32,
+                max_pages: paging.max_pages as u32,
+                page_size: paging.page_size as u32,
+                num_pages: paging.num_pages as u32,
+            };
+            let chunks = shape.decode.batch
+                * shape.seqlen_new
+                * shape.decode.kv_heads
+                * shape.decode.head_dim
+                / CHUNK_ELEMS;
+            let kernel = self.kernel_named(APPEND_ENTRY);
+            self.launch(
+                stream,
+                kernel,
+                (chunks.div_ceil(APPEND_THREADS) as u32, 1, 1),
+                ByValue(params),
+            )?;
+        }
+        let call = DecodeCall {
+            q: (q_ptr, strides(&q.layout)),
+            k: (k_ptr, strides(&cache.k.layout)),
+            v: (v_ptr, strides(&cache.v.layout)),
+            o: (o_ptr, strides(&o.layout)),
+            seqlens: seqlens_ptr,
+            block_table: table_ptr,
+            cache: shape,
+        };
+        self.run_decode::<T>(stream, &call, lse, workspace)
+    }
+
+    /// Launches the split-KV decode kernel, and the combine kernel when the
+    /// keys are split, for validated arguments.
+    fn run_decode<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        call: &DecodeCall,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        workspace: Option<&mut DecodeWorkspace>,
+    ) -> Result<(), FlashAttnError> {
+        let shape = &call.cache.decode;
+        let splits = self.decode_splits::<T>(shape);
         let partial_rows = splits * shape.batch * shape.heads * shape.seqlen_q;
         let mut owned;
         let workspace = match workspace {
@@ -282,7 +452,7 @@ impl FlashAttention {
                 w
             }
             None => {
-                owned = self.decode_workspace::<T>(stream, &shape)?;
+                owned = self.decode_workspace::<T>(stream, shape)?;
                 &mut owned
             }
         };
@@ -298,20 +468,20 @@ impl FlashAttention {
 
         let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
         let pack = shape.heads / shape.kv_heads;
-        let o_strides = strides(&o.layout);
+        let paging = call.cache.paging.unwrap_or_default();
         let params = AttnParams {
-            q: q_ptr,
-            k: k_ptr,
-            v: v_ptr,
-            o: o_ptr,
+            q: call.q.0,
+            k: call.k.0,
+            v: call.v.0,
+            o: call.o.0,
             lse: lse_ptr,
             o_accum: oacc_ptr,
             lse_accum: lacc_ptr,
-            cache_seqlens: seqlens_ptr,
-            q_strides: strides(&q.layout),
-            k_strides: strides(&k_cache.layout),
-            v_strides: strides(&v_cache.layout),
-            o_strides,
+            cache_seqlens: call.seqlens,
+            q_strides: call.q.1,
+            k_strides: call.k.1,
+            v_strides: call.v.1,
+            o_strides: call.o.1,
             batch: shape.batch as u32,
             heads: shape.heads as u32,
             kv_heads: shape.kv_heads as u32,
@@ -320,6 +490,11 @@ impl FlashAttention {
             pack: pack as u32,
             num_splits: splits as u32,
             scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
+            seqlen_new: call.cache.seqlen_new as u32,
+            block_table: call.block_table,
+            max_pages: paging.max_pages as u32,
+            page_size: paging.page_size as u32,
+            num_pages: paging.num_pages as u32,
         };
         let grid = (
             (shape.seqlen_q * pack).div_ceil(tile.block_m) as u32,
@@ -336,9 +511,9 @@ impl FlashAttention {
             let combine = CombineParams {
                 o_accum: oacc_ptr,
                 lse_accum: lacc_ptr,
-                o: o_ptr,
+                o: call.o.0,
                 lse: lse_ptr,
-                o_strides,
+                o_strides: call.o.1,
                 batch: shape.batch as u32,
                 heads: shape.heads as u32,
                 seqlen_q: shape.seqlen_q as u32,

@@ -65,6 +65,12 @@ pub enum FlashAttnError {
         limit: usize,
     },
 
+    #[error("page size {page_size} is not a positive multiple of {multiple} tokens")]
+    PageSize { page_size: usize, multiple: usize },
+
+    #[error("block table has {got} entries, expected batch x max_pages = {expected}")]
+    BlockTableLength { expected: usize, got: usize },
+
     #[error("decode workspace holds {len} f32 partials, the problem needs {needed}")]
     WorkspaceTooSmall { needed: usize, len: usize },
 

@@ -3,7 +3,9 @@
 //! the device.
 use crate::error::FlashAttnError;
 use crate::tensor::Layout;
-use flash_attn_kernels::config::{AttnTile, ELEM_BYTES, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS};
+use flash_attn_kernels::config::{
+    AttnTile, ELEM_BYTES, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
+};
 
 /// Options shared by forward and decode.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -289,5 +291,145 @@ pub fn check_decode(
         head_dim: shape.head_dim,
         causal: shape.causal,
         softmax_scale: shape.softmax_scale,
+    })
+}
+
+/// Geometry of a paged KV cache.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Paging {
+    pub page_size: usize,
+    pub max_pages: usize,
+    pub num_pages: usize,
+}
+
+/// A validated [`check_kvcache`] problem. `decode.cache_len` is the capacity
+/// per sequence (Lmax, or max_pages x page_size).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvCacheShape {
+    pub decode: DecodeShape,
+    pub paging: Option<Paging>,
+    /// Tokens appended before attending (0 without new K/V).
+    pub seqlen_new: usize,
+}
+
+/// Validates a decode call against a KV cache that may be paged and may get
+/// `new_kv` = (K_new, V_new) [B, Snew, Hkv, D] appended first. Contiguous
+/// caches are [B, Lmax, Hkv, D]; paged ones are page pools [num_pages,
+/// page_size, Hkv, D] with `block_table` = (entries, max_pages) describing an
+/// i32 [B, max_pages] table. Page indices and `cache_seqlens` values live on
+/// the device and are clamped there, not checked here.
+#[allow(clippy::too_many_arguments)]
+pub fn check_kvcache(
+    q: &TensorInfo,
+    k_cache: &TensorInfo,
+    v_cache: &TensorInfo,
+    o: &TensorInfo,
+    cache_seqlens_len: usize,
+    block_table: Option<(usize, usize)>,
+    new_kv: Option<(&TensorInfo, &TensorInfo)>,
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<KvCacheShape, FlashAttnError> {
+    let batch = q.layout.shape[0];
+    let paging = match block_table {
+        None => None,
+        Some((entries, max_pages)) => {
+            let [num_pages, page_size, _, _] = k_cache.layout.shape;
+            if page_size == 0 || page_size % PAGE_SIZE_MULTIPLE != 0 {
+                return Err(FlashAttnError::PageSize {
+                    page_size,
+                    multiple: PAGE_SIZE_MULTIPLE,
+                });
+            }
+            if max_pages == 0 {
+                return Err(FlashAttnError::ZeroSized {
+                    tensor: "block_table",
+                    dim: "max_pages",
+                });
+            }
+            let expected = batch
+                .checked_mul(max_pages)
+                .ok_or(FlashAttnError::TooLarge {
+                    what: "batch x max_pages",
+                    value: usize::MAX,
+                    limit: MAX_LEN,
+                })?;
+            if entries < expected {
+                return Err(FlashAttnError::BlockTableLength {
+                    expected,
+                    got: entries,
+                });
+            }
+            Some(Paging {
+                page_size,
+                max_pages,
+                num_pages,
+            })
+        }
+    };
+    // A page pool is checked as if it were a [B, capacity, Hkv, D] cache: the
+    // per-tensor rules (strides, alignment, extent) are the same, and the
+    // shape rules see the logical cache.
+    let logical = |name: &'static str, t: &TensorInfo| -> Result<TensorInfo, FlashAttnError> {
+        let Some(p) = paging else { return Ok(*t) };
+        check_tensor(name, t)?;
+        let capacity = p
+            .max_pages
+            .checked_mul(p.page_size)
+            .filter(|&c| c <= MAX_LEN)
+            .ok_or(FlashAttnError::TooLarge {
+                what: "max_pages x page_size",
+                value: usize::MAX,
+                limit: MAX_LEN,
+            })?;
+        let [_, _, h, d] = t.layout.shape;
+        let layout = Layout {
+            shape: [batch, capacity, h, d],
+            strides: [0, 0, t.layout.strides[2], 1],
+        };
+        Ok(TensorInfo {
+            layout,
+            len: layout.span().unwrap_or(usize::MAX),
+            addr: t.addr,
+        })
+    };
+    if paging.is_some() {
+        expect_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
+    }
+    let decode = check_decode(
+        q,
+        &logical("k_cache", k_cache)?,
+        &logical("v_cache", v_cache)?,
+        o,
+        cache_seqlens_len,
+        lse_len,
+        opts,
+    )?;
+    let seqlen_new = match new_kv {
+        None => 0,
+        Some((k_new, v_new)) => {
+            check_tensor("k_new", k_new)?;
+            check_tensor("v_new", v_new)?;
+            let [_, s_new, _, _] = k_new.layout.shape;
+            expect_shape(
+                "k_new",
+                [batch, s_new, decode.kv_heads, decode.head_dim],
+                k_new.layout.shape,
+            )?;
+            expect_shape("v_new", k_new.layout.shape, v_new.layout.shape)?;
+            if s_new > decode.cache_len {
+                return Err(FlashAttnError::TooLarge {
+                    what: "new tokens",
+                    value: s_new,
+                    limit: decode.cache_len,
+                });
+            }
+            s_new
+        }
+    };
+    Ok(KvCacheShape {
+        decode,
+        paging,
+        seqlen_new,
     })
 }

@@ -135,9 +135,11 @@ def bench_shapes() -> list[tuple[str, Shape]]:
         fwd("f16", 8, 32, s, 64, False, "seed-A100")
     for s in (64, 128, 256, 512, 1024):
         fwd("f16", 1, 9, s, 64, True, "seed-SmolLM")
-    for batch in (1, 8, 32):
-        for cache in (1024, 4096, 16384, 65536):
-            dec(batch, 32, 8, cache, 128, "decode-gqa")
+    for kv_heads, origin in ((8, "decode-gqa"), (32, "decode-mha")):
+        for batch in (1, 8, 32):
+            for cache in (1024, 4096, 16384, 65536):
+                dec(batch, 32, kv_heads, cache, 128, origin)
+    # The bench's paged decode rows ("decode-paged") are not in its JSON.
     for cache in (256, 512, 1024, 2048, 4096):
         dec(1, 9, 9, cache, 64, "seed-SmolLM")
     return out

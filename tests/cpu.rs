@@ -940,6 +940,7 @@ mod config {
             KernelKind::Forward => "fwd",
             KernelKind::Decode => "decode",
             KernelKind::Combine => "combine",
+            KernelKind::Append => return "flash_append_kv".into(),
         };
         let suffix = match (e.kind, e.causal) {
             (KernelKind::Combine, _) => "",
@@ -960,7 +961,12 @@ mod config {
                 keys.insert((e.kind, e.dtype, e.head_dim, e.causal)),
                 "duplicate entry {e:?}"
             );
-            assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+            if e.kind == KernelKind::Append {
+                // Moves bytes: one entry for every dtype and head dim.
+                assert_eq!((e.head_dim, e.causal), (0, false), "{e:?}");
+            } else {
+                assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+            }
             assert!(!(e.kind == KernelKind::Combine && e.causal), "{e:?}");
         }
         assert_eq!(Dtype::F16.name(), "f16");
@@ -1010,10 +1016,11 @@ mod config {
                 }
             }
         }
+        assert!(find_entry(KernelKind::Append, Dtype::F16, 0, false).is_some());
         assert_eq!(
             ENTRIES.len(),
-            expected,
-            "no entries beyond the combinations"
+            expected + 1,
+            "no entries beyond the combinations and the append kernel"
         );
         assert!(find_entry(KernelKind::Forward, Dtype::F16, 96, false).is_none());
     }
@@ -1074,6 +1081,11 @@ mod config {
                 KernelKind::Combine => {
                     assert_eq!(e.threads(), COMBINE_THREADS);
                     assert_eq!(e.smem_bytes(), 0);
+                }
+                KernelKind::Append => {
+                    assert_eq!(e.threads(), APPEND_THREADS);
+                    assert_eq!(e.smem_bytes(), 0);
+                    assert_eq!(e.min_ctas_per_sm(), None);
                 }
                 _ => {
                     let t = AttnTile::of(e.kind, e.head_dim);
@@ -1191,4 +1203,177 @@ fn unit_dims_ignore_stride_alignment() {
     a.q.layout.strides[1] = 3;
     a.lse_len = None;
     assert!(a.forward().is_ok(), "{:?}", a.forward());
+}
+
+mod kvcache_validation {
+    use flash_attn::validate::{check_kvcache, AttnOptions, TensorInfo};
+    use flash_attn::{FlashAttnError, Layout};
+
+    const B: usize = 2;
+    const H: usize = 8;
+    const HKV: usize = 2;
+    const D: usize = 64;
+    const PAGE: usize = 32;
+    const PAGES: usize = 10;
+    const MAX_PAGES: usize = 4;
+
+    fn t(shape: [usize; 4], addr: u64) -> TensorInfo {
+        let layout = Layout::contiguous(shape);
+        TensorInfo {
+            layout,
+            len: layout.span().unwrap(),
+            addr,
+        }
+    }
+
+    struct Case {
+        q: TensorInfo,
+        k: TensorInfo,
+        v: TensorInfo,
+        o: TensorInfo,
+        seqlens: usize,
+        table: Option<(usize, usize)>,
+        new: Option<(TensorInfo, TensorInfo)>,
+    }
+
+    impl Case {
+        /// A valid paged problem with one appended token.
+        fn paged() -> Case {
+            Case {
+                q: t([B, 1, H, D], 1 << 20),
+                k: t([PAGES, PAGE, HKV, D], 2 << 20),
+                v: t([PAGES, PAGE, HKV, D], 3 << 20),
+                o: t([B, 1, H, D], 4 << 20),
+                seqlens: B,
+                table: Some((B * MAX_PAGES, MAX_PAGES)),
+                new: Some((t([B, 1, HKV, D], 5 << 20), t([B, 1, HKV, D], 6 << 20))),
+            }
+        }
+        fn check(&self) -> Result<flash_attn::KvCacheShape, FlashAttnError> {
+            check_kvcache(
+                &self.q,
+                &self.k,
+                &self.v,
+                &self.o,
+                self.seqlens,
+                self.table,
+                self.new.as_ref().map(|(k, v)| (k, v)),
+                None,
+                &AttnOptions::default(),
+            )
+        }
+    }
+
+    #[test]
+    fn paged_problem_reports_its_geometry() {
+        let shape = Case::paged().check().expect("valid");
+        assert_eq!(shape.decode.cache_len, MAX_PAGES * PAGE);
+        assert_eq!(shape.decode.batch, B);
+        assert_eq!(shape.seqlen_new, 1);
+        let p = shape.paging.expect("paged");
+        assert_eq!(
+            (p.page_size, p.max_pages, p.num_pages),
+            (PAGE, MAX_PAGES, PAGES)
+        );
+    }
+
+    #[test]
+    fn page_size_must_be_a_multiple_of_16() {
+        for page in [8, 24, 40] {
+            let mut c = Case::paged();
+            c.k = t([PAGES, page, HKV, D], c.k.addr);
+            c.v = t([PAGES, page, HKV, D], c.v.addr);
+            assert!(
+                matches!(c.check(), Err(FlashAttnError::PageSize { page_size, multiple: 16 }) if page_size == page),
+                "{page}"
+            );
+        }
+    }
+
+    #[test]
+    fn block_table_too_short() {
+        let mut c = Case::paged();
+        c.table = Some((B * MAX_PAGES - 1, MAX_PAGES));
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::BlockTableLength { expected, got }) if expected == B * MAX_PAGES && got == expected - 1
+        ));
+        c.table = Some((B * MAX_PAGES, 0));
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::ZeroSized {
+                tensor: "block_table",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn paged_pools_must_match() {
+        let mut c = Case::paged();
+        c.v = t([PAGES + 1, PAGE, HKV, D], c.v.addr);
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::ShapeMismatch {
+                tensor: "v_cache",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn new_tokens_must_match_the_cache() {
+        let mut c = Case::paged();
+        c.new = Some((t([B, 2, HKV, D], 5 << 20), t([B, 1, HKV, D], 6 << 20)));
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::ShapeMismatch {
+                tensor: "v_new",
+                ..
+            })
+        ));
+        let mut c = Case::paged();
+        c.new = Some((
+            t([B, 1, HKV + 1, D], 5 << 20),
+            t([B, 1, HKV + 1, D], 6 << 20),
+        ));
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::ShapeMismatch {
+                tensor: "k_new",
+                ..
+            })
+        ));
+        let mut c = Case::paged();
+        let too_many = MAX_PAGES * PAGE + 1;
+        c.new = Some((
+            t([B, too_many, HKV, D], 5 << 20),
+            t([B, too_many, HKV, D], 6 << 20),
+        ));
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::TooLarge {
+                what: "new tokens",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn contiguous_cache_with_append() {
+        let mut c = Case::paged();
+        c.table = None;
+        c.k = t([B, 100, HKV, D], c.k.addr);
+        c.v = t([B, 100, HKV, D], c.v.addr);
+        let shape = c.check().expect("valid");
+        assert_eq!(
+            (shape.decode.cache_len, shape.paging, shape.seqlen_new),
+            (100, None, 1)
+        );
+        c.seqlens = B + 1;
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::SeqlensLength { .. })
+        ));
+    }
 }

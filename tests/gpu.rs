@@ -17,7 +17,8 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape};
 use flash_attn::{
-    AttnElement, AttnOptions, Dtype, FlashAttention, FlashAttnError, Layout, TensorMut, TensorRef,
+    AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError, KvCache, Layout,
+    TensorMut, TensorRef,
 };
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -326,6 +327,437 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
     check_lse(&lse_host, &want.lse, &format!("{c:?} splits={splits}"))
 }
 
+/// A KV-cache decode case: contiguous or paged, optionally appending
+/// `seqlen_new` tokens before attending.
+#[derive(Clone, Debug)]
+struct KvCase {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_new: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    causal: bool,
+    /// `Some(page_size)` for a paged cache of `max_pages` pages per sequence.
+    page_size: Option<usize>,
+    max_pages: usize,
+    /// Tokens already in the cache, before the append.
+    seqlens: Vec<i32>,
+    seed: u64,
+}
+
+impl KvCase {
+    fn capacity(&self) -> usize {
+        self.page_size
+            .map_or(self.max_pages, |p| p * self.max_pages)
+    }
+}
+
+/// Logical [B, cap, Hkv, D] cache rows as pool rows: entry (b, i) of `table`
+/// holds tokens `i * page..` of sequence b.
+fn pool_index(
+    table: &[i32],
+    max_pages: usize,
+    page: usize,
+    b: usize,
+    pos: usize,
+) -> (usize, usize) {
+    (table[b * max_pages + pos / page] as usize, pos % page)
+}
+
+/// Host state of one KV-cache test: the logical caches (NaN past each
+/// sequence), the page table, and the device buffers built from them.
+struct KvState<T> {
+    k_logical: Vec<T>,
+    v_logical: Vec<T>,
+    table: Vec<i32>,
+    num_pages: usize,
+}
+
+fn make_kv_state<T: AttnElement>(c: &KvCase, rng: &mut StdRng) -> KvState<T> {
+    let (b, cap, hk, d) = (c.batch, c.capacity(), c.kv_heads, c.head_dim);
+    let mut k_logical = vec![nan::<T>(); b * cap * hk * d];
+    let mut v_logical = vec![nan::<T>(); b * cap * hk * d];
+    for bi in 0..b {
+        let n = (c.seqlens[bi].max(0) as usize).min(cap);
+        let (lo, hi) = (bi * cap * hk * d, (bi * cap + n) * hk * d);
+        k_logical[lo..hi].copy_from_slice(&random_values::<T>(rng, hi - lo));
+        v_logical[lo..hi].copy_from_slice(&random_values::<T>(rng, hi - lo));
+    }
+    // Pages of all sequences, shuffled, out of a pool with spare pages.
+    let num_pages = b * c.max_pages + 3;
+    let mut pages: Vec<i32> = (0..num_pages as i32).collect();
+    for i in (1..pages.len()).rev() {
+        pages.swap(i, rng.random_range(0..=i));
+    }
+    let table = pages[..b * c.max_pages].to_vec();
+    KvState {
+        k_logical,
+        v_logical,
+        table,
+        num_pages,
+    }
+}
+
+/// The device image of a logical cache: itself, or a NaN-filled page pool.
+fn to_device_layout<T: AttnElement>(c: &KvCase, st: &KvState<T>, logical: &[T]) -> Vec<T> {
+    let (cap, hk, d) = (c.capacity(), c.kv_heads, c.head_dim);
+    let Some(page) = c.page_size else {
+        return logical.to_vec();
+    };
+    let mut pool = vec![nan::<T>(); st.num_pages * page * hk * d];
+    for bi in 0..c.batch {
+        for pos in 0..cap {
+            let (pg, row) = pool_index(&st.table, c.max_pages, page, bi, pos);
+            let from = (bi * cap + pos) * hk * d;
+            let to = (pg * page + row) * hk * d;
+            pool[to..to + hk * d].copy_from_slice(&logical[from..from + hk * d]);
+        }
+    }
+    pool
+}
+
+fn cache_layout(c: &KvCase, num_pages: usize) -> Layout {
+    match c.page_size {
+        Some(p) => Layout::contiguous([num_pages, p, c.kv_heads, c.head_dim]),
+        None => Layout::contiguous([c.batch, c.capacity(), c.kv_heads, c.head_dim]),
+    }
+}
+
+/// Writes new tokens into the logical caches as the append kernel should.
+fn append_logical<T: AttnElement>(c: &KvCase, st: &mut KvState<T>, k_new: &[T], v_new: &[T]) {
+    let (cap, hk, d, sn) = (c.capacity(), c.kv_heads, c.head_dim, c.seqlen_new);
+    for bi in 0..c.batch {
+        for t in 0..sn {
+            let pos = c.seqlens[bi].max(0) as usize + t;
+            if pos >= cap {
+                continue;
+            }
+            let from = (bi * sn + t) * hk * d;
+            let to = (bi * cap + pos) * hk * d;
+            st.k_logical[to..to + hk * d].copy_from_slice(&k_new[from..from + hk * d]);
+            st.v_logical[to..to + hk * d].copy_from_slice(&v_new[from..from + hk * d]);
+        }
+    }
+}
+
+fn kv_decode_shape(c: &KvCase) -> DecodeShape {
+    DecodeShape {
+        batch: c.batch,
+        seqlen_q: c.seqlen_q,
+        cache_len: c.capacity(),
+        heads: c.heads,
+        kv_heads: c.kv_heads,
+        head_dim: c.head_dim,
+        causal: c.causal,
+        softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
+    }
+}
+
+/// Compares the valid rows of the device cache with the expected logical one, bit for bit.
+fn check_cache<T: AttnElement>(
+    c: &KvCase,
+    st: &KvState<T>,
+    device: &[T],
+    logical: &[T],
+    what: &str,
+) -> Result<(), String> {
+    let (cap, hk, d) = (c.capacity(), c.kv_heads, c.head_dim);
+    for bi in 0..c.batch {
+        let valid = (c.seqlens[bi].max(0) as usize + c.seqlen_new).min(cap);
+        for pos in 0..valid {
+            let from = (bi * cap + pos) * hk * d;
+            let at = match c.page_size {
+                Some(p) => {
+                    let (pg, row) = pool_index(&st.table, c.max_pages, p, bi, pos);
+                    (pg * p + row) * hk * d
+                }
+                None => from,
+            };
+            if device[at..at + hk * d] != logical[from..from + hk * d] {
+                return Err(format!(
+                    "{what}: cache row b={bi} pos={pos} differs after the append"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn run_kvcache<T: AttnElement>(gpu: &Gpu, c: &KvCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, sq, h, hk, d, sn) = (
+        c.batch,
+        c.seqlen_q,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+        c.seqlen_new,
+    );
+    let mut st = make_kv_state::<T>(c, &mut rng);
+    let q_layout = Layout::contiguous([b, sq, h, d]);
+    let new_layout = Layout::contiguous([b, sn.max(1), hk, d]);
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let k_new = random_values::<T>(&mut rng, b * sn.max(1) * hk * d);
+    let v_new = random_values::<T>(&mut rng, b * sn.max(1) * hk * d);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let q = s.clone_htod(&q_host).map_err(e)?;
+    let mut k_cache = s
+        .clone_htod(&to_device_layout(c, &st, &st.k_logical))
+        .map_err(e)?;
+    let mut v_cache = s
+        .clone_htod(&to_device_layout(c, &st, &st.v_logical))
+        .map_err(e)?;
+    let table = s.clone_htod(&st.table).map_err(e)?;
+    let seqlens = s.clone_htod(&c.seqlens).map_err(e)?;
+    let (k_new_dev, v_new_dev) = (
+        s.clone_htod(&k_new).map_err(e)?,
+        s.clone_htod(&v_new).map_err(e)?,
+    );
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let layout = cache_layout(c, st.num_pages);
+    {
+        let mut cache = KvCache {
+            k: TensorMut::new(k_cache.as_view_mut(), layout),
+            v: TensorMut::new(v_cache.as_view_mut(), layout),
+            seqlens: seqlens.as_view(),
+            block_table: c.page_size.map(|_| BlockTable {
+                table: table.as_view(),
+                max_pages: c.max_pages,
+            }),
+        };
+        let (kn, vn) = (
+            TensorRef::new(k_new_dev.as_view(), new_layout),
+            TensorRef::new(v_new_dev.as_view(), new_layout),
+        );
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .decode_kvcache(
+                s,
+                &TensorRef::new(q.as_view(), q_layout),
+                &mut cache,
+                if sn > 0 { Some((&kn, &vn)) } else { None },
+                &mut TensorMut::new(o.as_view_mut(), q_layout),
+                Some(&mut lse_view),
+                &AttnOptions {
+                    causal: c.causal,
+                    softmax_scale: None,
+                },
+                None,
+            )
+            .map_err(|x| x.to_string())?;
+    }
+    append_logical(c, &mut st, &k_new, &v_new);
+    let (k_dev, v_dev) = (
+        s.clone_dtoh(&k_cache).map_err(e)?,
+        s.clone_dtoh(&v_cache).map_err(e)?,
+    );
+    check_cache(c, &st, &k_dev, &st.k_logical, &format!("{c:?} K"))?;
+    check_cache(c, &st, &v_dev, &st.v_logical, &format!("{c:?} V"))?;
+    let attended: Vec<i32> = c
+        .seqlens
+        .iter()
+        .map(|&n| (n.max(0) as usize + sn).min(c.capacity()) as i32)
+        .collect();
+    let want = reference::decode(
+        &kv_decode_shape(c),
+        &to_f64(&q_host),
+        &to_f64(&st.k_logical),
+        &to_f64(&st.v_logical),
+        &attended,
+    );
+    check_output(
+        &s.clone_dtoh(&o).map_err(e)?,
+        &q_layout,
+        &want.o,
+        &format!("{c:?}"),
+    )?;
+    check_lse(
+        &s.clone_dtoh(&lse).map_err(e)?,
+        &want.lse,
+        &format!("{c:?}"),
+    )
+}
+
+fn kvcache_strategy() -> impl Strategy<Value = KvCase> {
+    (
+        1usize..=3,
+        1usize..=3,
+        0usize..=3,
+        head_counts(),
+        head_dims(),
+        any::<bool>(),
+        prop::option::of(prop::sample::select(vec![16usize, 32, 48, 64, 256])),
+        any::<u64>(),
+    )
+        .prop_flat_map(
+            |(
+                batch,
+                seqlen_q,
+                seqlen_new,
+                (heads, kv_heads),
+                head_dim,
+                causal,
+                page_size,
+                seed,
+            )| {
+                // Pages per sequence (paged) or the capacity itself (contiguous).
+                let max_pages = match page_size {
+                    Some(p) => (1usize..=(2048 / p).max(2)).boxed(),
+                    None => (seqlen_new.max(1)..=1500usize).boxed(),
+                };
+                (
+                    Just((
+                        batch, seqlen_q, seqlen_new, heads, kv_heads, head_dim, causal, page_size,
+                        seed,
+                    )),
+                    max_pages,
+                )
+            },
+        )
+        .prop_flat_map(
+            |(
+                (batch, seqlen_q, seqlen_new, heads, kv_heads, head_dim, causal, page_size, seed),
+                max_pages,
+            )| {
+                let cap = page_size.map_or(max_pages, |p| p * max_pages);
+                let room = (cap - seqlen_new.min(cap)) as i32;
+                let len = prop_oneof![Just(room), Just(1.min(room)), 0..=room];
+                prop::collection::vec(len, batch).prop_map(move |seqlens| KvCase {
+                    batch,
+                    seqlen_q,
+                    seqlen_new,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    page_size,
+                    max_pages,
+                    seqlens,
+                    seed,
+                })
+            },
+        )
+}
+
+/// One decode step (append one token, then attend) captured in a CUDA graph and
+/// replayed for several steps, the step's lengths and new K/V written to the
+/// same device buffers before each replay.
+fn graph_replay<T: AttnElement>() -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let ctx = CudaContext::new(0).map_err(e)?;
+    // Capture needs a non-default stream and no cross-stream event waits.
+    unsafe { ctx.disable_event_tracking() };
+    let s = ctx.new_stream().map_err(e)?;
+    let fa = FlashAttention::new(&ctx).map_err(|x| x.to_string())?;
+    let mut c = KvCase {
+        batch: 2,
+        seqlen_q: 1,
+        seqlen_new: 1,
+        heads: 8,
+        kv_heads: 2,
+        head_dim: 128,
+        causal: true,
+        page_size: Some(64),
+        max_pages: 40,
+        seqlens: vec![700, 1],
+        seed: 5,
+    };
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, h, hk, d) = (c.batch, c.heads, c.kv_heads, c.head_dim);
+    let mut st = make_kv_state::<T>(&c, &mut rng);
+    let q_layout = Layout::contiguous([b, 1, h, d]);
+    let new_layout = Layout::contiguous([b, 1, hk, d]);
+    let layout = cache_layout(&c, st.num_pages);
+    let mut k_cache = s
+        .clone_htod(&to_device_layout(&c, &st, &st.k_logical))
+        .map_err(e)?;
+    let mut v_cache = s
+        .clone_htod(&to_device_layout(&c, &st, &st.v_logical))
+        .map_err(e)?;
+    let table = s.clone_htod(&st.table).map_err(e)?;
+    let mut seqlens = s.clone_htod(&c.seqlens).map_err(e)?;
+    let mut q = s.alloc_zeros::<T>(b * h * d).map_err(e)?;
+    let mut k_new = s.alloc_zeros::<T>(b * hk * d).map_err(e)?;
+    let mut v_new = s.alloc_zeros::<T>(b * hk * d).map_err(e)?;
+    let mut o = s.alloc_zeros::<T>(b * h * d).map_err(e)?;
+    let shape = kv_decode_shape(&c);
+    let mut workspace = fa
+        .decode_workspace::<T>(&s, &shape)
+        .map_err(|x| x.to_string())?;
+    s.synchronize().map_err(e)?;
+
+    s.begin_capture(cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .map_err(e)?;
+    let captured = {
+        let mut cache = KvCache {
+            k: TensorMut::new(k_cache.as_view_mut(), layout),
+            v: TensorMut::new(v_cache.as_view_mut(), layout),
+            seqlens: seqlens.as_view(),
+            block_table: Some(BlockTable {
+                table: table.as_view(),
+                max_pages: c.max_pages,
+            }),
+        };
+        let (kn, vn) = (
+            TensorRef::new(k_new.as_view(), new_layout),
+            TensorRef::new(v_new.as_view(), new_layout),
+        );
+        fa.decode_kvcache(
+            &s,
+            &TensorRef::new(q.as_view(), q_layout),
+            &mut cache,
+            Some((&kn, &vn)),
+            &mut TensorMut::new(o.as_view_mut(), q_layout),
+            None,
+            &AttnOptions {
+                causal: true,
+                softmax_scale: None,
+            },
+            Some(&mut workspace),
+        )
+    };
+    let graph = s
+        .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+        .map_err(e)?;
+    captured.map_err(|x| x.to_string())?;
+    let graph = graph.ok_or("stream capture produced no graph")?;
+    if fa.decode_splits::<T>(&shape) < 2 {
+        return Err("the captured step should exercise split-KV and the combine kernel".into());
+    }
+
+    for step in 0..6 {
+        let q_host = random_values::<T>(&mut rng, b * h * d);
+        let kn_host = random_values::<T>(&mut rng, b * hk * d);
+        let vn_host = random_values::<T>(&mut rng, b * hk * d);
+        s.memcpy_htod(&q_host, &mut q).map_err(e)?;
+        s.memcpy_htod(&kn_host, &mut k_new).map_err(e)?;
+        s.memcpy_htod(&vn_host, &mut v_new).map_err(e)?;
+        s.memcpy_htod(&c.seqlens, &mut seqlens).map_err(e)?;
+        graph.launch().map_err(e)?;
+        s.synchronize().map_err(e)?;
+        append_logical(&c, &mut st, &kn_host, &vn_host);
+        let attended: Vec<i32> = c.seqlens.iter().map(|&n| n + 1).collect();
+        let want = reference::decode(
+            &shape,
+            &to_f64(&q_host),
+            &to_f64(&st.k_logical),
+            &to_f64(&st.v_logical),
+            &attended,
+        );
+        check_output(
+            &s.clone_dtoh(&o).map_err(e)?,
+            &q_layout,
+            &want.o,
+            &format!("graph step {step}"),
+        )?;
+        c.seqlens = attended;
+    }
+    Ok(())
+}
+
 fn head_dims() -> impl Strategy<Value = usize> {
     prop::sample::select(flash_attn::SUPPORTED_HEAD_DIMS.to_vec())
 }
@@ -512,6 +944,15 @@ fn main() {
             trials.push(Trial::test(concat!("decode_random_", $name), move || {
                 proptest_trial(&g, case_count(), decode_strategy(), run_decode::<$t>)
             }));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("kvcache_paged_append_random_", $name),
+                move || proptest_trial(&g, case_count(), kvcache_strategy(), run_kvcache::<$t>),
+            ));
+            trials.push(Trial::test(
+                concat!("kvcache_graph_replay_", $name),
+                move || graph_replay::<$t>().map_err(Failed::from),
+            ));
         }};
     }
     dtype_trials!(f16, "f16");

@@ -134,6 +134,10 @@ pub const COMBINE_THREADS: usize = 128;
 pub const COMBINE_ELEMS_PER_THREAD: usize = 4;
 /// Upper bound on KV splits; the combine kernel reads every split's LSE per row.
 pub const MAX_SPLITS: usize = 128;
+/// Threads of one KV-append CTA (one per 16-byte chunk).
+pub const APPEND_THREADS: usize = 128;
+/// Pages of a paged KV cache hold a multiple of this many tokens.
+pub const PAGE_SIZE_MULTIPLE: usize = 16;
 
 /// Query rows one combine CTA finishes for a head dimension.
 pub const fn combine_rows_per_cta(head_dim: usize) -> usize {
@@ -166,6 +170,9 @@ pub enum KernelKind {
     Decode,
     /// Merges the split-KV partial outputs of `Decode`.
     Combine,
+    /// Copies new K/V tokens into the cache before a decode step; moves bytes,
+    /// so one entry serves every dtype and head dim.
+    Append,
 }
 
 /// One compiled kernel entry point.
@@ -175,7 +182,7 @@ pub struct Entry {
     pub kind: KernelKind,
     pub dtype: Dtype,
     pub head_dim: usize,
-    /// Meaningless for `Combine`, which is always `false`.
+    /// Meaningless for `Combine` and `Append`, which are always `false`.
     pub causal: bool,
 }
 
@@ -184,20 +191,21 @@ impl Entry {
     pub const fn threads(&self) -> usize {
         match self.kind {
             KernelKind::Combine => COMBINE_THREADS,
+            KernelKind::Append => APPEND_THREADS,
             kind => AttnTile::of(kind, self.head_dim).threads(),
         }
     }
     /// Dynamic shared memory per CTA.
     pub const fn smem_bytes(&self) -> usize {
         match self.kind {
-            KernelKind::Combine => 0,
+            KernelKind::Combine | KernelKind::Append => 0,
             kind => AttnTile::of(kind, self.head_dim).smem_bytes(),
         }
     }
     /// Occupancy the PTX build requests with `.minnctapersm`, if any.
     pub const fn min_ctas_per_sm(&self) -> Option<usize> {
         match self.kind {
-            KernelKind::Combine => None,
+            KernelKind::Combine | KernelKind::Append => None,
             kind => Some(AttnTile::of(kind, self.head_dim).min_ctas_per_sm),
         }
     }
@@ -206,7 +214,8 @@ impl Entry {
 macro_rules! entry_table {
     ($( $name:literal => $kind:ident, $dtype:ident, $hd:literal, $causal:literal; )*) => {
         /// Every kernel entry point in the PTX. Names follow
-        /// `flash_{fwd|decode|combine}_{dtype}_hd{D}[_{causal|full}]`.
+        /// `flash_{fwd|decode|combine}_{dtype}_hd{D}[_{causal|full}]`, plus the
+        /// byte-moving `flash_append_kv` (dtype and head dim 0: any).
         pub const ENTRIES: &[Entry] = &[
             $( Entry { name: $name, kind: KernelKind::$kind, dtype: Dtype::$dtype, head_dim: $hd, causal: $causal }, )*
         ];
@@ -234,6 +243,7 @@ entry_table! {
     "flash_combine_f16_hd128" => Combine, F16, 128, false;
     "flash_combine_bf16_hd64" => Combine, Bf16, 64, false;
     "flash_combine_bf16_hd128" => Combine, Bf16, 128, false;
+    "flash_append_kv" => Append, F16, 0, false;
 }
 
 /// The entry point for a (kind, dtype, head dim, causal) combination.
@@ -243,7 +253,7 @@ pub fn find_entry(
     head_dim: usize,
     causal: bool,
 ) -> Option<&'static Entry> {
-    let causal = causal && kind != KernelKind::Combine;
+    let causal = causal && matches!(kind, KernelKind::Forward | KernelKind::Decode);
     ENTRIES.iter().find(|e| {
         e.kind == kind && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal
     })

@@ -49,6 +49,46 @@ pub struct AttnParams {
     pub num_splits: u32,
     /// softmax_scale * log2(e): the kernels work in the exp2 domain.
     pub scale_log2: f32,
+    /// Tokens appended to the cache just before this launch: sequence `b`
+    /// attends to `cache_seqlens[b] + seqlen_new` keys (decode).
+    pub seqlen_new: u32,
+    /// Paged cache (decode): [B, max_pages] i32 page indices, 0 for a
+    /// contiguous cache. K/V are then [num_pages, page_size, Hkv, D] and the
+    /// `batch` strides of `k_strides`/`v_strides` step from page to page.
+    pub block_table: u64,
+    pub max_pages: u32,
+    pub page_size: u32,
+    pub num_pages: u32,
+}
+
+/// Parameters of the KV-cache append kernel: copies K/V_new [B, Snew, Hkv, D]
+/// to positions `cache_seqlens[b]..+Snew` of the cache (contiguous or paged).
+/// One thread per 16-byte chunk of a (b, t, h) row; positions at or past the
+/// capacity are skipped.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct AppendParams {
+    pub k_new: u64,
+    pub v_new: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub cache_seqlens: u64,
+    /// As in [`AttnParams::block_table`]; 0 for a contiguous cache.
+    pub block_table: u64,
+    pub k_new_strides: BshStrides,
+    pub v_new_strides: BshStrides,
+    pub k_cache_strides: BshStrides,
+    pub v_cache_strides: BshStrides,
+    pub batch: u32,
+    pub seqlen_new: u32,
+    pub kv_heads: u32,
+    /// 16-byte chunks per row (head_dim / 8).
+    pub row_chunks: u32,
+    /// Tokens the cache can hold per sequence.
+    pub capacity: u32,
+    pub max_pages: u32,
+    pub page_size: u32,
+    pub num_pages: u32,
 }
 
 /// Parameters of the split-KV combine kernel. One thread group per (b, h, token)

@@ -62,6 +62,20 @@ pub fn ld_nc_v4_f32(p: u64) -> [f32; 4] {
     [a, b, c, d]
 }
 
+/// `ld.global.nc.v4.b32 {a,b,c,d}, [p];` 16 bytes of read-only data.
+#[inline(always)]
+pub fn ld_nc_v4_b32(p: u64) -> [u32; 4] {
+    let (a, b, c, d): (u32, u32, u32, u32);
+    unsafe {
+        asm!(
+            "ld.global.nc.v4.b32 {{{a}, {b}, {c}, {d}}}, [{p}];",
+            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
+            options(nostack, readonly, pure),
+        );
+    }
+    [a, b, c, d]
+}
+
 /// `ld.global.nc.s32 d, [p];`
 #[inline(always)]
 pub fn ld_nc_s32(p: u64) -> i32 {

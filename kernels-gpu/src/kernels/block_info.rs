@@ -68,7 +68,9 @@ impl BlockInfo {
         // cannot make the kernel read outside the cache.
         let seqlen_k = if p.cache_seqlens != 0 {
             let n = global::ld_nc_s32(p.cache_seqlens + batch as u64 * 4);
-            (n.max(0) as u32).min(p.seqlen_k)
+            (n.max(0) as u32)
+                .saturating_add(p.seqlen_new)
+                .min(p.seqlen_k)
         } else {
             p.seqlen_k
         };
@@ -140,6 +142,21 @@ impl BlockInfo {
     #[inline(always)]
     pub fn kv_row_ptr(&self, base: u64, s: &BshStrides, key: u32) -> u64 {
         row_ptr(base, s, self.batch, key, self.kv_head)
+    }
+
+    /// Start of key `key` of this CTA's sequence and KV head in a paged
+    /// [num_pages, page_size, Hkv, D] cache. Page indices are clamped to the
+    /// pool, so a bad block-table entry cannot make the kernel read outside it.
+    #[inline(always)]
+    pub fn paged_row_ptr(&self, p: &AttnParams, base: u64, s: &BshStrides, key: u32) -> u64 {
+        let page_size = p.page_size.max(1);
+        let slot = self.batch as u64 * p.max_pages as u64 + (key / page_size) as u64;
+        let page = global::ld_nc_s32(p.block_table + slot * 4)
+            .max(0)
+            .min(p.num_pages.max(1) as i32 - 1);
+        let off =
+            page as i64 * s.batch + (key % page_size) as i64 * s.row + self.kv_head as i64 * s.head;
+        base.wrapping_add((off * 2) as u64)
     }
 
     /// Largest key index CTA row `r` may attend to (negative: none).

@@ -1,10 +1,11 @@
 //! PTX entry points. Names must match `config::ENTRIES` (checked by the host's
 //! tests against the built PTX).
+use super::append::append_kv;
 use super::combine::combine;
 use super::element::{Bf16, F16};
 use super::mainloop::attention;
 use crate::config::{AttnTile, KernelKind};
-use crate::params::{AttnParams, CombineParams};
+use crate::params::{AppendParams, AttnParams, CombineParams};
 
 macro_rules! attention_entries {
     ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal, $kind:ident;)*) => {$(
@@ -57,4 +58,10 @@ combine_entries! {
     flash_combine_f16_hd128: F16, 128;
     flash_combine_bf16_hd64: Bf16, 64;
     flash_combine_bf16_hd128: Bf16, 128;
+}
+
+/// Dtype- and head-dim-agnostic: it moves 16-byte chunks.
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_append_kv(p: AppendParams) {
+    append_kv(&p)
 }

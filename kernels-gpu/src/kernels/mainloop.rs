@@ -123,7 +123,7 @@ pub fn attention<
     });
     cp_async::commit();
     if info.n_lo < info.n_hi {
-        load_kv::<D, DECODE>(t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
+        load_kv::<D, DECODE>(p, t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
     }
     cp_async::wait_group::<0>();
     barrier::sync_cta();
@@ -185,6 +185,7 @@ pub fn attention<
 /// Issues and commits the `cp.async` copies of key block `n` of K or V.
 #[inline(always)]
 fn load_kv<const D: usize, const DECODE: bool>(
+    p: &AttnParams,
     dst: SmemTile<D>,
     info: &BlockInfo,
     base: u64,
@@ -198,16 +199,37 @@ fn load_kv<const D: usize, const DECODE: bool>(
     }
     let tile = const { AttnTile::of(kind(DECODE), D) };
     let first = n * tile.block_n as u32;
-    let src = info.kv_row_ptr(base, strides, first);
     let valid = info.seqlen_k.saturating_sub(first);
-    dst.load_rows_async(
-        tile.block_n,
-        tile.threads(),
-        tid,
-        src,
-        strides.row as u64 * 2,
-        valid,
-    );
+    let paged = DECODE && p.block_table != 0;
+    let tile_in_one_page = p.page_size % tile.block_n as u32 == 0;
+    if paged && !tile_in_one_page {
+        // Pages smaller than a tile (or not aligned to it): each row looks up
+        // its own page.
+        dst.load_async(tile.block_n, tile.threads(), tid, base, |r| {
+            let key = first + r;
+            if key < info.seqlen_k {
+                Some(info.paged_row_ptr(p, base, strides, key))
+            } else {
+                None
+            }
+        });
+    } else {
+        // Contiguous, or a whole tile inside one page: one page lookup, then
+        // rows evenly strided as in a contiguous cache.
+        let src = if paged {
+            info.paged_row_ptr(p, base, strides, first)
+        } else {
+            info.kv_row_ptr(base, strides, first)
+        };
+        dst.load_rows_async(
+            tile.block_n,
+            tile.threads(),
+            tid,
+            src,
+            strides.row as u64 * 2,
+            valid,
+        );
+    }
     cp_async::commit();
 }
 
@@ -241,7 +263,7 @@ fn kv_block<
     // K(n) has landed and every warp is done with V(n+1): V(n) may be overwritten.
     cp_async::wait_group::<0>();
     barrier::sync_cta();
-    load_kv::<D, DECODE>(t.v, info, p.v, &p.v_strides, n, lane.tid);
+    load_kv::<D, DECODE>(p, t.v, info, p.v, &p.v_strides, n, lane.tid);
 
     // S = Q·K(n)ᵀ. Per k-step: one A fragment per m-tile, and one ldmatrix.x4
     // of K gives the B fragments of two 8-key n-tiles, shared by all m-tiles.
@@ -286,7 +308,7 @@ fn kv_block<
     cp_async::wait_group::<0>();
     barrier::sync_cta();
     if n > info.n_lo {
-        load_kv::<D, DECODE>(t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
+        load_kv::<D, DECODE>(p, t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
     }
 
     unroll::<MT>(|mt| w.softmax[mt].update(&mut s[mt], &mut w.o[mt], p.scale_log2));

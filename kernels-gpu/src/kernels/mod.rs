@@ -2,6 +2,7 @@
 //! and keys a CTA owns), mask, online softmax, mainloop, epilogue, and the
 //! split-KV combine. `entries` instantiates them as named PTX entry points.
 
+mod append;
 mod block_info;
 mod combine;
 mod element;

@@ -1,0 +1,78 @@
+//! Appends new K/V tokens to the KV cache in place, before a decode step
+//! attends to them (as `flash_attn_with_kvcache` does with `k`/`v`).
+use crate::arch::{global, special};
+use crate::config::{APPEND_THREADS, CHUNK_BYTES};
+use crate::params::{AppendParams, BshStrides};
+
+#[inline(always)]
+fn offset(s: &BshStrides, outer: u64, row: u64, head: u64) -> i64 {
+    outer as i64 * s.batch + row as i64 * s.row + head as i64 * s.head
+}
+
+/// One thread per 16-byte chunk of a (b, t, h) row of K_new and V_new.
+#[inline(always)]
+pub fn append_kv(p: &AppendParams) {
+    let idx =
+        special::block_idx_x() as u64 * APPEND_THREADS as u64 + special::thread_idx_x() as u64;
+    let chunks = p.row_chunks.max(1) as u64;
+    let (heads, new) = (p.kv_heads.max(1) as u64, p.seqlen_new.max(1) as u64);
+    if idx >= p.batch as u64 * new * heads * chunks {
+        return;
+    }
+    let (row, chunk) = (idx / chunks, idx % chunks);
+    let (row, head) = (row / heads, row % heads);
+    let (b, t) = (row / new, row % new);
+    let start = global::ld_nc_s32(p.cache_seqlens + b * 4).max(0) as u64;
+    let pos = start + t;
+    if pos >= p.capacity as u64 {
+        return;
+    }
+    // (outer index, row within it) of the cache slot: batch entry and position,
+    // or page and row within the page.
+    let (outer, slot) = if p.block_table != 0 {
+        let page_size = p.page_size.max(1) as u64;
+        let entry = b * p.max_pages as u64 + pos / page_size;
+        let page = global::ld_nc_s32(p.block_table + entry * 4)
+            .max(0)
+            .min(p.num_pages.max(1) as i32 - 1);
+        (page as u64, pos % page_size)
+    } else {
+        (b, pos)
+    };
+    let bytes = chunk * CHUNK_BYTES as u64;
+    copy_chunk(
+        p.k_new,
+        &p.k_new_strides,
+        p.k_cache,
+        &p.k_cache_strides,
+        (b, t, head),
+        (outer, slot),
+        bytes,
+    );
+    copy_chunk(
+        p.v_new,
+        &p.v_new_strides,
+        p.v_cache,
+        &p.v_cache_strides,
+        (b, t, head),
+        (outer, slot),
+        bytes,
+    );
+}
+
+/// Copies 16 bytes at `bytes` into row (b, t, head) of a new-token tensor to the
+/// same place in cache row (outer, slot, head).
+#[inline(always)]
+fn copy_chunk(
+    src: u64,
+    src_s: &BshStrides,
+    dst: u64,
+    dst_s: &BshStrides,
+    (b, t, head): (u64, u64, u64),
+    (outer, slot): (u64, u64),
+    bytes: u64,
+) {
+    let from = src.wrapping_add((offset(src_s, b, t, head) * 2) as u64) + bytes;
+    let to = dst.wrapping_add((offset(dst_s, outer, slot, head) * 2) as u64) + bytes;
+    global::st_v4_b32(to, global::ld_nc_v4_b32(from));
+}
