@@ -6,7 +6,7 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
@@ -100,6 +100,18 @@ fn strides(l: &Layout) -> BshStrides {
         batch: l.strides[0] as i64,
         row: l.strides[1] as i64,
         head: l.strides[2] as i64,
+    }
+}
+
+/// The device address of an optional output (0, which the kernels read as
+/// "not requested", when absent) and the guard that orders it on `stream`.
+fn optional_ptr_mut<'a>(
+    out: Option<&'a mut CudaViewMut<'_, f32>>,
+    stream: &'a CudaStream,
+) -> (u64, SyncOnDrop<'a>) {
+    match out {
+        Some(view) => view.device_ptr_mut(stream),
+        None => (0, SyncOnDrop::Record(None)),
     }
 }
 
@@ -202,13 +214,7 @@ impl FlashAttention {
             lse_len,
             opts,
         )?;
-        let (lse_ptr, _lse_sync) = match lse {
-            Some(l) => {
-                let (p, s) = l.device_ptr_mut(stream);
-                (p, Some(s))
-            }
-            None => (0, None),
-        };
+        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let kernel = self.kernel::<T>(KernelKind::Forward, shape.head_dim, shape.causal);
         let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
         let params = AttnParams {
@@ -348,11 +354,8 @@ impl FlashAttention {
         let (k_ptr, _k_sync) = cache.k.data.device_ptr_mut(stream);
         let (v_ptr, _v_sync) = cache.v.data.device_ptr_mut(stream);
         let (table_ptr, _t_sync) = match &cache.block_table {
-            Some(t) => {
-                let (p, s) = t.table.device_ptr(stream);
-                (p, Some(s))
-            }
-            None => (0, None),
+            Some(t) => t.table.device_ptr(stream),
+            None => (0, SyncOnDrop::Record(None)),
         };
         let new_ptrs = new_kv.map(|(k, v)| (k.data.device_ptr(stream), v.data.device_ptr(stream)));
         let o_len = o.data.len();
@@ -456,13 +459,7 @@ impl FlashAttention {
                 &mut owned
             }
         };
-        let (lse_ptr, _lse_sync) = match lse {
-            Some(l) => {
-                let (p, s) = l.device_ptr_mut(stream);
-                (p, Some(s))
-            }
-            None => (0, None),
-        };
+        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
