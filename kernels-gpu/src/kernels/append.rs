@@ -1,5 +1,6 @@
 //! Appends new K/V tokens to the KV cache in place, before a decode step
 //! attends to them (as `flash_attn_with_kvcache` does with `k`/`v`).
+use super::paging;
 use crate::arch::{global, special};
 use crate::config::{APPEND_THREADS, CHUNK_BYTES};
 use crate::params::{AppendParams, BshStrides};
@@ -30,12 +31,7 @@ pub fn append_kv(p: &AppendParams) {
     // (outer index, row within it) of the cache slot: batch entry and position,
     // or page and row within the page.
     let (outer, slot) = if p.block_table != 0 {
-        let page_size = p.page_size.max(1) as u64;
-        let entry = b * p.max_pages as u64 + pos / page_size;
-        let page = global::ld_nc_s32(p.block_table + entry * 4)
-            .max(0)
-            .min(p.num_pages.max(1) as i32 - 1);
-        (page as u64, pos % page_size)
+        paging::locate(p.block_table, p.max_pages, p.page_size, p.num_pages, b, pos)
     } else {
         (b, pos)
     };

@@ -1,4 +1,5 @@
 //! Which query rows and which key blocks one CTA owns.
+use super::paging;
 use crate::arch::{global, special};
 use crate::config::AttnTile;
 use crate::params::{AttnParams, BshStrides};
@@ -145,17 +146,18 @@ impl BlockInfo {
     }
 
     /// Start of key `key` of this CTA's sequence and KV head in a paged
-    /// [num_pages, page_size, Hkv, D] cache. Page indices are clamped to the
-    /// pool, so a bad block-table entry cannot make the kernel read outside it.
+    /// [num_pages, page_size, Hkv, D] cache (see [`paging::locate`]).
     #[inline(always)]
     pub fn paged_row_ptr(&self, p: &AttnParams, base: u64, s: &BshStrides, key: u32) -> u64 {
-        let page_size = p.page_size.max(1);
-        let slot = self.batch as u64 * p.max_pages as u64 + (key / page_size) as u64;
-        let page = global::ld_nc_s32(p.block_table + slot * 4)
-            .max(0)
-            .min(p.num_pages.max(1) as i32 - 1);
-        let off =
-            page as i64 * s.batch + (key % page_size) as i64 * s.row + self.kv_head as i64 * s.head;
+        let (page, row) = paging::locate(
+            p.block_table,
+            p.max_pages,
+            p.page_size,
+            p.num_pages,
+            self.batch as u64,
+            key as u64,
+        );
+        let off = page as i64 * s.batch + row as i64 * s.row + self.kv_head as i64 * s.head;
         base.wrapping_add((off * 2) as u64)
     }
 

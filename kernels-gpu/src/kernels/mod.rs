@@ -10,6 +10,7 @@ mod entries;
 mod epilogue;
 mod mainloop;
 mod mask;
+mod paging;
 mod smem_tile;
 mod softmax;
 mod unroll;
