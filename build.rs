@@ -285,6 +285,8 @@ fn build_arch(root: &Path, out_dir: &Path, rustc: &Path, arch: &str) -> Result<S
         "true"
     };
 
+    /// LLVM's default is 225.
+    const INLINE_THRESHOLD: u32 = 10_000;
     let mut cmd = Command::new(&cargo);
     cmd.current_dir(root.join(KERNEL_CRATE))
         .arg("rustc")
@@ -305,6 +307,11 @@ fn build_arch(root: &Path, out_dir: &Path, rustc: &Path, arch: &str) -> Result<S
         .arg("--")
         .arg("--emit=asm")
         .arg(format!("-Ctarget-cpu={arch}"))
+        // Every closure of the unrolled fragment loops must be inlined: one
+        // left as a call takes the address of the warp's accumulator arrays,
+        // which then live in local memory. LLVM's default threshold leaves
+        // some calls in the largest kernels, depending on what else the module holds.
+        .arg(format!("-Cllvm-args=-inline-threshold={INLINE_THRESHOLD}"))
         // Nothing is linked; `--emit=asm` output is all that is wanted.
         .arg(format!("-Clinker={linker}"));
     sanitize_env(&mut cmd);

@@ -1037,12 +1037,18 @@ mod config {
             assert_eq!(t.head_dim, hd);
             assert_eq!(hd % MMA_K, 0, "hd{hd}");
             assert_eq!(hd % CHUNK_ELEMS, 0, "hd{hd}");
-            assert_eq!(t.block_m, t.warps * t.m_tiles * MMA_M, "hd{hd}");
+            match t.split {
+                WarpSplit::Rows => assert_eq!(t.block_m, t.warps * t.m_tiles * MMA_M, "hd{hd}"),
+                WarpSplit::Keys => {
+                    assert_eq!(t.block_m, t.m_tiles * MMA_M, "hd{hd}");
+                    assert_eq!(t.block_n, t.warps * WARP_KEYS, "hd{hd}");
+                }
+            }
             assert_eq!(t.warp_rows(), t.m_tiles * MMA_M, "hd{hd}");
             assert_eq!(t.block_n % 16, 0, "hd{hd}");
             assert_eq!(t.threads(), t.warps * WARP_SIZE, "hd{hd}");
             assert!(
-                t.smem_bytes() <= 99 * 1024,
+                t.smem_bytes() <= MAX_SMEM_BYTES,
                 "hd{hd}: {} bytes exceed sm_86's 99 KB",
                 t.smem_bytes()
             );
@@ -1054,11 +1060,38 @@ mod config {
             assert_eq!((t.threads() / chunks) % SWIZZLE_ROWS, 0, "hd{hd}");
             assert_eq!((t.block_m * chunks) % t.threads(), 0, "hd{hd}");
             assert_eq!((t.block_n * chunks) % t.threads(), 0, "hd{hd}");
-            // Shared-memory regions are laid out back to back, 16-byte aligned.
-            assert_eq!(t.q_smem_offset(), 0);
-            assert_eq!(t.k_smem_offset(), t.q_smem_bytes());
+            // Shared-memory regions: the (K, V) ring of kv_stages stages, and Q
+            // either before it or inside its last stage; everything inside the
+            // CTA's allocation and 16-byte aligned.
+            assert!(t.kv_stages >= 1);
             assert_eq!(t.v_smem_offset(), t.k_smem_offset() + t.kv_smem_bytes());
-            assert_eq!(t.smem_bytes(), t.q_smem_bytes() + 2 * t.kv_smem_bytes());
+            assert_eq!(t.stage_bytes(), 2 * t.kv_smem_bytes());
+            let ring_end = t.ring_offset() + t.kv_stages * t.stage_bytes();
+            assert!(ring_end <= t.smem_bytes());
+            assert!(t.q_smem_offset() + t.q_smem_bytes() <= t.smem_bytes());
+            if t.q_smem_offset() >= t.ring_offset() {
+                // Q borrows the last stage, which the ring fills only after Q.
+                assert!(t.kv_stages > 1 && t.q_in_regs, "hd{hd}");
+                assert_eq!(
+                    t.q_smem_offset(),
+                    t.ring_offset() + (t.kv_stages - 1) * t.stage_bytes()
+                );
+                assert!(t.q_smem_bytes() <= t.stage_bytes());
+            } else {
+                assert!(t.q_smem_offset() + t.q_smem_bytes() <= t.ring_offset());
+            }
+            if t.split == WarpSplit::Keys {
+                assert!(
+                    t.kv_stages >= 2,
+                    "hd{hd}: the decode ring needs a stage in flight"
+                );
+                let stats = 2 * t.warps * t.block_m * 4;
+                assert_eq!(t.merge_stats_offset(), t.ring_offset() + t.merge_bytes());
+                assert!(t.merge_stats_offset() + stats <= t.smem_bytes());
+                assert_eq!(t.merge_row_bytes() % CHUNK_BYTES, 0);
+            }
+            assert_eq!(t.ring_offset() % CHUNK_BYTES, 0);
+            assert_eq!(t.q_smem_offset() % CHUNK_BYTES, 0);
             assert_eq!(t.k_smem_offset() % CHUNK_BYTES, 0);
             assert_eq!(t.v_smem_offset() % CHUNK_BYTES, 0);
 

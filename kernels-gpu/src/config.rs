@@ -30,52 +30,89 @@ pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
 /// Minimum compute capability: `cp.async`, `ldmatrix` and bf16 `mma.sync` are sm_80.
 pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
 
-/// Tile of one attention thread block (CTA). Each warp owns `m_tiles` x
-/// [`MMA_M`] consecutive query rows, so `block_m == warps * m_tiles * MMA_M`;
-/// K and V are streamed through shared memory in tiles of `block_n` keys.
+/// How the warps of a CTA share its work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WarpSplit {
+    /// Each warp owns `m_tiles` x [`MMA_M`] consecutive query rows and sees
+    /// every key of a block (prefill: many rows).
+    Rows,
+    /// All warps share the CTA's `m_tiles` x [`MMA_M`] rows and each takes
+    /// `block_n / warps` keys of every block; the warps' softmax states are
+    /// merged at the end (decode: a handful of rows, many keys).
+    Keys,
+}
+
+/// Tile of one attention thread block (CTA): `block_m` query rows, K and V
+/// streamed through shared memory in blocks of `block_n` keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnTile {
     pub head_dim: usize,
     pub block_m: usize,
     pub block_n: usize,
     pub warps: usize,
+    pub split: WarpSplit,
     /// 16-row MMA tiles per warp. Two halve the `ldmatrix` traffic per MMA (each
     /// K/V fragment feeds both) at the cost of twice the accumulators.
     pub m_tiles: usize,
     /// Keep Q's A fragments in registers for the whole CTA (else re-read them
     /// from shared memory at every key block, to leave registers to O).
     pub q_in_regs: bool,
+    /// (K, V) block buffers in shared memory. 1: FlashAttention-2's interleaving
+    /// (V(n) loads during Q·K(n)ᵀ, K(n-1) during P·V(n)); more: a ring with
+    /// `kv_stages - 1` blocks in flight while one is consumed.
+    pub kv_stages: usize,
     /// CTAs that must fit on one SM (`.minnctapersm`): caps registers at
     /// 64K / (threads * this). Without it ptxas picks its own occupancy target
     /// and may spill to reach it.
     pub min_ctas_per_sm: usize,
 }
 
+/// Keys one warp of a [`WarpSplit::Keys`] tile takes from each block: one
+/// k-step of P·V.
+pub const WARP_KEYS: usize = MMA_K;
+
+/// Largest dynamic shared memory of one CTA on every supported GPU (sm_86/89
+/// allow 99 KB; sm_80 163 KB, sm_90 227 KB).
+pub const MAX_SMEM_BYTES: usize = 99 * 1024;
+
 impl AttnTile {
     /// The tile of a kernel family for a head dimension, `None` when that head
     /// dimension is not compiled.
     pub const fn for_kernel(kind: KernelKind, head_dim: usize) -> Option<AttnTile> {
-        let (m_tiles, q_in_regs, block_n) = match (kind, head_dim) {
-            // Decode has few query rows (new tokens x heads per KV head): one
-            // m-tile per warp wastes the least MMA work.
-            (KernelKind::Decode | KernelKind::Combine, 64 | 128) => (1, true, 64),
-            (KernelKind::Forward, 64) => (2, false, 64),
-            // 2 x 16 rows of D=128 accumulators (128 registers) leave no room
-            // for Q's 64 fragment registers.
-            (KernelKind::Forward, 128) => (2, false, 32),
-            _ => return None,
-        };
         let warps = 4;
+        let (split, m_tiles, q_in_regs, block_n, kv_stages, min_ctas_per_sm) =
+            match (kind, head_dim) {
+                // Decode is memory-bound with few query rows: one m-tile shared by
+                // all warps wastes the least MMA work, and the ring keeps blocks in
+                // flight while one is consumed. Two 32 KB stages measured
+                // faster than three (docs/perf-notes.md, v6).
+                (KernelKind::Decode | KernelKind::Combine, 64) => {
+                    (WarpSplit::Keys, 1, true, 64, 3, 2)
+                }
+                (KernelKind::Decode | KernelKind::Combine, 128) => {
+                    (WarpSplit::Keys, 1, true, 64, 2, 2)
+                }
+                (KernelKind::Forward, 64) => (WarpSplit::Rows, 2, false, 64, 1, 2),
+                // 2 x 16 rows of D=128 accumulators (128 registers) leave no room
+                // for Q's 64 fragment registers, nor for S of 64-key blocks; the
+                // two CTAs per SM get the full 255-register budget.
+                (KernelKind::Forward, 128) => (WarpSplit::Rows, 2, false, 32, 1, 2),
+                _ => return None,
+            };
+        let block_m = match split {
+            WarpSplit::Rows => warps * m_tiles * MMA_M,
+            WarpSplit::Keys => m_tiles * MMA_M,
+        };
         Some(AttnTile {
             head_dim,
-            block_m: warps * m_tiles * MMA_M,
+            block_m,
             block_n,
             warps,
+            split,
             m_tiles,
             q_in_regs,
-            // 64K registers / (2 x 128 threads) = 256: the full per-thread
-            // budget, which two 32-row m-tiles of D=128 need.
-            min_ctas_per_sm: 2,
+            kv_stages,
+            min_ctas_per_sm,
         })
     }
 
@@ -111,20 +148,64 @@ impl AttnTile {
     pub const fn kv_smem_bytes(self) -> usize {
         self.block_n * self.head_dim * ELEM_BYTES
     }
-    /// Byte offsets of the Q, K and V tiles in dynamic shared memory. The O tile
-    /// of the epilogue reuses the Q region.
+    /// One (K, V) stage of the ring.
+    pub const fn stage_bytes(self) -> usize {
+        2 * self.kv_smem_bytes()
+    }
+    /// Byte offset of the (K, V) ring: after Q, or at 0 when Q borrows the
+    /// last stage (a ring deeper than one stage is not filled until Q's
+    /// fragments are in registers).
+    pub const fn ring_offset(self) -> usize {
+        if self.q_shares_ring() {
+            0
+        } else {
+            self.q_smem_bytes()
+        }
+    }
+    const fn q_shares_ring(self) -> bool {
+        self.kv_stages > 1 && self.q_in_regs
+    }
+    /// Byte offsets of the Q tile and of stage `s`'s K and V tiles in dynamic
+    /// shared memory. The O tile of the forward epilogue reuses the Q region.
     pub const fn q_smem_offset(self) -> usize {
-        0
+        if self.q_shares_ring() {
+            self.ring_offset() + (self.kv_stages - 1) * self.stage_bytes()
+        } else {
+            0
+        }
     }
     pub const fn k_smem_offset(self) -> usize {
-        self.q_smem_bytes()
+        self.ring_offset()
     }
     pub const fn v_smem_offset(self) -> usize {
         self.k_smem_offset() + self.kv_smem_bytes()
     }
+    /// Row stride of the f32 [warps][block_m][head_dim] tile in which a
+    /// [`WarpSplit::Keys`] CTA merges its warps' O; padded by one 16-byte chunk
+    /// so the 8 rows an accumulator store touches fall on different banks.
+    pub const fn merge_row_bytes(self) -> usize {
+        self.head_dim * 4 + CHUNK_BYTES
+    }
+    /// The merge tile (at the start of the ring), then each warp's row maxima
+    /// and sums: [2][warps][block_m] f32.
+    pub const fn merge_bytes(self) -> usize {
+        self.warps * self.block_m * self.merge_row_bytes()
+    }
+    pub const fn merge_stats_offset(self) -> usize {
+        self.ring_offset() + self.merge_bytes()
+    }
     /// Dynamic shared memory of one CTA.
     pub const fn smem_bytes(self) -> usize {
-        self.v_smem_offset() + self.kv_smem_bytes()
+        let ring = self.ring_offset() + self.kv_stages * self.stage_bytes();
+        let merge = match self.split {
+            WarpSplit::Rows => 0,
+            WarpSplit::Keys => self.merge_stats_offset() + 2 * self.warps * self.block_m * 4,
+        };
+        if ring > merge {
+            ring
+        } else {
+            merge
+        }
     }
 }
 

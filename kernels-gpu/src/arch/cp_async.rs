@@ -34,3 +34,20 @@ pub fn wait_group<const N: u32>() {
         asm!("cp.async.wait_group {n};", n = const N, options(nostack));
     }
 }
+
+/// [`wait_group`] for a pending count that is a constant only after inlining
+/// (a tile's ring depth, which stable Rust cannot put in a const argument).
+/// Counts above 7 wait for everything, which is always safe.
+#[inline(always)]
+pub fn wait_pending(n: u32) {
+    match n {
+        1 => wait_group::<1>(),
+        2 => wait_group::<2>(),
+        3 => wait_group::<3>(),
+        4 => wait_group::<4>(),
+        5 => wait_group::<5>(),
+        6 => wait_group::<6>(),
+        7 => wait_group::<7>(),
+        _ => wait_group::<0>(),
+    }
+}

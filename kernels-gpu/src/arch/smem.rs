@@ -23,6 +23,28 @@ pub fn st_b32(addr: u32, v: u32) {
     }
 }
 
+/// `st.shared.v2.b32 [addr], {a,b};` 8 bytes, `addr` 8-byte aligned.
+#[inline(always)]
+pub fn st_v2_b32(addr: u32, a: u32, b: u32) {
+    unsafe {
+        asm!(
+            "st.shared.v2.b32 [{p}], {{{a}, {b}}};",
+            p = in(reg32) addr, a = in(reg32) a, b = in(reg32) b,
+            options(nostack),
+        );
+    }
+}
+
+/// `ld.shared.b32 v, [addr];`
+#[inline(always)]
+pub fn ld_b32(addr: u32) -> u32 {
+    let v: u32;
+    unsafe {
+        asm!("ld.shared.b32 {v}, [{a}];", v = out(reg32) v, a = in(reg32) addr, options(nostack, readonly));
+    }
+    v
+}
+
 /// `ld.shared.v4.b32 {x,y,z,w}, [addr];` 16 bytes, `addr` 16-byte aligned.
 #[inline(always)]
 pub fn ld_v4_b32(addr: u32) -> [u32; 4] {

@@ -157,6 +157,12 @@ impl BlockInfo {
             self.batch as u64,
             key as u64,
         );
+        self.page_row_ptr(base, s, page, row)
+    }
+
+    /// Start of row `row` of page `page` for this CTA's KV head.
+    #[inline(always)]
+    pub fn page_row_ptr(&self, base: u64, s: &BshStrides, page: u64, row: u64) -> u64 {
         let off = page as i64 * s.batch + row as i64 * s.row + self.kv_head as i64 * s.head;
         base.wrapping_add((off * 2) as u64)
     }

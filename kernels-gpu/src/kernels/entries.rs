@@ -2,46 +2,59 @@
 //! tests against the built PTX).
 use super::append::append_kv;
 use super::combine::combine;
+use super::decode::decode;
 use super::element::{Bf16, F16};
 use super::mainloop::attention;
 use crate::config::{AttnTile, KernelKind};
 use crate::params::{AppendParams, AttnParams, CombineParams};
 
-macro_rules! attention_entries {
-    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal, $kind:ident;)*) => {$(
+macro_rules! forward_entries {
+    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal;)*) => {$(
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn $name(p: AttnParams) {
             attention::<
                 $elem,
                 $d,
-                { AttnTile::of(KernelKind::$kind, $d).m_tiles },
+                { AttnTile::of(KernelKind::Forward, $d).m_tiles },
                 { $d / 16 },
                 { $d / 8 },
-                { AttnTile::of(KernelKind::$kind, $d).block_n / 8 },
+                { AttnTile::of(KernelKind::Forward, $d).block_n / 8 },
                 $causal,
-                { matches!(KernelKind::$kind, KernelKind::Decode) },
+                false,
             >(&p)
         }
     )*};
 }
 
-attention_entries! {
-    flash_fwd_f16_hd64_full: F16, 64, causal = false, Forward;
-    flash_fwd_f16_hd64_causal: F16, 64, causal = true, Forward;
-    flash_fwd_f16_hd128_full: F16, 128, causal = false, Forward;
-    flash_fwd_f16_hd128_causal: F16, 128, causal = true, Forward;
-    flash_fwd_bf16_hd64_full: Bf16, 64, causal = false, Forward;
-    flash_fwd_bf16_hd64_causal: Bf16, 64, causal = true, Forward;
-    flash_fwd_bf16_hd128_full: Bf16, 128, causal = false, Forward;
-    flash_fwd_bf16_hd128_causal: Bf16, 128, causal = true, Forward;
-    flash_decode_f16_hd64_full: F16, 64, causal = false, Decode;
-    flash_decode_f16_hd64_causal: F16, 64, causal = true, Decode;
-    flash_decode_f16_hd128_full: F16, 128, causal = false, Decode;
-    flash_decode_f16_hd128_causal: F16, 128, causal = true, Decode;
-    flash_decode_bf16_hd64_full: Bf16, 64, causal = false, Decode;
-    flash_decode_bf16_hd64_causal: Bf16, 64, causal = true, Decode;
-    flash_decode_bf16_hd128_full: Bf16, 128, causal = false, Decode;
-    flash_decode_bf16_hd128_causal: Bf16, 128, causal = true, Decode;
+macro_rules! decode_entries {
+    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal;)*) => {$(
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn $name(p: AttnParams) {
+            decode::<$elem, $d, { $d / 16 }, { $d / 8 }, $causal>(&p)
+        }
+    )*};
+}
+
+forward_entries! {
+    flash_fwd_f16_hd64_full: F16, 64, causal = false;
+    flash_fwd_f16_hd64_causal: F16, 64, causal = true;
+    flash_fwd_f16_hd128_full: F16, 128, causal = false;
+    flash_fwd_f16_hd128_causal: F16, 128, causal = true;
+    flash_fwd_bf16_hd64_full: Bf16, 64, causal = false;
+    flash_fwd_bf16_hd64_causal: Bf16, 64, causal = true;
+    flash_fwd_bf16_hd128_full: Bf16, 128, causal = false;
+    flash_fwd_bf16_hd128_causal: Bf16, 128, causal = true;
+}
+
+decode_entries! {
+    flash_decode_f16_hd64_full: F16, 64, causal = false;
+    flash_decode_f16_hd64_causal: F16, 64, causal = true;
+    flash_decode_f16_hd128_full: F16, 128, causal = false;
+    flash_decode_f16_hd128_causal: F16, 128, causal = true;
+    flash_decode_bf16_hd64_full: Bf16, 64, causal = false;
+    flash_decode_bf16_hd64_causal: Bf16, 64, causal = true;
+    flash_decode_bf16_hd128_full: Bf16, 128, causal = false;
+    flash_decode_bf16_hd128_causal: Bf16, 128, causal = true;
 }
 
 macro_rules! combine_entries {

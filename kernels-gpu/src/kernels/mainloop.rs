@@ -26,7 +26,7 @@ pub struct Lane {
 
 impl Lane {
     #[inline(always)]
-    fn current() -> Lane {
+    pub fn current() -> Lane {
         let tid = special::thread_idx_x();
         Lane {
             tid,

@@ -5,6 +5,7 @@
 mod append;
 mod block_info;
 mod combine;
+mod decode;
 mod element;
 mod entries;
 mod epilogue;

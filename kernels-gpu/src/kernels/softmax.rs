@@ -76,6 +76,18 @@ impl OnlineSoftmax {
         });
     }
 
+    /// Per row: the running max in the scaled log2 domain (-inf for a row
+    /// that saw no key) and the full row sum l (reduced over the row's lanes).
+    #[inline(always)]
+    pub fn row_stats(&self, scale_log2: f32) -> ([f32; 2], [f32; 2]) {
+        let (mut m, mut l) = ([0.0; 2], [0.0; 2]);
+        unroll::<2>(|r| {
+            m[r] = self.m[r] * scale_log2;
+            l[r] = quad_sum(self.l[r]);
+        });
+        (m, l)
+    }
+
     /// Returns, per row, 1/l (0 for a row that saw no key, whose O is then 0)
     /// and the natural-log LSE (-inf for such a row).
     #[inline(always)]

@@ -1,0 +1,348 @@
+//! The flash-decoding CTA: a few query rows (the query heads of one KV head
+//! times the new tokens, packed), many keys, so the kernel is bound by HBM
+//! reads of K and V.
+//!
+//! All warps share the CTA's 16 rows; each takes its own 16-key slice of every
+//! 64-key block, so no warp computes on rows it does not have and the MMA work
+//! per byte stays small. K/V blocks stream through a ring of `kv_stages`
+//! shared-memory stages with `kv_stages - 1` blocks in flight (one barrier per
+//! block). At the end the warps' softmax states (m, l, O) are merged through
+//! shared memory and written as the final O or as this split's partial.
+use super::block_info::BlockInfo;
+use super::element::Element;
+use super::mainloop::Lane;
+use super::mask;
+use super::paging;
+use super::smem_tile::{FragAddr, SmemTile};
+use super::softmax::OnlineSoftmax;
+use super::unroll::unroll;
+use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
+use crate::config::{
+    AttnTile, KernelKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, ELEM_BYTES, MMA_K, MMA_M, MMA_N,
+    WARP_KEYS,
+};
+use crate::params::AttnParams;
+
+/// ln(2): converts the log2-domain LSE back to natural log.
+const LN_2: f32 = core::f32::consts::LN_2;
+/// 8-key n-tiles of S in one warp's slice.
+const SLICE_TILES: usize = WARP_KEYS / MMA_N;
+
+/// One decode CTA. `QK = D/16` (k-steps of Q·Kᵀ), `OT = D/8` (n-tiles of O).
+#[inline(always)]
+pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, const CAUSAL: bool>(
+    p: &AttnParams,
+) {
+    let tile = const { AttnTile::of(KernelKind::Decode, D) };
+    const {
+        let t = AttnTile::of(KernelKind::Decode, D);
+        assert!(QK * MMA_K == D && OT * MMA_N == D);
+        assert!(matches!(t.split, WarpSplit::Keys) && t.m_tiles == 1 && t.block_m == MMA_M);
+        assert!(t.block_n == t.warps * WARP_KEYS && t.q_in_regs && t.kv_stages >= 2);
+        assert!(SLICE_TILES == 2);
+    }
+    let lane = Lane::current();
+    let info = BlockInfo::new::<CAUSAL>(p, tile, true, false);
+    let base = smem::base();
+    let stages = tile.kv_stages as u32;
+    let stage_bytes = tile.stage_bytes() as u32;
+    let blocks = info.n_hi - info.n_lo;
+    // Blocks are visited from the last to the first, so the one that may need
+    // the ragged-end or causal mask comes first.
+    let block = |i: u32| info.n_hi - 1 - i;
+    let slot = |s: u32| base + tile.ring_offset() as u32 + s * stage_bytes;
+
+    let q_tile = SmemTile::<D> {
+        base: base + tile.q_smem_offset() as u32,
+    };
+    q_tile.load_async(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
+        info.q_row_ptr(p.q, &p.q_strides, r)
+    });
+    cp_async::commit();
+    let mut i = 0;
+    while i + 1 < stages {
+        if i < blocks {
+            load_block::<D>(p, &info, tile, slot(i), block(i), lane.tid);
+        }
+        cp_async::commit();
+        i += 1;
+    }
+    // Q's group is the oldest; the last stage it borrows is first refilled
+    // after the loop's first barrier, when every warp holds Q in registers.
+    cp_async::wait_pending(stages - 1);
+    barrier::sync_cta();
+    let frag = FragAddr::<D>::new(base, lane.lane);
+    let mut q = [[0u32; 4]; QK];
+    unroll::<QK>(|kk| {
+        q[kk] = ldmatrix::x4(frag.at(tile.q_smem_offset(), 0, kk as u32 * 2));
+    });
+
+    let mut o = [[0f32; 4]; OT];
+    let mut softmax = OnlineSoftmax::new();
+    let slice = lane.warp * (WARP_KEYS * D * ELEM_BYTES) as u32;
+    let (mut read, mut write) = (0, stages - 1);
+    let mut i = 0;
+    while i < blocks {
+        // Block i has landed, and every warp is done with block i - 1, whose
+        // stage is refilled now.
+        cp_async::wait_pending(stages - 2);
+        barrier::sync_cta();
+        if i + stages - 1 < blocks {
+            load_block::<D>(p, &info, tile, slot(write), block(i + stages - 1), lane.tid);
+        }
+        cp_async::commit();
+        let n = block(i);
+        let kv = read * stage_bytes + slice;
+        // S = Q·K_sliceᵀ: one ldmatrix.x4 of K gives both 8-key n-tiles of a k-step.
+        let mut s = [[0f32; 4]; SLICE_TILES];
+        unroll::<QK>(|kk| {
+            let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), 0, kk as u32 * 2) + kv);
+            T::mma(&mut s[0], &q[kk], b[0], b[2]);
+            T::mma(&mut s[1], &q[kk], b[1], b[3]);
+        });
+        if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
+            let limits = [0, 1].map(|r| info.key_limit::<CAUSAL>(lane.group() + 8 * r));
+            let key0 = n * tile.block_n as u32 + lane.warp * WARP_KEYS as u32 + 2 * lane.pair();
+            mask::apply(&mut s, key0 as i32, limits);
+        }
+        softmax.update(&mut s, &mut o, p.scale_log2);
+        // O += P·V_slice: the slice is exactly one k-step, P its A fragment.
+        let a = [
+            T::pack(s[0][0], s[0][1]),
+            T::pack(s[0][2], s[0][3]),
+            T::pack(s[1][0], s[1][1]),
+            T::pack(s[1][2], s[1][3]),
+        ];
+        unroll::<OT>(|d| {
+            if d % 2 == 0 {
+                let b = ldmatrix::x4_trans(frag.at(tile.v_smem_offset(), 0, d as u32) + kv);
+                T::mma(&mut o[d], &a, b[0], b[1]);
+                T::mma(&mut o[d + 1], &a, b[2], b[3]);
+            }
+        });
+        read = if read + 1 == stages { 0 } else { read + 1 };
+        write = if write + 1 == stages { 0 } else { write + 1 };
+        i += 1;
+    }
+
+    merge_warps::<D, OT>(p, tile, lane, base, &softmax, &mut o);
+    write_rows::<T, D>(p, &info, tile, lane, base);
+}
+
+/// Issues the `cp.async` copies of K and V block `n` into the stage at
+/// `stage`, committed by the caller as one group.
+#[inline(always)]
+fn load_block<const D: usize>(
+    p: &AttnParams,
+    info: &BlockInfo,
+    tile: AttnTile,
+    stage: u32,
+    n: u32,
+    tid: u32,
+) {
+    let k_tile = SmemTile::<D> {
+        base: stage + tile.k_smem_offset() as u32,
+    };
+    let v_tile = SmemTile::<D> {
+        base: stage + tile.v_smem_offset() as u32,
+    };
+    let first = n * tile.block_n as u32;
+    let paged = p.block_table != 0;
+    if paged && p.page_size % tile.block_n as u32 != 0 {
+        // Pages smaller than a block: each row looks up its page once for K and V.
+        let chunks = tile.row_chunks() as u32;
+        let per_thread = tile.block_n * tile.row_chunks() / tile.threads();
+        let mut c = 0;
+        while c < per_thread {
+            let idx = tid + (c * tile.threads()) as u32;
+            let (row, chunk) = (idx / chunks, idx % chunks);
+            let key = first + row;
+            let chunk_off = chunk as u64 * CHUNK_BYTES as u64;
+            if key < info.seqlen_k {
+                let k = info.paged_row_ptr(p, p.k, &p.k_strides, key) + chunk_off;
+                let v = info.paged_row_ptr(p, p.v, &p.v_strides, key) + chunk_off;
+                cp_async::cg_16(k_tile.chunk_addr(row, chunk), k, CHUNK_BYTES as u32);
+                cp_async::cg_16(v_tile.chunk_addr(row, chunk), v, CHUNK_BYTES as u32);
+            } else {
+                cp_async::cg_16(k_tile.chunk_addr(row, chunk), p.k, 0);
+                cp_async::cg_16(v_tile.chunk_addr(row, chunk), p.v, 0);
+            }
+            c += 1;
+        }
+        return;
+    }
+    // Contiguous, or a whole block inside one page: rows evenly strided.
+    let (k, v) = if paged {
+        let (page, row) = paging::locate(
+            p.block_table,
+            p.max_pages,
+            p.page_size,
+            p.num_pages,
+            info.batch as u64,
+            first as u64,
+        );
+        (
+            info.page_row_ptr(p.k, &p.k_strides, page, row),
+            info.page_row_ptr(p.v, &p.v_strides, page, row),
+        )
+    } else {
+        (
+            info.kv_row_ptr(p.k, &p.k_strides, first),
+            info.kv_row_ptr(p.v, &p.v_strides, first),
+        )
+    };
+    let valid = info.seqlen_k.saturating_sub(first);
+    let (rows, threads) = (tile.block_n, tile.threads());
+    k_tile.load_rows_async(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
+    v_tile.load_rows_async(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
+}
+
+/// Shared-memory address of warp `w`'s statistic `stat` (0: m, 1: l) of row `row`.
+#[inline(always)]
+fn stat_addr(tile: AttnTile, base: u32, stat: u32, w: u32, row: u32) -> u32 {
+    let (warps, rows) = (tile.warps as u32, tile.block_m as u32);
+    base + tile.merge_stats_offset() as u32 + ((stat * warps + w) * rows + row) * 4
+}
+
+/// Address of element `col` of row `row` of warp `w`'s f32 O in the merge tile.
+#[inline(always)]
+fn merge_addr(tile: AttnTile, base: u32, w: u32, row: u32, col: u32) -> u32 {
+    let row_bytes = tile.merge_row_bytes() as u32;
+    base + tile.ring_offset() as u32 + (w * tile.block_m as u32 + row) * row_bytes + col * 4
+}
+
+/// The merged statistics of `row` over all warps: M = max m_w (log2 domain,
+/// scaled) and L = Σ l_w·2^(m_w - M). L = 0 for a row that saw no key.
+#[inline(always)]
+fn merged_stats(tile: AttnTile, base: u32, row: u32) -> (f32, f32) {
+    let warps = tile.warps as u32;
+    let mut m = f32::NEG_INFINITY;
+    for w in 0..warps {
+        m = m.max(f32::from_bits(smem::ld_b32(stat_addr(
+            tile, base, 0, w, row,
+        ))));
+    }
+    let mut l = 0.0;
+    if m != f32::NEG_INFINITY {
+        for w in 0..warps {
+            let mw = f32::from_bits(smem::ld_b32(stat_addr(tile, base, 0, w, row)));
+            let lw = f32::from_bits(smem::ld_b32(stat_addr(tile, base, 1, w, row)));
+            l = math::fma(lw, math::ex2(mw - m), l);
+        }
+    }
+    (m, l)
+}
+
+/// Publishes each warp's (m, l) and its O scaled by 2^(m_w - M) / L, so the
+/// CTA's O is the plain sum of the warps' tiles.
+#[inline(always)]
+fn merge_warps<const D: usize, const OT: usize>(
+    p: &AttnParams,
+    tile: AttnTile,
+    lane: Lane,
+    base: u32,
+    softmax: &OnlineSoftmax,
+    o: &mut [[f32; 4]; OT],
+) {
+    // The ring is reused: no copy may still be landing and no warp reading it.
+    cp_async::wait_group::<0>();
+    barrier::sync_cta();
+    let rows = [0, 1].map(|r| lane.group() + 8 * r);
+    let (m_w, l_w) = softmax.row_stats(p.scale_log2);
+    if lane.pair() == 0 {
+        unroll::<2>(|r| {
+            smem::st_b32(
+                stat_addr(tile, base, 0, lane.warp, rows[r]),
+                m_w[r].to_bits(),
+            );
+            smem::st_b32(
+                stat_addr(tile, base, 1, lane.warp, rows[r]),
+                l_w[r].to_bits(),
+            );
+        });
+    }
+    barrier::sync_cta();
+    unroll::<2>(|r| {
+        let (m, l) = merged_stats(tile, base, rows[r]);
+        let weight = if l > 0.0 {
+            math::ex2(m_w[r] - m) * math::rcp(l)
+        } else {
+            0.0
+        };
+        unroll::<OT>(|d| {
+            let col = d as u32 * MMA_N as u32 + 2 * lane.pair();
+            smem::st_v2_b32(
+                merge_addr(tile, base, lane.warp, rows[r], col),
+                (o[d][2 * r] * weight).to_bits(),
+                (o[d][2 * r + 1] * weight).to_bits(),
+            );
+        });
+    });
+    barrier::sync_cta();
+}
+
+/// Sums the warps' merged O tiles and writes each valid row: the final O in
+/// the output dtype (and its LSE if requested), or this split's f32 partial
+/// and LSE for the combine kernel. 16-byte stores.
+#[inline(always)]
+fn write_rows<T: Element, const D: usize>(
+    p: &AttnParams,
+    info: &BlockInfo,
+    tile: AttnTile,
+    lane: Lane,
+    base: u32,
+) {
+    const { assert!(CHUNK_ELEMS == 8) };
+    let chunks = tile.row_chunks() as u32;
+    let per_thread = tile.block_m * tile.row_chunks() / tile.threads();
+    let split = p.num_splits > 1;
+    let rows_per_split = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
+    for c in 0..per_thread {
+        let idx = lane.tid + (c * tile.threads()) as u32;
+        let (row, chunk) = (idx / chunks, idx % chunks);
+        let Some(token) = info.token(row) else {
+            continue;
+        };
+        let mut acc = [0f32; CHUNK_ELEMS];
+        for w in 0..tile.warps as u32 {
+            let addr = merge_addr(tile, base, w, row, chunk * CHUNK_ELEMS as u32);
+            let (lo, hi) = (smem::ld_v4_b32(addr), smem::ld_v4_b32(addr + 16));
+            unroll::<4>(|e| {
+                acc[e] += f32::from_bits(lo[e]);
+                acc[e + 4] += f32::from_bits(hi[e]);
+            });
+        }
+        let lse_index = info.lse_index(p.heads, row, token);
+        if split {
+            let index = info.split as u64 * rows_per_split + lse_index;
+            let dst = p.o_accum + (index * D as u64 + (chunk * CHUNK_ELEMS as u32) as u64) * 4;
+            let (mut lo, mut hi) = ([0u32; 4], [0u32; 4]);
+            unroll::<4>(|e| {
+                lo[e] = acc[e].to_bits();
+                hi[e] = acc[e + 4].to_bits();
+            });
+            global::st_v4_b32(dst, lo);
+            global::st_v4_b32(dst + 16, hi);
+        } else if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
+            let mut packed = [0u32; 4];
+            unroll::<4>(|e| packed[e] = T::pack(acc[2 * e], acc[2 * e + 1]));
+            global::st_v4_b32(dst + chunk as u64 * CHUNK_BYTES as u64, packed);
+        }
+        if chunk == 0 && (split || p.lse != 0) {
+            let (m, l) = merged_stats(tile, base, row);
+            let lse = if l > 0.0 {
+                (m + math::lg2(l)) * LN_2
+            } else {
+                f32::NEG_INFINITY
+            };
+            if split {
+                global::st_f32(
+                    p.lse_accum + (info.split as u64 * rows_per_split + lse_index) * 4,
+                    lse,
+                );
+            } else {
+                global::st_f32(p.lse + lse_index * 4, lse);
+            }
+        }
+    }
+}
