@@ -5,10 +5,7 @@
 //! launch-parameter layouts as the kernels, so launch geometry cannot drift.
 //! Everything under `arch` and `kernels` exists only on `nvptx64`.
 #![no_std]
-#![cfg_attr(
-    target_arch = "nvptx64",
-    feature(abi_ptx, stdarch_nvptx, asm_experimental_arch)
-)]
+#![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 
 pub mod config;
 pub mod params;

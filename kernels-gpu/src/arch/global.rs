@@ -22,14 +22,6 @@ pub fn st_v2_b32(p: u64, a: u32, b: u32) {
     }
 }
 
-/// `st.global.v2.f32 [p], {a,b};` 8 bytes, `p` 8-byte aligned.
-#[inline(always)]
-pub fn st_v2_f32(p: u64, a: f32, b: f32) {
-    unsafe {
-        asm!("st.global.v2.f32 [{p}], {{{a}, {b}}};", p = in(reg64) p, a = in(reg32) a, b = in(reg32) b, options(nostack));
-    }
-}
-
 /// `st.global.f32 [p], v;`
 #[inline(always)]
 pub fn st_f32(p: u64, v: f32) {

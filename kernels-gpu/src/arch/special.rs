@@ -1,15 +1,18 @@
 //! Special registers and control.
 use core::arch::asm;
-use core::arch::nvptx;
 
-/// `%tid.x`
+// The thread and CTA coordinates are read with non-pure `mov`s: LLVM then
+// re-reads them where they are needed (a cheap S2R) instead of keeping them,
+// or addresses built from them, live in registers across the whole key loop
+// for the epilogue.
+
+/// `mov.u32 %r, %tid.x;`
 #[inline(always)]
 pub fn thread_idx_x() -> u32 {
-    unsafe { nvptx::_thread_idx_x() as u32 }
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %tid.x;", r = out(reg32) r, options(nomem, nostack)) };
+    r
 }
-// The CTA coordinates are read with non-pure `mov`s: LLVM then re-reads them
-// where they are needed (a cheap S2R) instead of keeping them live in
-// registers across the whole key loop for the epilogue.
 
 /// `mov.u32 %r, %ctaid.x;`
 #[inline(always)]

@@ -66,8 +66,11 @@ impl BlockInfo {
         };
         let m0 = m_block * bm;
         // Device-side lengths are clamped to the cache capacity so a bad entry
-        // cannot make the kernel read outside the cache.
-        let seqlen_k = if p.cache_seqlens != 0 {
+        // cannot make the kernel read outside the cache. Only decode reads a
+        // KV cache (`packed` is true exactly for it); compiling the load out of
+        // the forward kernel keeps seqlen_k a launch parameter (uniform
+        // register) instead of a per-thread register live through the loop.
+        let seqlen_k = if packed && p.cache_seqlens != 0 {
             let n = global::ld_nc_s32(p.cache_seqlens + batch as u64 * 4);
             (n.max(0) as u32)
                 .saturating_add(p.seqlen_new)

@@ -55,7 +55,7 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
     let q_tile = SmemTile::<D> {
         base: base + tile.q_smem_offset() as u32,
     };
-    q_tile.load_async(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
+    q_tile.load_async::<false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     cp_async::commit();
@@ -93,25 +93,30 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         cp_async::commit();
         let n = block(i);
         let kv = read * stage_bytes + slice;
-        // S = Q·K_sliceᵀ: one ldmatrix.x4 of K gives both 8-key n-tiles of a k-step.
+        // S = Q·K_sliceᵀ: one ldmatrix.x4 of K (row-pairs layout,
+        // `SmemTile::store_addr`) gives both 8-key n-tiles of a k-step.
         let mut s = [[0f32; 4]; SLICE_TILES];
         unroll::<QK>(|kk| {
             let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), 0, kk as u32 * 2) + kv);
-            T::mma(&mut s[0], &q[kk], b[0], b[2]);
-            T::mma(&mut s[1], &q[kk], b[1], b[3]);
+            T::mma(&mut s[0], &q[kk], b[0], b[1]);
+            T::mma(&mut s[1], &q[kk], b[2], b[3]);
         });
         if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
             let limits = [0, 1].map(|r| info.key_limit::<CAUSAL>(lane.group() + 8 * r));
             let key0 = n * tile.block_n as u32 + lane.warp * WARP_KEYS as u32 + 2 * lane.pair();
             mask::apply(&mut s, key0 as i32, limits);
         }
-        softmax.update(&mut s, &mut o, p.scale_log2);
+        softmax.rescale(&s, &mut o, p.scale_log2);
         // O += P·V_slice: the slice is exactly one k-step, P its A fragment.
+        let (lo, hi) = (
+            softmax.exp(&s[0], p.scale_log2),
+            softmax.exp(&s[1], p.scale_log2),
+        );
         let a = [
-            T::pack(s[0][0], s[0][1]),
-            T::pack(s[0][2], s[0][3]),
-            T::pack(s[1][0], s[1][1]),
-            T::pack(s[1][2], s[1][3]),
+            T::pack(lo[0], lo[1]),
+            T::pack(lo[2], lo[3]),
+            T::pack(hi[0], hi[1]),
+            T::pack(hi[2], hi[3]),
         ];
         unroll::<OT>(|d| {
             if d % 2 == 0 {
@@ -125,7 +130,7 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         i += 1;
     }
 
-    merge_warps::<D, OT>(p, tile, lane, base, &softmax, &mut o);
+    merge_warps::<D, OT>(tile, lane, base, &softmax, &mut o);
     write_rows::<T, D>(p, &info, tile, lane, base);
 }
 
@@ -161,11 +166,15 @@ fn load_block<const D: usize>(
             if key < info.seqlen_k {
                 let k = info.paged_row_ptr(p, p.k, &p.k_strides, key) + chunk_off;
                 let v = info.paged_row_ptr(p, p.v, &p.v_strides, key) + chunk_off;
-                cp_async::cg_16(k_tile.chunk_addr(row, chunk), k, CHUNK_BYTES as u32);
-                cp_async::cg_16(v_tile.chunk_addr(row, chunk), v, CHUNK_BYTES as u32);
+                cp_async::cg_16(k_tile.store_addr::<true>(row, chunk), k, CHUNK_BYTES as u32);
+                cp_async::cg_16(
+                    v_tile.store_addr::<false>(row, chunk),
+                    v,
+                    CHUNK_BYTES as u32,
+                );
             } else {
-                cp_async::cg_16(k_tile.chunk_addr(row, chunk), p.k, 0);
-                cp_async::cg_16(v_tile.chunk_addr(row, chunk), p.v, 0);
+                cp_async::cg_16(k_tile.store_addr::<true>(row, chunk), p.k, 0);
+                cp_async::cg_16(v_tile.store_addr::<false>(row, chunk), p.v, 0);
             }
             c += 1;
         }
@@ -193,8 +202,8 @@ fn load_block<const D: usize>(
     };
     let valid = info.seqlen_k.saturating_sub(first);
     let (rows, threads) = (tile.block_n, tile.threads());
-    k_tile.load_rows_async(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
-    v_tile.load_rows_async(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
+    k_tile.load_rows_async::<true>(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
+    v_tile.load_rows_async::<false>(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
 }
 
 /// Shared-memory address of warp `w`'s statistic `stat` (0: m, 1: l) of row `row`.
@@ -211,24 +220,20 @@ fn merge_addr(tile: AttnTile, base: u32, w: u32, row: u32, col: u32) -> u32 {
     base + tile.ring_offset() as u32 + (w * tile.block_m as u32 + row) * row_bytes + col * 4
 }
 
-/// The merged statistics of `row` over all warps: M = max m_w (log2 domain,
-/// scaled) and L = Σ l_w·2^(m_w - M). L = 0 for a row that saw no key.
+/// The merged statistics of `row` over all warps: M = max m_w (log2 domain)
+/// and L = Σ l_w·2^(m_w - M). L = 0 for a row that saw no key (every m_w is
+/// then the finite "no key" value and every l_w 0).
 #[inline(always)]
 fn merged_stats(tile: AttnTile, base: u32, row: u32) -> (f32, f32) {
+    let stat = |s, w| f32::from_bits(smem::ld_b32(stat_addr(tile, base, s, w, row)));
     let warps = tile.warps as u32;
-    let mut m = f32::NEG_INFINITY;
-    for w in 0..warps {
-        m = m.max(f32::from_bits(smem::ld_b32(stat_addr(
-            tile, base, 0, w, row,
-        ))));
+    let mut m = stat(0, 0);
+    for w in 1..warps {
+        m = m.max(stat(0, w));
     }
     let mut l = 0.0;
-    if m != f32::NEG_INFINITY {
-        for w in 0..warps {
-            let mw = f32::from_bits(smem::ld_b32(stat_addr(tile, base, 0, w, row)));
-            let lw = f32::from_bits(smem::ld_b32(stat_addr(tile, base, 1, w, row)));
-            l = math::fma(lw, math::ex2(mw - m), l);
-        }
+    for w in 0..warps {
+        l = math::fma(stat(1, w), math::ex2(stat(0, w) - m), l);
     }
     (m, l)
 }
@@ -237,7 +242,6 @@ fn merged_stats(tile: AttnTile, base: u32, row: u32) -> (f32, f32) {
 /// CTA's O is the plain sum of the warps' tiles.
 #[inline(always)]
 fn merge_warps<const D: usize, const OT: usize>(
-    p: &AttnParams,
     tile: AttnTile,
     lane: Lane,
     base: u32,
@@ -248,7 +252,7 @@ fn merge_warps<const D: usize, const OT: usize>(
     cp_async::wait_group::<0>();
     barrier::sync_cta();
     let rows = [0, 1].map(|r| lane.group() + 8 * r);
-    let (m_w, l_w) = softmax.row_stats(p.scale_log2);
+    let (m_w, l_w) = softmax.row_stats();
     if lane.pair() == 0 {
         unroll::<2>(|r| {
             smem::st_b32(

@@ -20,7 +20,6 @@ macro_rules! forward_entries {
                 { $d / 8 },
                 { AttnTile::of(KernelKind::Forward, $d).block_n / 8 },
                 $causal,
-                false,
             >(&p)
         }
     )*};

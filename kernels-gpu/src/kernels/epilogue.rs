@@ -1,5 +1,5 @@
-//! Writing O (and the LSE): normalised 16-bit output through shared memory for
-//! 16-byte coalesced stores, or f32 split-KV partials for the combine kernel.
+//! Writing the forward kernel's O (and the LSE): normalised 16-bit output
+//! through shared memory for 16-byte coalesced stores.
 use super::block_info::BlockInfo;
 use super::element::Element;
 use super::mainloop::Lane;
@@ -63,38 +63,4 @@ pub fn write_output<T: Element, const D: usize, const MT: usize, const OT: usize
             );
         }
     }
-}
-
-/// This split's normalised partial O (f32) and its LSE, at
-/// `[split, b, h, token]` of the [num_splits, B, H, Sq, (D)] workspaces.
-#[inline(always)]
-pub fn write_partial<const D: usize, const MT: usize, const OT: usize>(
-    p: &AttnParams,
-    info: &BlockInfo,
-    tile: AttnTile,
-    lane: Lane,
-    o: &[[[f32; 4]; OT]; MT],
-    inv_l: [[f32; 2]; MT],
-    lse: [[f32; 2]; MT],
-) {
-    let rows_per_split = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
-    unroll::<MT>(|mt| {
-        unroll::<2>(|r| {
-            let row = lane.acc_row(tile, mt, r);
-            let Some(token) = info.token(row) else { return };
-            let index = info.split as u64 * rows_per_split + info.lse_index(p.heads, row, token);
-            let dst = p.o_accum + index * D as u64 * 4;
-            unroll::<OT>(|dd| {
-                let col = dd as u64 * 8 + 2 * lane.pair() as u64;
-                let (x, y) = (
-                    o[mt][dd][2 * r] * inv_l[mt][r],
-                    o[mt][dd][2 * r + 1] * inv_l[mt][r],
-                );
-                global::st_v2_f32(dst + col * 4, x, y);
-            });
-            if lane.pair() == 0 {
-                global::st_f32(p.lse_accum + index * 4, lse[mt][r]);
-            }
-        });
-    });
 }

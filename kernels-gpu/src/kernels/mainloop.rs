@@ -72,14 +72,6 @@ struct WarpState<const MT: usize, const QK: usize, const OT: usize> {
     softmax: [OnlineSoftmax; MT],
 }
 
-const fn kind(decode: bool) -> KernelKind {
-    if decode {
-        KernelKind::Decode
-    } else {
-        KernelKind::Forward
-    }
-}
-
 /// One attention CTA. `MT` = m-tiles per warp, `QK = D/16` (k-steps of Q·Kᵀ),
 /// `OT = D/8` (n-tiles of O), `ST = block_n/8` (n-tiles of S); they are
 /// separate parameters only because array lengths cannot be computed from the
@@ -93,17 +85,16 @@ pub fn attention<
     const OT: usize,
     const ST: usize,
     const CAUSAL: bool,
-    const DECODE: bool,
 >(
     p: &AttnParams,
 ) {
-    let tile = const { AttnTile::of(kind(DECODE), D) };
+    let tile = const { AttnTile::of(KernelKind::Forward, D) };
     const {
-        let t = AttnTile::of(kind(DECODE), D);
+        let t = AttnTile::of(KernelKind::Forward, D);
         assert!(MT == t.m_tiles && QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == t.block_n);
     }
     let lane = Lane::current();
-    let info = BlockInfo::new::<CAUSAL>(p, tile, DECODE, CAUSAL && !DECODE);
+    let info = BlockInfo::new::<CAUSAL>(p, tile, false, CAUSAL);
     let base = smem::base();
     let t = Tiles::<D> {
         base,
@@ -118,12 +109,12 @@ pub fn attention<
         },
     };
 
-    t.q.load_async(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
+    t.q.load_async::<false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     cp_async::commit();
     if info.n_lo < info.n_hi {
-        load_kv::<D, DECODE>(p, t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
+        load_kv::<D, true>(t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
     }
     cp_async::wait_group::<0>();
     barrier::sync_cta();
@@ -155,37 +146,31 @@ pub fn attention<
         // needs a mask, so the hot body is compiled without one. Both choices
         // were measured (docs/perf-notes.md, v3/v4).
         if CAUSAL {
-            kv_block::<T, D, MT, QK, OT, ST, CAUSAL, DECODE, MASK_IF_NEEDED>(
-                p, &info, &t, lane, &mut w, n,
-            );
+            let masked = info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32);
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, masked);
         } else if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
-            kv_block::<T, D, MT, QK, OT, ST, CAUSAL, DECODE, MASK_ALWAYS>(
-                p, &info, &t, lane, &mut w, n,
-            );
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, true);
         } else {
-            kv_block::<T, D, MT, QK, OT, ST, CAUSAL, DECODE, MASK_NEVER>(
-                p, &info, &t, lane, &mut w, n,
-            );
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, false);
         }
     }
 
     let mut inv_l = [[0f32; 2]; MT];
     let mut lse = [[0f32; 2]; MT];
-    unroll::<MT>(|mt| (inv_l[mt], lse[mt]) = w.softmax[mt].finalize(p.scale_log2));
+    unroll::<MT>(|mt| (inv_l[mt], lse[mt]) = w.softmax[mt].finalize());
     // The epilogue rebuilds the block info from the CTA coordinates rather than
     // keeping it live through the loop, which would cost registers there.
-    let info = BlockInfo::new::<CAUSAL>(p, tile, DECODE, CAUSAL && !DECODE);
-    if DECODE && p.num_splits > 1 {
-        epilogue::write_partial::<D, MT, OT>(p, &info, tile, lane, &w.o, inv_l, lse);
-    } else {
-        epilogue::write_output::<T, D, MT, OT>(p, &info, tile, t.q, lane, &w.o, inv_l, lse);
-    }
+    let info = BlockInfo::new::<CAUSAL>(p, tile, false, CAUSAL);
+    // Likewise the lane: the O staging addresses are then not the Q load's,
+    // kept from the prologue.
+    let lane = Lane::current();
+    epilogue::write_output::<T, D, MT, OT>(p, &info, tile, t.q, lane, &w.o, inv_l, lse);
 }
 
-/// Issues and commits the `cp.async` copies of key block `n` of K or V.
+/// Issues and commits the `cp.async` copies of key block `n` of K or V, K in
+/// the row-pairs layout (`ROW_PAIRS`, see `SmemTile::store_addr`).
 #[inline(always)]
-fn load_kv<const D: usize, const DECODE: bool>(
-    p: &AttnParams,
+fn load_kv<const D: usize, const ROW_PAIRS: bool>(
     dst: SmemTile<D>,
     info: &BlockInfo,
     base: u64,
@@ -194,51 +179,23 @@ fn load_kv<const D: usize, const DECODE: bool>(
     tid: u32,
 ) {
     const {
-        let tile = AttnTile::of(kind(DECODE), D);
+        let tile = AttnTile::of(KernelKind::Forward, D);
         assert!((tile.threads() / tile.row_chunks()) % crate::config::SWIZZLE_ROWS == 0);
     }
-    let tile = const { AttnTile::of(kind(DECODE), D) };
+    let tile = const { AttnTile::of(KernelKind::Forward, D) };
     let first = n * tile.block_n as u32;
-    let valid = info.seqlen_k.saturating_sub(first);
-    let paged = DECODE && p.block_table != 0;
-    let tile_in_one_page = p.page_size % tile.block_n as u32 == 0;
-    if paged && !tile_in_one_page {
-        // Pages smaller than a tile (or not aligned to it): each row looks up
-        // its own page.
-        dst.load_async(tile.block_n, tile.threads(), tid, base, |r| {
-            let key = first + r;
-            if key < info.seqlen_k {
-                Some(info.paged_row_ptr(p, base, strides, key))
-            } else {
-                None
-            }
-        });
-    } else {
-        // Contiguous, or a whole tile inside one page: one page lookup, then
-        // rows evenly strided as in a contiguous cache.
-        let src = if paged {
-            info.paged_row_ptr(p, base, strides, first)
-        } else {
-            info.kv_row_ptr(base, strides, first)
-        };
-        dst.load_rows_async(
-            tile.block_n,
-            tile.threads(),
-            tid,
-            src,
-            strides.row as u64 * 2,
-            valid,
-        );
-    }
+    dst.load_rows_async::<ROW_PAIRS>(
+        tile.block_n,
+        tile.threads(),
+        tid,
+        info.kv_row_ptr(base, strides, first),
+        strides.row as u64 * 2,
+        info.seqlen_k.saturating_sub(first),
+    );
     cp_async::commit();
 }
 
-/// How a key block is masked: never, always, or after a run-time check.
-const MASK_NEVER: u8 = 0;
-const MASK_ALWAYS: u8 = 1;
-const MASK_IF_NEEDED: u8 = 2;
-
-/// One key block: S = Q·K(n)ᵀ, mask (see `MASK`), softmax update, O += P·V(n).
+/// One key block: S = Q·K(n)ᵀ, mask (if `masked`), softmax update, O += P·V(n).
 #[inline(always)]
 fn kv_block<
     T: Element,
@@ -248,8 +205,6 @@ fn kv_block<
     const OT: usize,
     const ST: usize,
     const CAUSAL: bool,
-    const DECODE: bool,
-    const MASK: u8,
 >(
     p: &AttnParams,
     info: &BlockInfo,
@@ -257,13 +212,14 @@ fn kv_block<
     lane: Lane,
     w: &mut WarpState<MT, QK, OT>,
     n: u32,
+    masked: bool,
 ) {
-    let tile = const { AttnTile::of(kind(DECODE), D) };
+    let tile = const { AttnTile::of(KernelKind::Forward, D) };
     let bn = tile.block_n as u32;
     // K(n) has landed and every warp is done with V(n+1): V(n) may be overwritten.
     cp_async::wait_group::<0>();
     barrier::sync_cta();
-    load_kv::<D, DECODE>(p, t.v, info, p.v, &p.v_strides, n, lane.tid);
+    load_kv::<D, false>(t.v, info, p.v, &p.v_strides, n, lane.tid);
 
     // S = Q·K(n)ᵀ. Per k-step: one A fragment per m-tile, and one ldmatrix.x4
     // of K gives the B fragments of two 8-key n-tiles, shared by all m-tiles.
@@ -280,26 +236,26 @@ fn kv_block<
         });
         unroll::<ST>(|j| {
             if j % 2 == 0 {
-                // Matrices: (keys j*8.., dims 0-7), (keys j*8+8.., dims 0-7),
-                // (keys j*8.., dims 8-15), (keys j*8+8.., dims 8-15).
+                // Matrices, from K's row-pairs layout (`SmemTile::store_addr`):
+                // (keys j*8.., dims 0-7), (keys j*8.., dims 8-15),
+                // (keys j*8+8.., dims 0-7), (keys j*8+8.., dims 8-15).
                 let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), j as u32 * 8, kk as u32 * 2));
                 unroll::<MT>(|mt| {
-                    T::mma(&mut s[mt][j], &a[mt], b[0], b[2]);
-                    T::mma(&mut s[mt][j + 1], &a[mt], b[1], b[3]);
+                    T::mma(&mut s[mt][j], &a[mt], b[0], b[1]);
+                    T::mma(&mut s[mt][j + 1], &a[mt], b[2], b[3]);
                 });
             }
         });
     });
-    let masked = match MASK {
-        MASK_NEVER => false,
-        MASK_ALWAYS => true,
-        _ => info.block_needs_mask::<CAUSAL>(n, bn),
-    };
     if masked {
+        // The lane's first accumulator row passes through `opaque_u32` so the
+        // largest visible key of each of its rows is rebuilt here; LLVM would
+        // otherwise hoist all 2 x MT limits out of the loop, live through
+        // every key block.
+        let row0 = special::opaque_u32(lane.acc_row(tile, 0, 0));
         unroll::<MT>(|mt| {
-            // Largest visible key of the lane's rows g and g + 8, recomputed
-            // here rather than kept live through the loop.
-            let limits = [0, 1].map(|r| info.key_limit::<CAUSAL>(lane.acc_row(tile, mt, r)));
+            let limits =
+                [0, 1].map(|r| info.key_limit::<CAUSAL>(row0 + (mt * MMA_M + 8 * r) as u32));
             mask::apply(&mut s[mt], (n * bn + 2 * lane.pair()) as i32, limits);
         });
     }
@@ -308,19 +264,22 @@ fn kv_block<
     cp_async::wait_group::<0>();
     barrier::sync_cta();
     if n > info.n_lo {
-        load_kv::<D, DECODE>(p, t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
+        load_kv::<D, true>(t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
     }
 
-    unroll::<MT>(|mt| w.softmax[mt].update(&mut s[mt], &mut w.o[mt], p.scale_log2));
+    unroll::<MT>(|mt| w.softmax[mt].rescale(&s[mt], &mut w.o[mt], p.scale_log2));
 
-    // O += P·V(n). The S accumulators of n-tiles 2kk and 2kk+1 are exactly the
-    // A fragment of k-step kk once packed to 16 bits: P never leaves registers.
+    // O += P·V(n). The P of n-tiles 2kk and 2kk+1 is exactly the A fragment of
+    // k-step kk once packed to 16 bits: P never leaves registers, and is
+    // computed k-step by k-step so that S dies as P is consumed.
     unroll::<ST>(|j| {
         if j % 2 == 0 {
             let kk = j / 2;
             let mut a = [[0u32; 4]; MT];
             unroll::<MT>(|mt| {
-                let (lo, hi) = (&s[mt][j], &s[mt][j + 1]);
+                let sm = &mut w.softmax[mt];
+                let lo = sm.exp(&s[mt][j], p.scale_log2);
+                let hi = sm.exp(&s[mt][j + 1], p.scale_log2);
                 a[mt] = [
                     T::pack(lo[0], lo[1]),
                     T::pack(lo[2], lo[3]),

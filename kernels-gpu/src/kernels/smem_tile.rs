@@ -67,6 +67,26 @@ impl<const D: usize> SmemTile<D> {
         self.base + row * Self::ROW_BYTES + phys * CHUNK_BYTES as u32
     }
 
+    /// Where chunk `chunk` of row `row` is stored. `ROW_PAIRS` (the K tile)
+    /// swaps bit 3 of the row with bit 0 of the chunk, within each group of 16
+    /// rows: an `ldmatrix.x4` in the A-fragment lane order of [`FragAddr`]
+    /// (rows 0-7, rows 8-15 of one chunk, then of the next) then reads (keys
+    /// 0-7, chunk), (keys 0-7, chunk + 1), (keys 8-15, chunk), (keys 8-15,
+    /// chunk + 1): each register pair is the B fragment of one 8-key n-tile of
+    /// S = Q·Kᵀ, as the `mma` operand wants it (an aligned pair). With K in the
+    /// plain layout the pairs are registers 0, 2 and 1, 3, which costs moves
+    /// and registers at every fragment, or a second set of lane addresses.
+    #[inline(always)]
+    pub fn store_addr<const ROW_PAIRS: bool>(self, row: u32, chunk: u32) -> u32 {
+        if ROW_PAIRS {
+            let pair_row = (row & !8) | ((chunk & 1) << 3);
+            let pair_chunk = (chunk & !1) | ((row >> 3) & 1);
+            self.chunk_addr(pair_row, pair_chunk)
+        } else {
+            self.chunk_addr(row, chunk)
+        }
+    }
+
     /// Address of element `col` (even) of row `row`: a 4-byte pair within a chunk.
     #[inline(always)]
     pub fn pair_addr(self, row: u32, col: u32) -> u32 {
@@ -78,9 +98,10 @@ impl<const D: usize> SmemTile<D> {
     /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
     /// are zero-filled with a 0-byte read of `src`. Each thread's copies are
     /// `rows_per_pass` rows apart, a multiple of the swizzle period, so its
-    /// shared and global addresses advance by constants.
+    /// shared and global addresses advance by constants. `ROW_PAIRS`: see
+    /// [`Self::store_addr`].
     #[inline(always)]
-    pub fn load_rows_async(
+    pub fn load_rows_async<const ROW_PAIRS: bool>(
         self,
         rows: usize,
         threads: usize,
@@ -91,17 +112,26 @@ impl<const D: usize> SmemTile<D> {
     ) {
         let chunks = D * ELEM_BYTES / CHUNK_BYTES;
         let rows_per_pass = threads / chunks;
+        // Through `opaque_u32`, the thread's first row and its offsets are
+        // rebuilt at each call: hoisted out of the key loop they would hold a
+        // 64-bit source offset and a shared address per tile in registers. The
+        // `% threads` tells LLVM the bounds of row0, so the swizzle of each
+        // copy's row folds to row0's.
+        let tid = special::opaque_u32(tid) % threads as u32;
         let row0 = tid / chunks as u32;
         let chunk = tid % chunks as u32;
-        let dst0 = special::opaque_u32(self.chunk_addr(row0, chunk));
         let mut src_row =
             src.wrapping_add(row0 as u64 * stride_bytes + chunk as u64 * CHUNK_BYTES as u64);
         let step = stride_bytes * rows_per_pass as u64;
+        // Rows left for this thread from its first row on: each copy compares
+        // it with a compile-time row offset. Comparing `row0 + offset < valid`
+        // instead lets LLVM hoist every `row0 + offset` out of the key loop,
+        // one register per copy.
+        let remaining = valid as i32 - row0 as i32;
         let mut i = 0;
         while i < rows / rows_per_pass {
-            let row = row0 + (i * rows_per_pass) as u32;
-            let dst = dst0 + (i * rows_per_pass) as u32 * Self::ROW_BYTES;
-            if row < valid {
+            let dst = self.store_addr::<ROW_PAIRS>(row0 + (i * rows_per_pass) as u32, chunk);
+            if ((i * rows_per_pass) as i32) < remaining {
                 cp_async::cg_16(dst, src_row, CHUNK_BYTES as u32);
             } else {
                 cp_async::cg_16(dst, src, 0);
@@ -114,9 +144,10 @@ impl<const D: usize> SmemTile<D> {
     /// Issues `cp.async` copies of `rows` rows into the tile. Row `r` comes from
     /// `src(r)`; rows for which it returns `None` are zero-filled with a 0-byte
     /// read of `fallback`, a valid address that keeps memory checkers quiet.
-    /// Every thread of the CTA calls this with its own `tid`.
+    /// Every thread of the CTA calls this with its own `tid`. `ROW_PAIRS`: see
+    /// [`Self::store_addr`].
     #[inline(always)]
-    pub fn load_async(
+    pub fn load_async<const ROW_PAIRS: bool>(
         self,
         rows: usize,
         threads: usize,
@@ -138,7 +169,7 @@ impl<const D: usize> SmemTile<D> {
                 ),
                 None => (fallback, 0),
             };
-            cp_async::cg_16(self.chunk_addr(row, chunk), addr, bytes);
+            cp_async::cg_16(self.store_addr::<ROW_PAIRS>(row, chunk), addr, bytes);
             i += 1;
         }
     }

@@ -1,13 +1,21 @@
 //! Online softmax in the exp2 domain (FlashAttention-2, Algorithm 1).
 //!
 //! Per lane: two rows (g and g + 8 of the warp's 16), their running max `m` of
-//! raw scores and a lane-partial running sum `l`; the full row sum is reduced
-//! across the 4 lanes of the row only once, in [`OnlineSoftmax::finalize`].
+//! scores already multiplied by `scale * log2(e)` and a lane-partial running
+//! sum `l`; the full row sum is reduced across the 4 lanes of the row only
+//! once, in [`OnlineSoftmax::finalize`].
 use super::unroll::unroll;
 use crate::arch::{math, shfl};
 
 /// ln(2): converts log2-domain values back to natural log for the LSE output.
 const LN_2: f32 = core::f32::consts::LN_2;
+
+/// m of a row that has seen no visible key yet. Finite, unlike the -inf of a
+/// masked score, so that `S * scale - m` and `m_old - m_new` are never
+/// `-inf - -inf` = NaN: masked scores give P = exp2(-inf) = 0 and the first
+/// visible key replaces it. Because it needs no -inf test, m is also the very
+/// offset the exponentials subtract, with no second copy per row.
+const NO_KEY_MAX: f32 = f32::MIN;
 
 pub struct OnlineSoftmax {
     pub m: [f32; 2],
@@ -31,74 +39,69 @@ impl OnlineSoftmax {
     #[inline(always)]
     pub const fn new() -> Self {
         OnlineSoftmax {
-            m: [f32::NEG_INFINITY; 2],
+            m: [NO_KEY_MAX; 2],
             l: [0.0; 2],
         }
     }
 
-    /// Folds the S tile into the running statistics: updates m, rescales l and
-    /// O by exp2((m_old - m_new) * scale), and overwrites S with
-    /// P = exp2(S * scale - m_new * scale).
+    /// Folds the row maxima of the S tile into m and rescales l and O by
+    /// exp2(m_old - m_new).
     #[inline(always)]
-    pub fn update<const ST: usize, const OT: usize>(
+    pub fn rescale<const ST: usize, const OT: usize>(
         &mut self,
-        s: &mut [[f32; 4]; ST],
+        s: &[[f32; 4]; ST],
         o: &mut [[f32; 4]; OT],
         scale_log2: f32,
     ) {
         unroll::<2>(|r| {
-            let mut mx = self.m[r];
+            let mut mx = f32::NEG_INFINITY;
             unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
-            let mx = quad_max(mx);
-            // A row that has seen only masked keys keeps m = -inf; subtracting 0
-            // instead makes its P exactly 0 rather than NaN.
-            let m_scaled = if mx == f32::NEG_INFINITY {
-                0.0
-            } else {
-                mx * scale_log2
-            };
-            let correction = math::ex2(math::fma(self.m[r], scale_log2, -m_scaled));
+            // scale_log2 > 0, so the max of the scaled scores is the scaled max.
+            let mx = self.m[r].max(quad_max(mx) * scale_log2);
+            let correction = math::ex2(self.m[r] - mx);
             self.m[r] = mx;
             self.l[r] *= correction;
             unroll::<OT>(|d| {
                 o[d][2 * r] *= correction;
                 o[d][2 * r + 1] *= correction;
             });
-            let mut sum = 0.0;
-            unroll::<ST>(|j| {
-                unroll::<2>(|e| {
-                    let p = math::ex2(math::fma(s[j][2 * r + e], scale_log2, -m_scaled));
-                    s[j][2 * r + e] = p;
-                    sum += p;
-                });
-            });
-            self.l[r] += sum;
         });
     }
 
-    /// Per row: the running max in the scaled log2 domain (-inf for a row
-    /// that saw no key) and the full row sum l (reduced over the row's lanes).
+    /// P = exp2(S * scale - m) of one 8-column n-tile of S (after
+    /// [`Self::rescale`]), added to l. Called per n-tile right before P is
+    /// packed for its MMA, so each n-tile's S registers die there instead of
+    /// all of S staying live until the row sums.
     #[inline(always)]
-    pub fn row_stats(&self, scale_log2: f32) -> ([f32; 2], [f32; 2]) {
-        let (mut m, mut l) = ([0.0; 2], [0.0; 2]);
-        unroll::<2>(|r| {
-            m[r] = self.m[r] * scale_log2;
-            l[r] = quad_sum(self.l[r]);
-        });
-        (m, l)
+    pub fn exp(&mut self, s: &[f32; 4], scale_log2: f32) -> [f32; 4] {
+        let mut p = [0.0; 4];
+        unroll::<4>(|e| p[e] = math::ex2(math::fma(s[e], scale_log2, -self.m[e / 2])));
+        self.l[0] += p[0] + p[1];
+        self.l[1] += p[2] + p[3];
+        p
+    }
+
+    /// Per row: the running max m (log2 domain; the finite "no key yet" value
+    /// for a row that saw no key, whose l is 0) and the full row sum l
+    /// (reduced over the row's lanes).
+    #[inline(always)]
+    pub fn row_stats(&self) -> ([f32; 2], [f32; 2]) {
+        let mut l = [0.0; 2];
+        unroll::<2>(|r| l[r] = quad_sum(self.l[r]));
+        (self.m, l)
     }
 
     /// Returns, per row, 1/l (0 for a row that saw no key, whose O is then 0)
     /// and the natural-log LSE (-inf for such a row).
     #[inline(always)]
-    pub fn finalize(&self, scale_log2: f32) -> ([f32; 2], [f32; 2]) {
+    pub fn finalize(&self) -> ([f32; 2], [f32; 2]) {
         let mut inv = [0.0; 2];
         let mut lse = [f32::NEG_INFINITY; 2];
         unroll::<2>(|r| {
             let l = quad_sum(self.l[r]);
             if l > 0.0 {
                 inv[r] = math::rcp(l);
-                lse[r] = (self.m[r] * scale_log2 + math::lg2(l)) * LN_2;
+                lse[r] = (self.m[r] + math::lg2(l)) * LN_2;
             }
         });
         (inv, lse)
