@@ -15,3 +15,4 @@ pub mod mma;
 pub mod shfl;
 pub mod smem;
 pub mod special;
+pub mod vote;

@@ -38,7 +38,7 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         let t = AttnTile::of(KernelKind::Decode, D);
         assert!(QK * MMA_K == D && OT * MMA_N == D);
         assert!(matches!(t.split, WarpSplit::Keys) && t.m_tiles == 1 && t.block_m == MMA_M);
-        assert!(t.block_n == t.warps * WARP_KEYS && t.q_in_regs && t.kv_stages >= 2);
+        assert!(t.block_n == t.warps * WARP_KEYS && t.kv_stages >= 2);
         assert!(SLICE_TILES == 2);
     }
     let lane = Lane::current();
@@ -50,7 +50,8 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
     // Blocks are visited from the last to the first, so the one that may need
     // the ragged-end or causal mask comes first.
     let block = |i: u32| info.n_hi - 1 - i;
-    let slot = |s: u32| base + tile.ring_offset() as u32 + s * stage_bytes;
+    // Stage s of the ring; the K/V tile offsets are relative to it.
+    let slot = |s: u32| base + s * stage_bytes;
 
     let q_tile = SmemTile::<D> {
         base: base + tile.q_smem_offset() as u32,
@@ -67,15 +68,17 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         cp_async::commit();
         i += 1;
     }
-    // Q's group is the oldest; the last stage it borrows is first refilled
-    // after the loop's first barrier, when every warp holds Q in registers.
+    // Q's group is the oldest. When Q borrows the last stage, that stage is
+    // first refilled after the loop's first barrier, when every warp holds Q
+    // in registers.
     cp_async::wait_pending(stages - 1);
     barrier::sync_cta();
     let frag = FragAddr::<D>::new(base, lane.lane);
+    let q_frag = |kk: usize| ldmatrix::x4(frag.at(tile.q_smem_offset(), 0, kk as u32 * 2));
     let mut q = [[0u32; 4]; QK];
-    unroll::<QK>(|kk| {
-        q[kk] = ldmatrix::x4(frag.at(tile.q_smem_offset(), 0, kk as u32 * 2));
-    });
+    if tile.q_in_regs {
+        unroll::<QK>(|kk| q[kk] = q_frag(kk));
+    }
 
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
@@ -98,8 +101,9 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         let mut s = [[0f32; 4]; SLICE_TILES];
         unroll::<QK>(|kk| {
             let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), 0, kk as u32 * 2) + kv);
-            T::mma(&mut s[0], &q[kk], b[0], b[1]);
-            T::mma(&mut s[1], &q[kk], b[2], b[3]);
+            let a = if tile.q_in_regs { q[kk] } else { q_frag(kk) };
+            T::mma(&mut s[0], &a, b[0], b[1]);
+            T::mma(&mut s[1], &a, b[2], b[3]);
         });
         if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
             let limits = [0, 1].map(|r| info.key_limit::<CAUSAL>(lane.group() + 8 * r));

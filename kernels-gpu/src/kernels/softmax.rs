@@ -5,7 +5,7 @@
 //! sum `l`; the full row sum is reduced across the 4 lanes of the row only
 //! once, in [`OnlineSoftmax::finalize`].
 use super::unroll::unroll;
-use crate::arch::{math, shfl};
+use crate::arch::{math, shfl, vote};
 
 /// ln(2): converts log2-domain values back to natural log for the LSE output.
 const LN_2: f32 = core::f32::consts::LN_2;
@@ -16,6 +16,12 @@ const LN_2: f32 = core::f32::consts::LN_2;
 /// visible key replaces it. Because it needs no -inf test, m is also the very
 /// offset the exponentials subtract, with no second copy per row.
 const NO_KEY_MAX: f32 = f32::MIN;
+
+/// How far (log2 units) a row's max may exceed its stale m before m is
+/// updated: P = exp2(S * scale - m) then stays below 2^8 = 256, exact in
+/// f16/bf16 to the same relative precision and far from any overflow of the
+/// f32 row sums.
+const RESCALE_SLACK: f32 = 8.0;
 
 pub struct OnlineSoftmax {
     pub m: [f32; 2],
@@ -45,7 +51,10 @@ impl OnlineSoftmax {
     }
 
     /// Folds the row maxima of the S tile into m and rescales l and O by
-    /// exp2(m_old - m_new).
+    /// exp2(m_old - m_new) — only when some row of the warp would grow by more
+    /// than [`RESCALE_SLACK`] (FlashAttention-4's lazy rescaling). Otherwise m
+    /// stays as it is: exact, since O, l and the LSE all use the same m, and
+    /// the O rescale (D/4 multiplies per row) is skipped for the block.
     #[inline(always)]
     pub fn rescale<const ST: usize, const OT: usize>(
         &mut self,
@@ -53,19 +62,26 @@ impl OnlineSoftmax {
         o: &mut [[f32; 4]; OT],
         scale_log2: f32,
     ) {
+        let mut m_new = [0.0; 2];
+        let mut grows = false;
         unroll::<2>(|r| {
             let mut mx = f32::NEG_INFINITY;
             unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
             // scale_log2 > 0, so the max of the scaled scores is the scaled max.
-            let mx = self.m[r].max(quad_max(mx) * scale_log2);
-            let correction = math::ex2(self.m[r] - mx);
-            self.m[r] = mx;
-            self.l[r] *= correction;
-            unroll::<OT>(|d| {
-                o[d][2 * r] *= correction;
-                o[d][2 * r + 1] *= correction;
-            });
+            m_new[r] = self.m[r].max(quad_max(mx) * scale_log2);
+            grows |= m_new[r] - self.m[r] > RESCALE_SLACK;
         });
+        if vote::any(grows) {
+            unroll::<2>(|r| {
+                let correction = math::ex2(self.m[r] - m_new[r]);
+                self.m[r] = m_new[r];
+                self.l[r] *= correction;
+                unroll::<OT>(|d| {
+                    o[d][2 * r] *= correction;
+                    o[d][2 * r + 1] *= correction;
+                });
+            });
+        }
     }
 
     /// P = exp2(S * scale - m) of one 8-column n-tile of S (after
