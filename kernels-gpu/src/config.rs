@@ -92,11 +92,11 @@ impl AttnTile {
                 (KernelKind::Decode | KernelKind::Combine, 128) => {
                     (WarpSplit::Keys, 1, true, 64, 2, 2)
                 }
-                (KernelKind::Forward, 64) => (WarpSplit::Rows, 2, false, 64, 1, 2),
+                (KernelKind::Forward, 64) => (WarpSplit::Rows, 2, false, 64, 2, 2),
                 // 2 x 16 rows of D=128 accumulators (128 registers) leave no room
                 // for Q's 64 fragment registers, nor for S of 64-key blocks; the
                 // two CTAs per SM get the full 255-register budget.
-                (KernelKind::Forward, 128) => (WarpSplit::Rows, 2, false, 32, 1, 2),
+                (KernelKind::Forward, 128) => (WarpSplit::Rows, 2, false, 32, 2, 2),
                 _ => return None,
             };
         let block_m = match split {

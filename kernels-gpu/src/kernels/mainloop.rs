@@ -1,10 +1,14 @@
 //! The attention CTA: load Q once, stream K/V blocks through shared memory,
 //! S = Q·Kᵀ and O += P·V on tensor cores, online softmax in between.
 //!
-//! Pipeline (FlashAttention-2's, single K and V buffers): while S = Q·K(n)ᵀ is
-//! computed, V(n) is in flight; while the softmax and O += P·V(n) run, K(n-1) is.
-//! Key blocks are visited from the last to the first, so the blocks that need a
-//! mask (the causal diagonal, the ragged end) come first.
+//! Pipeline: a ring of `kv_stages` (K, V) stages; while block n is consumed,
+//! the next `kv_stages - 1` blocks are in flight, and one barrier per block
+//! both publishes the landed block and frees the stage consumed before it.
+//! (FlashAttention-2's single K and V buffers, V(n) landing during Q·K(n)ᵀ and
+//! K(n-1) during P·V(n), need two barriers per block and measured 2-9% slower;
+//! docs/perf-notes.md, v8.) Key blocks are visited from the last to the first,
+//! so the blocks that need a mask (the causal diagonal, the ragged end) come
+//! first.
 use super::block_info::BlockInfo;
 use super::element::Element;
 use super::epilogue;
@@ -92,6 +96,7 @@ pub fn attention<
     const {
         let t = AttnTile::of(KernelKind::Forward, D);
         assert!(MT == t.m_tiles && QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == t.block_n);
+        assert!(t.kv_stages >= 2, "the ring needs a stage in flight");
     }
     let lane = Lane::current();
     let info = BlockInfo::new::<CAUSAL>(p, tile, false, CAUSAL);
@@ -113,10 +118,18 @@ pub fn attention<
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     cp_async::commit();
-    if info.n_lo < info.n_hi {
-        load_kv::<D, true>(t.k, &info, p.k, &p.k_strides, info.n_hi - 1, lane.tid);
+    let stages = tile.kv_stages as u32;
+    let stage_bytes = tile.stage_bytes() as u32;
+    // The first kv_stages - 1 blocks (the last ones of the sequence) in flight.
+    let mut s = 0;
+    while s + 1 < stages {
+        if info.n_lo + s < info.n_hi {
+            load_stage::<D>(p, &t, &info, s * stage_bytes, info.n_hi - 1 - s, lane.tid);
+        }
+        cp_async::commit();
+        s += 1;
     }
-    cp_async::wait_group::<0>();
+    cp_async::wait_pending(stages - 1);
     barrier::sync_cta();
 
     let frag = FragAddr::<D>::new(t.base, lane.lane);
@@ -137,9 +150,20 @@ pub fn attention<
         }
     });
 
+    let (mut read, mut write) = (0, stages - 1);
     let mut n = info.n_hi;
     while n > info.n_lo {
         n -= 1;
+        // Block n has landed and every warp is done with the stage read
+        // last, which is refilled now.
+        cp_async::wait_pending(stages - 2);
+        barrier::sync_cta();
+        if n >= info.n_lo + stages - 1 {
+            let ahead = n - (stages - 1);
+            load_stage::<D>(p, &t, &info, write * stage_bytes, ahead, lane.tid);
+        }
+        cp_async::commit();
+        let slot = read * stage_bytes;
         // Causal: one loop body whose mask is a uniform branch (the diagonal
         // blocks are interleaved with the rest, and a second body costs
         // registers D=128 does not have). Otherwise only the ragged last block
@@ -147,12 +171,14 @@ pub fn attention<
         // were measured (docs/perf-notes.md, v3/v4).
         if CAUSAL {
             let masked = info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32);
-            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, masked);
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, slot, masked);
         } else if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
-            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, true);
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, slot, true);
         } else {
-            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, false);
+            kv_block::<T, D, MT, QK, OT, ST, CAUSAL>(p, &info, &t, lane, &mut w, n, slot, false);
         }
+        read = if read + 1 == stages { 0 } else { read + 1 };
+        write = if write + 1 == stages { 0 } else { write + 1 };
     }
 
     let mut inv_l = [[0f32; 2]; MT];
@@ -167,8 +193,29 @@ pub fn attention<
     epilogue::write_output::<T, D, MT, OT>(p, &info, tile, t.q, lane, &w.o, inv_l, lse);
 }
 
-/// Issues and commits the `cp.async` copies of key block `n` of K or V, K in
-/// the row-pairs layout (`ROW_PAIRS`, see `SmemTile::store_addr`).
+/// Issues the `cp.async` copies of key block `n` of K and V into the ring
+/// stage at byte offset `slot`, as one group (committed by the caller).
+#[inline(always)]
+fn load_stage<const D: usize>(
+    p: &AttnParams,
+    t: &Tiles<D>,
+    info: &BlockInfo,
+    slot: u32,
+    n: u32,
+    tid: u32,
+) {
+    let k = SmemTile::<D> {
+        base: t.k.base + slot,
+    };
+    let v = SmemTile::<D> {
+        base: t.v.base + slot,
+    };
+    load_kv::<D, true>(k, info, p.k, &p.k_strides, n, tid);
+    load_kv::<D, false>(v, info, p.v, &p.v_strides, n, tid);
+}
+
+/// Issues the `cp.async` copies of key block `n` of K or V, K in the
+/// row-pairs layout (`ROW_PAIRS`, see `SmemTile::store_addr`).
 #[inline(always)]
 fn load_kv<const D: usize, const ROW_PAIRS: bool>(
     dst: SmemTile<D>,
@@ -192,7 +239,6 @@ fn load_kv<const D: usize, const ROW_PAIRS: bool>(
         strides.row as u64 * 2,
         info.seqlen_k.saturating_sub(first),
     );
-    cp_async::commit();
 }
 
 /// One key block: S = Q·K(n)ᵀ, mask (if `masked`), softmax update, O += P·V(n).
@@ -212,14 +258,11 @@ fn kv_block<
     lane: Lane,
     w: &mut WarpState<MT, QK, OT>,
     n: u32,
+    slot: u32,
     masked: bool,
 ) {
     let tile = const { AttnTile::of(KernelKind::Forward, D) };
     let bn = tile.block_n as u32;
-    // K(n) has landed and every warp is done with V(n+1): V(n) may be overwritten.
-    cp_async::wait_group::<0>();
-    barrier::sync_cta();
-    load_kv::<D, false>(t.v, info, p.v, &p.v_strides, n, lane.tid);
 
     // S = Q·K(n)ᵀ. Per k-step: one A fragment per m-tile, and one ldmatrix.x4
     // of K gives the B fragments of two 8-key n-tiles, shared by all m-tiles.
@@ -239,7 +282,8 @@ fn kv_block<
                 // Matrices, from K's row-pairs layout (`SmemTile::store_addr`):
                 // (keys j*8.., dims 0-7), (keys j*8.., dims 8-15),
                 // (keys j*8+8.., dims 0-7), (keys j*8+8.., dims 8-15).
-                let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), j as u32 * 8, kk as u32 * 2));
+                let b =
+                    ldmatrix::x4(frag.at(tile.k_smem_offset(), j as u32 * 8, kk as u32 * 2) + slot);
                 unroll::<MT>(|mt| {
                     T::mma(&mut s[mt][j], &a[mt], b[0], b[1]);
                     T::mma(&mut s[mt][j + 1], &a[mt], b[2], b[3]);
@@ -258,13 +302,6 @@ fn kv_block<
                 [0, 1].map(|r| info.key_limit::<CAUSAL>(row0 + (mt * MMA_M + 8 * r) as u32));
             mask::apply(&mut s[mt], (n * bn + 2 * lane.pair()) as i32, limits);
         });
-    }
-
-    // V(n) has landed and every warp is done with K(n): prefetch K(n-1).
-    cp_async::wait_group::<0>();
-    barrier::sync_cta();
-    if n > info.n_lo {
-        load_kv::<D, true>(t.k, info, p.k, &p.k_strides, n - 1, lane.tid);
     }
 
     unroll::<MT>(|mt| w.softmax[mt].rescale(&s[mt], &mut w.o[mt], p.scale_log2));
@@ -289,8 +326,9 @@ fn kv_block<
             });
             unroll::<OT>(|d| {
                 if d % 2 == 0 {
-                    let b =
-                        ldmatrix::x4_trans(frag.at(tile.v_smem_offset(), kk as u32 * 16, d as u32));
+                    let b = ldmatrix::x4_trans(
+                        frag.at(tile.v_smem_offset(), kk as u32 * 16, d as u32) + slot,
+                    );
                     unroll::<MT>(|mt| {
                         T::mma(&mut w.o[mt][d], &a[mt], b[0], b[1]);
                         T::mma(&mut w.o[mt][d + 1], &a[mt], b[2], b[3]);
