@@ -112,16 +112,7 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         }
         softmax.rescale(&s, &mut o, p.scale_log2);
         // O += P·V_slice: the slice is exactly one k-step, P its A fragment.
-        let (lo, hi) = (
-            softmax.exp(&s[0], p.scale_log2),
-            softmax.exp(&s[1], p.scale_log2),
-        );
-        let a = [
-            T::pack(lo[0], lo[1]),
-            T::pack(lo[2], lo[3]),
-            T::pack(hi[0], hi[1]),
-            T::pack(hi[2], hi[3]),
-        ];
+        let a = softmax.p_fragment::<T>(&s[0], &s[1], p.scale_log2);
         unroll::<OT>(|d| {
             if d % 2 == 0 {
                 let b = ldmatrix::x4_trans(frag.at(tile.v_smem_offset(), 0, d as u32) + kv);

@@ -314,15 +314,7 @@ fn kv_block<
             let kk = j / 2;
             let mut a = [[0u32; 4]; MT];
             unroll::<MT>(|mt| {
-                let sm = &mut w.softmax[mt];
-                let lo = sm.exp(&s[mt][j], p.scale_log2);
-                let hi = sm.exp(&s[mt][j + 1], p.scale_log2);
-                a[mt] = [
-                    T::pack(lo[0], lo[1]),
-                    T::pack(lo[2], lo[3]),
-                    T::pack(hi[0], hi[1]),
-                    T::pack(hi[2], hi[3]),
-                ];
+                a[mt] = w.softmax[mt].p_fragment::<T>(&s[mt][j], &s[mt][j + 1], p.scale_log2);
             });
             unroll::<OT>(|d| {
                 if d % 2 == 0 {

@@ -4,6 +4,7 @@
 //! scores already multiplied by `scale * log2(e)` and a lane-partial running
 //! sum `l`; the full row sum is reduced across the 4 lanes of the row only
 //! once, in [`OnlineSoftmax::finalize`].
+use super::element::Element;
 use super::unroll::unroll;
 use crate::arch::{math, shfl, vote};
 
@@ -95,6 +96,25 @@ impl OnlineSoftmax {
         self.l[0] += p[0] + p[1];
         self.l[1] += p[2] + p[3];
         p
+    }
+
+    /// P of two consecutive 8-key n-tiles of S (one 16-key k-step of P·V),
+    /// packed to 16 bits: the mma accumulator layout of S is exactly the A
+    /// fragment layout of that k-step, so P never leaves registers.
+    #[inline(always)]
+    pub fn p_fragment<T: Element>(
+        &mut self,
+        lo: &[f32; 4],
+        hi: &[f32; 4],
+        scale_log2: f32,
+    ) -> [u32; 4] {
+        let (lo, hi) = (self.exp(lo, scale_log2), self.exp(hi, scale_log2));
+        [
+            T::pack(lo[0], lo[1]),
+            T::pack(lo[2], lo[3]),
+            T::pack(hi[0], hi[1]),
+            T::pack(hi[2], hi[3]),
+        ]
     }
 
     /// Per row: the running max m (log2 domain; the finite "no key yet" value
