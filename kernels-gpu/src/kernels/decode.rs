@@ -125,7 +125,7 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         i += 1;
     }
 
-    merge_warps::<D, OT>(tile, lane, base, &softmax, &mut o);
+    merge_warps::<D, OT>(tile, lane, base, &softmax, &o);
     write_rows::<T, D>(p, &info, tile, lane, base);
 }
 
@@ -241,7 +241,7 @@ fn merge_warps<const D: usize, const OT: usize>(
     lane: Lane,
     base: u32,
     softmax: &OnlineSoftmax,
-    o: &mut [[f32; 4]; OT],
+    o: &[[f32; 4]; OT],
 ) {
     // The ring is reused: no copy may still be landing and no warp reading it.
     cp_async::wait_group::<0>();
