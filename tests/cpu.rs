@@ -1063,7 +1063,7 @@ mod config {
             // Shared-memory regions: the (K, V) ring of kv_stages stages, and Q
             // either before it or inside its last stage; everything inside the
             // CTA's allocation and 16-byte aligned.
-            assert!(t.kv_stages >= 1);
+            assert!(t.kv_stages >= 2, "hd{hd}: the ring needs a stage in flight");
             assert_eq!(t.v_smem_offset(), t.k_smem_offset() + t.kv_smem_bytes());
             assert_eq!(t.stage_bytes(), 2 * t.kv_smem_bytes());
             let ring_end = t.ring_offset() + t.kv_stages * t.stage_bytes();
@@ -1081,10 +1081,6 @@ mod config {
                 assert!(t.q_smem_offset() + t.q_smem_bytes() <= t.ring_offset());
             }
             if t.split == WarpSplit::Keys {
-                assert!(
-                    t.kv_stages >= 2,
-                    "hd{hd}: the decode ring needs a stage in flight"
-                );
                 let stats = 2 * t.warps * t.block_m * 4;
                 assert_eq!(t.merge_stats_offset(), t.ring_offset() + t.merge_bytes());
                 assert!(t.merge_stats_offset() + stats <= t.smem_bytes());

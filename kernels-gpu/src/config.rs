@@ -57,9 +57,8 @@ pub struct AttnTile {
     /// Keep Q's A fragments in registers for the whole CTA (else re-read them
     /// from shared memory at every key block, to leave registers to O).
     pub q_in_regs: bool,
-    /// (K, V) block buffers in shared memory. 1: FlashAttention-2's interleaving
-    /// (V(n) loads during Q·K(n)ᵀ, K(n-1) during P·V(n)); more: a ring with
-    /// `kv_stages - 1` blocks in flight while one is consumed.
+    /// (K, V) stages of the shared-memory ring, at least 2: `kv_stages - 1`
+    /// key blocks are in flight while one is consumed.
     pub kv_stages: usize,
     /// CTAs that must fit on one SM (`.minnctapersm`): caps registers at
     /// 64K / (threads * this). Without it ptxas picks its own occupancy target
@@ -153,8 +152,8 @@ impl AttnTile {
         2 * self.kv_smem_bytes()
     }
     /// Byte offset of the (K, V) ring: after Q, or at 0 when Q borrows the
-    /// last stage (a ring deeper than one stage is not filled until Q's
-    /// fragments are in registers).
+    /// last stage (possible when Q's fragments live in registers: the last
+    /// stage is first refilled after they are loaded).
     pub const fn ring_offset(self) -> usize {
         if self.q_shares_ring() {
             0
