@@ -257,6 +257,7 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
     let opts = AttnOptions {
         causal: s.causal,
         softmax_scale: None,
+        ..Default::default()
     };
     let seqlens = b
         .stream
@@ -273,6 +274,7 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
             head_dim: s.head_dim,
             causal: s.causal,
             softmax_scale: 1.0 / (s.head_dim as f32).sqrt(),
+            ..Default::default()
         };
         workspace = Some(
             b.fa.decode_workspace::<T>(&b.stream, &shape)
@@ -334,6 +336,7 @@ fn run_paged<T: AttnElement>(
     let opts = AttnOptions {
         causal: s.causal,
         softmax_scale: None,
+        ..Default::default()
     };
     time_median(&b.stream, b.reps, |i| {
         let [q, k, v] = &mut inputs[i % sets];

@@ -45,6 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let opts = AttnOptions {
         causal: true,
         softmax_scale: None,
+        ..Default::default()
     };
     fa.forward(
         &stream,
@@ -67,6 +68,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         head_dim: d,
         causal: true,
         softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
     };
     let want = reference::attention(&shape, &f(&q), &f(&k), &f(&v));
     let max_err = o

@@ -39,7 +39,9 @@ pub use attention::{BlockTable, DecodeWorkspace, FlashAttention, KvCache};
 pub use error::FlashAttnError;
 pub use flash_attn_kernels::config::{Dtype, SUPPORTED_HEAD_DIMS};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};
-pub use validate::{AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging};
+pub use validate::{
+    AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging, VarlenShape, Window,
+};
 
 /// The PTX modules embedded in this build, one per target architecture.
 pub use kernels::{ptx_for_arch, PTX_SOURCE};

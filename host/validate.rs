@@ -3,19 +3,80 @@
 //! the device.
 use crate::error::FlashAttnError;
 use crate::tensor::Layout;
+use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
     AttnTile, ELEM_BYTES, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
 };
 
-/// Options shared by forward and decode.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct AttnOptions {
+/// A sliding window around each query's diagonal (FlashAttention 2.6
+/// semantics, aligned to the bottom-right like the causal mask): query `i`
+/// sees key `j` when `i + Skv - Sq - left <= j <= i + Skv - Sq + right`.
+/// `None` leaves that side unbounded; the default is no window at all.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Window {
+    pub left: Option<usize>,
+    pub right: Option<usize>,
+}
+
+impl Window {
+    /// No bound on either side.
+    pub const UNBOUNDED: Window = Window {
+        left: None,
+        right: None,
+    };
+
+    /// Mistral-style: `left` keys before the diagonal, none after (combine
+    /// with `causal` or give `right: Some(0)`).
+    pub const fn left(left: usize) -> Window {
+        Window {
+            left: Some(left),
+            right: None,
+        }
+    }
+
+    /// The window a mask applies: `causal` bounds the right side at 0.
+    pub fn effective(self, causal: bool) -> Window {
+        Window {
+            left: self.left,
+            right: if causal { Some(0) } else { self.right },
+        }
+    }
+
+    pub fn is_unbounded(self) -> bool {
+        self.left.is_none() && self.right.is_none()
+    }
+}
+
+/// ALiBi slopes on the device: bias `-slope * |i + Skv - Sq - j|` is added to
+/// the scaled score of query `i` and key `j`.
+#[derive(Clone, Copy, Debug)]
+pub enum AlibiSlopes<'a> {
+    /// f32 [heads], the same for every batch entry.
+    PerHead(&'a CudaView<'a, f32>),
+    /// f32 [batch, heads], row-major.
+    PerBatchHead(&'a CudaView<'a, f32>),
+}
+
+/// Options shared by forward, varlen and decode.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AttnOptions<'a> {
     /// Causal mask aligned to the bottom-right: query `i` sees keys
-    /// `j <= i + seqlen_k - seqlen_q`. A query row that sees no key gets O = 0
-    /// and LSE = -inf.
+    /// `j <= i + seqlen_k - seqlen_q` (a window whose right side is 0). A
+    /// query row that sees no key gets O = 0 and LSE = -inf.
     pub causal: bool,
     /// Defaults to `1 / sqrt(head_dim)`. Must be finite and positive.
     pub softmax_scale: Option<f32>,
+    /// Sliding window; combined with `causal`, whose right bound of 0 wins.
+    pub window: Window,
+    /// Logit soft-capping (Gemma 2): score = `c * tanh(scale * q·k / c)`.
+    /// Must be finite and positive.
+    pub softcap: Option<f32>,
+    /// ALiBi slopes (Bloom, MPT), added after the scale (and softcap).
+    pub alibi_slopes: Option<AlibiSlopes<'a>>,
+    /// f32 [heads] attention-sink logits (gpt-oss): each row's softmax
+    /// denominator also holds `exp(sink[h])`, with no value attached. The LSE
+    /// output includes that term.
+    pub sinks: Option<&'a CudaView<'a, f32>>,
 }
 
 /// What validation needs to know of one tensor argument.
@@ -29,7 +90,7 @@ pub struct TensorInfo {
 }
 
 /// A validated forward problem.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ForwardShape {
     pub batch: usize,
     pub seqlen_q: usize,
@@ -39,10 +100,20 @@ pub struct ForwardShape {
     pub head_dim: usize,
     pub causal: bool,
     pub softmax_scale: f32,
+    /// As given; [`Window::effective`] folds `causal` in.
+    pub window: Window,
+    pub softcap: Option<f32>,
+}
+
+impl ForwardShape {
+    /// The window the mask applies (`causal` folded in).
+    pub fn mask(&self) -> Window {
+        self.window.effective(self.causal)
+    }
 }
 
 /// A validated decode problem; `cache_len` is the capacity Lmax of the cache.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DecodeShape {
     pub batch: usize,
     pub seqlen_q: usize,
@@ -52,6 +123,42 @@ pub struct DecodeShape {
     pub head_dim: usize,
     pub causal: bool,
     pub softmax_scale: f32,
+    pub window: Window,
+    pub softcap: Option<f32>,
+}
+
+impl DecodeShape {
+    /// The window the mask applies (`causal` folded in).
+    pub fn mask(&self) -> Window {
+        self.window.effective(self.causal)
+    }
+}
+
+/// A validated variable-length (packed) forward problem: Q and O are
+/// [total_q, H, D], K and V [total_k, Hkv, D]; sequence `b` owns rows
+/// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q (likewise K/V). LSE is
+/// [H, total_q].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct VarlenShape {
+    pub batch: usize,
+    pub total_q: usize,
+    pub total_k: usize,
+    pub max_seqlen_q: usize,
+    pub max_seqlen_k: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub causal: bool,
+    pub softmax_scale: f32,
+    pub window: Window,
+    pub softcap: Option<f32>,
+}
+
+impl VarlenShape {
+    /// The window the mask applies (`causal` folded in).
+    pub fn mask(&self) -> Window {
+        self.window.effective(self.causal)
+    }
 }
 
 /// Grid dimensions y and z are limited to 65535 CTAs.
@@ -259,6 +366,8 @@ pub fn check_forward(
         head_dim,
         causal: opts.causal,
         softmax_scale,
+        window: opts.window,
+        softcap: opts.softcap,
     })
 }
 
@@ -291,6 +400,8 @@ pub fn check_decode(
         head_dim: shape.head_dim,
         causal: shape.causal,
         softmax_scale: shape.softmax_scale,
+        window: shape.window,
+        softcap: shape.softcap,
     })
 }
 

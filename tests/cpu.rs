@@ -57,6 +57,7 @@ prop_compose! {
             batch, seqlen_q, seqlen_k, heads, kv_heads, head_dim,
             causal: causal.unwrap_or(c),
             softmax_scale: scale(head_dim, custom),
+            ..Default::default()
         }
     }
 }
@@ -150,6 +151,7 @@ fn reference_hand_computed() {
         head_dim: 1,
         causal: false,
         softmax_scale: 0.5,
+        ..Default::default()
     };
     let q = [2.0];
     let k = [0.0, 3f64.ln()];
@@ -184,6 +186,7 @@ fn reference_huge_scores_are_stable() {
         head_dim: 1,
         causal: false,
         softmax_scale: 1.0,
+        ..Default::default()
     };
     let out = reference::attention(&s, &[1000.0], &[1.0, 1.0], &[1.0, 3.0]);
     assert_relative_eq!(out.o[0], 2.0, max_relative = 1e-12);
@@ -300,6 +303,7 @@ proptest! {
         let shape = DecodeShape {
             batch, seqlen_q, cache_len, heads, kv_heads, head_dim, causal,
             softmax_scale: scale(head_dim, None),
+            ..Default::default()
         };
         let mut rng = StdRng::seed_from_u64(seed);
         let q = random_vec(&mut rng, batch * seqlen_q * heads * head_dim);
@@ -330,6 +334,7 @@ proptest! {
             let fwd = ForwardShape {
                 batch: 1, seqlen_q, seqlen_k: n, heads, kv_heads, head_dim, causal,
                 softmax_scale: shape.softmax_scale,
+                ..Default::default()
             };
             assert_outputs_close(&got, &reference::attention(&fwd, qb, kb, vb));
 
@@ -438,7 +443,7 @@ struct Args {
     v: TensorInfo,
     o: TensorInfo,
     lse_len: Option<usize>,
-    opts: AttnOptions,
+    opts: AttnOptions<'static>,
 }
 
 impl Args {
@@ -456,6 +461,7 @@ impl Args {
             opts: AttnOptions {
                 causal: true,
                 softmax_scale: None,
+                ..Default::default()
             },
         }
     }
@@ -506,6 +512,7 @@ fn valid_forward_and_decode_pass() {
             head_dim: D,
             causal: true,
             softmax_scale: 0.125,
+            ..Default::default()
         }
     );
     let d = a.decode(B).unwrap();
@@ -520,6 +527,7 @@ fn valid_forward_and_decode_pass() {
             head_dim: D,
             causal: true,
             softmax_scale: 0.125,
+            ..Default::default()
         }
     );
     // LSE is optional, and a longer buffer is fine; MQA and head dim 128 too.
@@ -552,6 +560,7 @@ fn packed_qkv_views_validate() {
     let opts = AttnOptions {
         causal: false,
         softmax_scale: None,
+        ..Default::default()
     };
     let shape = check_forward(&view(0), &view(1), &view(2), &o, Some(b * h * s), &opts).unwrap();
     assert_eq!(
@@ -565,6 +574,7 @@ fn packed_qkv_views_validate() {
             head_dim: d,
             causal: false,
             softmax_scale: 1.0 / 8.0,
+            ..Default::default()
         }
     );
     // One element less and V overruns its buffer.

@@ -199,6 +199,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
     let opts = AttnOptions {
         causal: c.causal,
         softmax_scale: None,
+        ..Default::default()
     };
     {
         let mut lse_view = lse.as_view_mut();
@@ -230,6 +231,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
         head_dim: d,
         causal: c.causal,
         softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
     };
     let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
     check_output(&o_host, &q_layout, &want.o, &format!("{c:?}"))?;
@@ -281,6 +283,7 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
     let opts = AttnOptions {
         causal: c.causal,
         softmax_scale: None,
+        ..Default::default()
     };
     {
         let mut lse_view = lse.as_view_mut();
@@ -309,6 +312,7 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
         head_dim: d,
         causal: c.causal,
         softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
     };
     let want = reference::decode(
         &shape,
@@ -451,6 +455,7 @@ fn kv_decode_shape(c: &KvCase) -> DecodeShape {
         head_dim: c.head_dim,
         causal: c.causal,
         softmax_scale: 1.0 / (c.head_dim as f32).sqrt(),
+        ..Default::default()
     }
 }
 
@@ -544,6 +549,7 @@ fn run_kvcache<T: AttnElement>(gpu: &Gpu, c: &KvCase) -> Result<(), String> {
                 &AttnOptions {
                     causal: c.causal,
                     softmax_scale: None,
+                    ..Default::default()
                 },
                 None,
             )
@@ -715,6 +721,7 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
             &AttnOptions {
                 causal: true,
                 softmax_scale: None,
+                ..Default::default()
             },
             Some(&mut workspace),
         )
@@ -984,6 +991,7 @@ fn main() {
                 head_dim: 128,
                 causal: true,
                 softmax_scale: 0.1,
+                ..Default::default()
             };
             if gpu.fa.decode_splits::<f16>(&shape) < 2 {
                 return Err(format!("{c:?}: expected a split-KV launch").into());
