@@ -10,16 +10,19 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    combine_rows_per_cta, find_entry, AttnTile, Entry, KernelKind, APPEND_THREADS, CHUNK_ELEMS,
-    ENTRIES, MAX_SPLITS,
+    combine_rows_per_cta, find_entry, AttnTile, Dtype, Entry, KernelKind, MaskKind, Policies,
+    ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS, ENTRIES, MAX_SPLITS, MERGE_THREADS,
 };
-use flash_attn_kernels::params::{AppendParams, AttnParams, BshStrides, CombineParams};
+use flash_attn_kernels::params::{
+    AppendParams, AttnParams, BshStrides, CombineParams, MergeParams,
+};
 
 use crate::error::FlashAttnError;
 use crate::kernels::ptx_for_arch;
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
-    check_decode, check_forward, check_kvcache, AttnOptions, DecodeShape, KvCacheShape, TensorInfo,
+    check_decode, check_forward, check_kvcache, check_merge, check_varlen, AlibiSlopes,
+    AttnOptions, DecodeShape, KvCacheShape, TensorInfo, VarlenShape, Window,
 };
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
@@ -30,6 +33,7 @@ struct ByValue<T>(T);
 unsafe impl DeviceRepr for ByValue<AttnParams> {}
 unsafe impl DeviceRepr for ByValue<CombineParams> {}
 unsafe impl DeviceRepr for ByValue<AppendParams> {}
+unsafe impl DeviceRepr for ByValue<MergeParams> {}
 
 /// Shared memory a CTA may use without opting in.
 const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
@@ -77,6 +81,20 @@ pub struct BlockTable<'a> {
     pub max_pages: usize,
 }
 
+/// The sequence boundaries of a varlen call (FlashAttention's
+/// `cu_seqlens_q`, `cu_seqlens_k`, `max_seqlen_q`, `max_seqlen_k`).
+pub struct Varlen<'a> {
+    /// i32 [B + 1] on the device: sequence `b` owns packed rows
+    /// `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q and O.
+    pub cu_seqlens_q: &'a CudaView<'a, i32>,
+    /// i32 [B + 1] on the device, likewise for K and V.
+    pub cu_seqlens_k: &'a CudaView<'a, i32>,
+    /// The longest query sequence: the grid covers this many rows per sequence.
+    pub max_seqlen_q: usize,
+    /// The longest key sequence (at most the packed K/V rows).
+    pub max_seqlen_k: usize,
+}
+
 /// Validated device pointers and element strides of one decode call.
 struct DecodeCall {
     q: (u64, BshStrides),
@@ -117,6 +135,81 @@ fn optional_ptr_mut<'a>(
 
 fn info(layout: Layout, len: usize, addr: u64) -> TensorInfo {
     TensorInfo { layout, len, addr }
+}
+
+/// A window bound as the kernels take it: negative = unbounded; bounds past
+/// any sequence length are equivalent to i32::MAX.
+fn window_bound(bound: Option<usize>) -> i32 {
+    bound.map_or(-1, |b| b.min(i32::MAX as usize) as i32)
+}
+
+/// The mask policy a window needs.
+fn mask_kind(window: Window) -> MaskKind {
+    match (window.left, window.right) {
+        (None, None) => MaskKind::Full,
+        (None, Some(0)) => MaskKind::Causal,
+        _ => MaskKind::Local,
+    }
+}
+
+/// The policies of a call and their launch parameters (in `AttnParams`'
+/// fields; the rest default), with the guards that order the option
+/// tensors on the stream.
+struct PolicyArgs<'a> {
+    need: Policies,
+    params: AttnParams,
+    _guards: [SyncOnDrop<'a>; 2],
+}
+
+fn policy_args<'a>(
+    opts: &'a AttnOptions<'a>,
+    mask: Window,
+    scale: f32,
+    heads: usize,
+    seq: SeqKind,
+    stream: &'a CudaStream,
+) -> PolicyArgs<'a> {
+    let (alibi, alibi_batch_stride, alibi_guard) = match opts.alibi_slopes {
+        None => (0, 0, SyncOnDrop::Record(None)),
+        Some(AlibiSlopes::PerHead(v)) => {
+            let (ptr, guard) = v.device_ptr(stream);
+            (ptr, 0, guard)
+        }
+        Some(AlibiSlopes::PerBatchHead(v)) => {
+            let (ptr, guard) = v.device_ptr(stream);
+            (ptr, heads as u32, guard)
+        }
+    };
+    let (sinks, sinks_guard) = match opts.sinks {
+        Some(v) => v.device_ptr(stream),
+        None => (0, SyncOnDrop::Record(None)),
+    };
+    let (softcap_pre, softcap_post) = opts.softcap.map_or((0.0, 0.0), |c| (scale / c, c / scale));
+    let modified = opts.softcap.is_some() || alibi != 0 || sinks != 0;
+    PolicyArgs {
+        need: Policies {
+            mask: mask_kind(mask),
+            score: if modified {
+                ScoreKind::Modified
+            } else {
+                ScoreKind::Plain
+            },
+            seq,
+        },
+        params: AttnParams {
+            window_left: window_bound(mask.left),
+            window_right: window_bound(mask.right),
+            softcap_pre,
+            softcap_post,
+            alibi,
+            alibi_batch_stride,
+            inv_scale: 1.0 / scale,
+            sinks,
+            scale_log2: scale * std::f32::consts::LOG2_E,
+            ..Default::default()
+        },
+        _guards: [alibi_guard, sinks_guard],
+    }
 }
 
 impl FlashAttention {
@@ -177,9 +270,10 @@ impl FlashAttention {
         &self.kernels[name]
     }
 
-    fn kernel<T: AttnElement>(&self, kind: KernelKind, head_dim: usize, causal: bool) -> &Kernel {
-        let entry =
-            find_entry(kind, T::DTYPE, head_dim, causal).expect("validated head dim has an entry");
+    /// The most specialised kernel of `kind` whose policies cover `need`.
+    fn kernel(&self, kind: KernelKind, dtype: Dtype, head_dim: usize, need: Policies) -> &Kernel {
+        let entry = find_entry(kind, dtype, head_dim, need)
+            .expect("every validated problem has an entry (config tests check the table)");
         &self.kernels[entry.name]
     }
 
@@ -215,7 +309,15 @@ impl FlashAttention {
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
-        let kernel = self.kernel::<T>(KernelKind::Forward, shape.head_dim, shape.causal);
+        let policy = policy_args(
+            opts,
+            shape.mask(),
+            shape.softmax_scale,
+            shape.heads,
+            SeqKind::Dense,
+            stream,
+        );
+        let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
         let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
         let params = AttnParams {
             q: q_ptr,
@@ -234,8 +336,7 @@ impl FlashAttention {
             seqlen_k: shape.seqlen_k as u32,
             pack: 1,
             num_splits: 1,
-            scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
-            ..Default::default()
+            ..policy.params
         };
         let grid = (
             shape.seqlen_q.div_ceil(tile.block_m) as u32,
@@ -245,14 +346,169 @@ impl FlashAttention {
         self.launch(stream, kernel, grid, ByValue(params))
     }
 
+    /// Attention over variable-length sequences packed without padding
+    /// (FlashAttention's `flash_attn_varlen_func`): Q and O are [total_q, H,
+    /// D], K and V [total_k, Hkv, D], given as [`Layout::packed`] layouts
+    /// ([1, total, heads, head_dim], any row and head strides); sequence `b`
+    /// owns rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q and likewise of
+    /// K/V, each with its own bottom-right-aligned mask. `lse`, if given, is
+    /// f32 [H, total_q]. The `cu_seqlens` live on the device: each range is
+    /// clamped to the packed tensors, and rows of a sequence past
+    /// `max_seqlen_q` are not written.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen<T: AttnElement>(
+        &self,
+        stream: &CudaStream,
+        q: &TensorRef<'_, T>,
+        k: &TensorRef<'_, T>,
+        v: &TensorRef<'_, T>,
+        o: &mut TensorMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        seqlens: &Varlen<'_>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
+        let (k_ptr, _k_sync) = k.data.device_ptr(stream);
+        let (v_ptr, _v_sync) = v.data.device_ptr(stream);
+        let (cu_q, _cq_sync) = seqlens.cu_seqlens_q.device_ptr(stream);
+        let (cu_k, _ck_sync) = seqlens.cu_seqlens_k.device_ptr(stream);
+        let o_len = o.data.len();
+        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let shape: VarlenShape = check_varlen(
+            &info(q.layout, q.data.len(), q_ptr),
+            &info(k.layout, k.data.len(), k_ptr),
+            &info(v.layout, v.data.len(), v_ptr),
+            &info(o.layout, o_len, o_ptr),
+            seqlens.cu_seqlens_q.len(),
+            seqlens.cu_seqlens_k.len(),
+            seqlens.max_seqlen_q,
+            seqlens.max_seqlen_k,
+            lse.as_ref().map(|l| l.len()),
+            opts,
+        )?;
+        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
+        let policy = policy_args(
+            opts,
+            shape.mask(),
+            shape.softmax_scale,
+            shape.heads,
+            SeqKind::Ragged,
+            stream,
+        );
+        let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
+        let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
+        let params = AttnParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            lse: lse_ptr,
+            q_strides: strides(&q.layout),
+            k_strides: strides(&k.layout),
+            v_strides: strides(&v.layout),
+            o_strides: strides(&o.layout),
+            batch: shape.batch as u32,
+            heads: shape.heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            seqlen_q: shape.max_seqlen_q as u32,
+            seqlen_k: shape.total_k as u32,
+            pack: 1,
+            num_splits: 1,
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+            total_q: shape.total_q as u32,
+            total_k: shape.total_k as u32,
+            ..policy.params
+        };
+        let grid = (
+            shape.max_seqlen_q.div_ceil(tile.block_m) as u32,
+            shape.heads as u32,
+            shape.batch as u32,
+        );
+        self.launch(stream, kernel, grid, ByValue(params))
+    }
+
+    /// Merges two attention states over disjoint key sets into the state over
+    /// their union (FlashInfer's `merge_state`; ring attention, context
+    /// parallelism, shared-prefix attention): `lse = log(e^lse_a + e^lse_b)`,
+    /// `O = e^(lse_a - lse)·O_a + e^(lse_b - lse)·O_b`. O tensors are
+    /// [B, S, H, D] (any strides, last dim contiguous, D a multiple of 8 up to
+    /// 256), LSEs f32 [B, H, S] as [`Self::forward`] writes them (natural
+    /// log; -inf for a state that saw no key). `o` may alias `o_a` or `o_b`
+    /// exactly. Computed in f32 from the stored states, so the merged O
+    /// carries one extra rounding to `T`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn merge_states<T: AttnElement>(
+        &self,
+        stream: &CudaStream,
+        o_a: &TensorRef<'_, T>,
+        lse_a: &CudaView<'_, f32>,
+        o_b: &TensorRef<'_, T>,
+        lse_b: &CudaView<'_, f32>,
+        o: &mut TensorMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+    ) -> Result<(), FlashAttnError> {
+        let (a_ptr, _a_sync) = o_a.data.device_ptr(stream);
+        let (b_ptr, _b_sync) = o_b.data.device_ptr(stream);
+        let (la_ptr, _la_sync) = lse_a.device_ptr(stream);
+        let (lb_ptr, _lb_sync) = lse_b.device_ptr(stream);
+        let o_len = o.data.len();
+        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let [batch, seqlen, heads, head_dim] = check_merge(
+            &info(o_a.layout, o_a.data.len(), a_ptr),
+            &info(o_b.layout, o_b.data.len(), b_ptr),
+            &info(o.layout, o_len, o_ptr),
+            [
+                Some(lse_a.len()),
+                Some(lse_b.len()),
+                lse.as_ref().map(|l| l.len()),
+            ],
+        )?;
+        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
+        let params = MergeParams {
+            o_a: a_ptr,
+            lse_a: la_ptr,
+            o_b: b_ptr,
+            lse_b: lb_ptr,
+            o: o_ptr,
+            lse: lse_ptr,
+            o_a_strides: strides(&o_a.layout),
+            o_b_strides: strides(&o_b.layout),
+            o_strides: strides(&o.layout),
+            batch: batch as u32,
+            seqlen: seqlen as u32,
+            heads: heads as u32,
+            row_chunks: (head_dim / CHUNK_ELEMS) as u32,
+        };
+        let chunks = batch * seqlen * heads * head_dim / CHUNK_ELEMS;
+        let kernel = self.kernel(KernelKind::Merge, T::DTYPE, 0, Policies::PLAIN);
+        self.launch(
+            stream,
+            kernel,
+            (chunks.div_ceil(MERGE_THREADS) as u32, 1, 1),
+            ByValue(params),
+        )
+    }
+
     /// Split count the decode kernel uses for `shape` with element type `T`.
     pub fn decode_splits<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
         let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
         let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
         let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
-        let key_blocks = shape.cache_len.div_ceil(tile.block_n);
+        // A left window bounds the keys any row sees, whatever the cache holds.
+        let keys = match shape.mask().left {
+            Some(left) => shape.cache_len.min(left.saturating_add(shape.seqlen_q)),
+            None => shape.cache_len,
+        };
+        let key_blocks = keys.div_ceil(tile.block_n);
+        // Every decode variant of a head dim has the same tile and occupancy.
         let ctas_per_sm = self
-            .kernel::<T>(KernelKind::Decode, shape.head_dim, shape.causal)
+            .kernel(
+                KernelKind::Decode,
+                T::DTYPE,
+                shape.head_dim,
+                Policies::PLAIN,
+            )
             .ctas_per_sm;
         let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_SPLITS)
@@ -324,7 +580,7 @@ impl FlashAttention {
                 seqlen_new: 0,
             },
         };
-        self.run_decode::<T>(stream, &call, lse, workspace)
+        self.run_decode::<T>(stream, &call, lse, opts, workspace)
     }
 
     /// [`Self::decode`] with a KV cache that may be paged, optionally after
@@ -425,7 +681,7 @@ impl FlashAttention {
             block_table: table_ptr,
             cache: shape,
         };
-        self.run_decode::<T>(stream, &call, lse, workspace)
+        self.run_decode::<T>(stream, &call, lse, opts, workspace)
     }
 
     /// Launches the split-KV decode kernel, and the combine kernel when the
@@ -435,11 +691,20 @@ impl FlashAttention {
         stream: &Arc<CudaStream>,
         call: &DecodeCall,
         lse: Option<&mut CudaViewMut<'_, f32>>,
+        opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
         let shape = &call.cache.decode;
         let splits = self.decode_splits::<T>(shape);
         let partial_rows = splits * shape.batch * shape.heads * shape.seqlen_q;
+        let rows = shape.batch * shape.heads * shape.seqlen_q;
+        if rows > u32::MAX as usize {
+            return Err(FlashAttnError::TooLarge {
+                what: "batch x heads x seqlen_q",
+                value: rows,
+                limit: u32::MAX as usize,
+            });
+        }
         let mut owned;
         let workspace = match workspace {
             Some(w) => {
@@ -466,6 +731,14 @@ impl FlashAttention {
         let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
         let pack = shape.heads / shape.kv_heads;
         let paging = call.cache.paging.unwrap_or_default();
+        let policy = policy_args(
+            opts,
+            shape.mask(),
+            shape.softmax_scale,
+            shape.heads,
+            SeqKind::Dense,
+            stream,
+        );
         let params = AttnParams {
             q: call.q.0,
             k: call.k.0,
@@ -486,12 +759,12 @@ impl FlashAttention {
             seqlen_k: shape.cache_len as u32,
             pack: pack as u32,
             num_splits: splits as u32,
-            scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
             seqlen_new: call.cache.seqlen_new as u32,
             block_table: call.block_table,
             max_pages: paging.max_pages as u32,
             page_size: paging.page_size as u32,
             num_pages: paging.num_pages as u32,
+            ..policy.params
         };
         let grid = (
             (shape.seqlen_q * pack).div_ceil(tile.block_m) as u32,
@@ -500,7 +773,7 @@ impl FlashAttention {
         );
         self.launch(
             stream,
-            self.kernel::<T>(KernelKind::Decode, shape.head_dim, shape.causal),
+            self.kernel(KernelKind::Decode, T::DTYPE, shape.head_dim, policy.need),
             grid,
             ByValue(params),
         )?;
@@ -515,6 +788,7 @@ impl FlashAttention {
                 heads: shape.heads as u32,
                 seqlen_q: shape.seqlen_q as u32,
                 num_splits: splits as u32,
+                sinks: policy.params.sinks,
             };
             let rows = shape.batch * shape.heads * shape.seqlen_q;
             let grid = (
@@ -524,7 +798,12 @@ impl FlashAttention {
             );
             self.launch(
                 stream,
-                self.kernel::<T>(KernelKind::Combine, shape.head_dim, false),
+                self.kernel(
+                    KernelKind::Combine,
+                    T::DTYPE,
+                    shape.head_dim,
+                    Policies::PLAIN,
+                ),
                 grid,
                 ByValue(combine),
             )?;

@@ -52,6 +52,22 @@ pub enum FlashAttnError {
     #[error("softmax_scale must be finite and > 0, got {0}")]
     InvalidScale(f32),
 
+    #[error("softcap must be finite and > 0, got {0}")]
+    InvalidSoftcap(f32),
+
+    #[error("{what}: expected {expected} f32 elements, got {got}")]
+    ParamLength {
+        what: &'static str,
+        expected: usize,
+        got: usize,
+    },
+
+    #[error("{what} is not supported by {entry}")]
+    Unsupported {
+        what: &'static str,
+        entry: &'static str,
+    },
+
     #[error("cache_seqlens has {got} entries, expected one per batch ({expected})")]
     SeqlensLength { expected: usize, got: usize },
 

@@ -20,6 +20,12 @@ impl Layout {
         }
     }
 
+    /// A packed (varlen) [total, heads, head_dim] tensor, row-major, as the
+    /// [1, total, heads, head_dim] layout the varlen entry points take.
+    pub fn packed([total, heads, head_dim]: [usize; 3]) -> Layout {
+        Layout::contiguous([1, total, heads, head_dim])
+    }
+
     /// Number of elements the layout spans, from element 0 to its last element
     /// plus one; `None` on overflow. 0 when any dimension is 0.
     pub fn span(&self) -> Option<usize> {

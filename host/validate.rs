@@ -5,7 +5,8 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, ELEM_BYTES, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
+    AttnTile, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES,
+    SUPPORTED_HEAD_DIMS,
 };
 
 /// A sliding window around each query's diagonal (FlashAttention 2.6
@@ -310,7 +311,45 @@ fn check_heads_and_scale(
     if !(scale.is_finite() && scale > 0.0) {
         return Err(FlashAttnError::InvalidScale(scale));
     }
+    if let Some(c) = opts.softcap {
+        if !(c.is_finite() && c > 0.0) {
+            return Err(FlashAttnError::InvalidSoftcap(c));
+        }
+    }
     Ok(scale)
+}
+
+/// Checks the lengths of the device-side option tensors (their values live
+/// on the device and are used as given): ALiBi slopes [heads] or
+/// [batch, heads], sinks [heads].
+pub fn check_option_lengths(
+    opts: &AttnOptions,
+    batch: usize,
+    heads: usize,
+) -> Result<(), FlashAttnError> {
+    if let Some(slopes) = opts.alibi_slopes {
+        let (expected, got) = match slopes {
+            AlibiSlopes::PerHead(v) => (heads, v.len()),
+            AlibiSlopes::PerBatchHead(v) => (batch * heads, v.len()),
+        };
+        if got < expected {
+            return Err(FlashAttnError::ParamLength {
+                what: "alibi_slopes",
+                expected,
+                got,
+            });
+        }
+    }
+    if let Some(sinks) = opts.sinks {
+        if sinks.len() < heads {
+            return Err(FlashAttnError::ParamLength {
+                what: "sinks",
+                expected: heads,
+                got: sinks.len(),
+            });
+        }
+    }
+    Ok(())
 }
 
 fn check_lse(
@@ -357,6 +396,7 @@ pub fn check_forward(
         });
     }
     check_lse(lse_len, batch, heads, seqlen_q)?;
+    check_option_lengths(opts, batch, heads)?;
     Ok(ForwardShape {
         batch,
         seqlen_q,
@@ -543,4 +583,121 @@ pub fn check_kvcache(
         paging,
         seqlen_new,
     })
+}
+
+/// Validates a varlen call: Q/O [total_q, H, D] and K/V [total_k, Hkv, D]
+/// given as layouts of shape [1, total, heads, head_dim] (see
+/// [`Layout::packed`]), `cu_seqlens_q`/`cu_seqlens_k` of `batch + 1` i32
+/// each, and the host's `max_seqlen_q`/`max_seqlen_k`. The `cu_seqlens`
+/// values live on the device: the kernel clamps each sequence to the packed
+/// tensors and to `max_seqlen_q` rows (rows past it are not written).
+#[allow(clippy::too_many_arguments)]
+pub fn check_varlen(
+    q: &TensorInfo,
+    k: &TensorInfo,
+    v: &TensorInfo,
+    o: &TensorInfo,
+    cu_seqlens_q_len: usize,
+    cu_seqlens_k_len: usize,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<VarlenShape, FlashAttnError> {
+    for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
+        expect_dim(name, 0, 1, t.layout.shape[0])?;
+    }
+    if cu_seqlens_q_len < 2 {
+        return Err(FlashAttnError::SeqlensLength {
+            expected: 2,
+            got: cu_seqlens_q_len,
+        });
+    }
+    let batch = cu_seqlens_q_len - 1;
+    if cu_seqlens_k_len != cu_seqlens_q_len {
+        return Err(FlashAttnError::SeqlensLength {
+            expected: cu_seqlens_q_len,
+            got: cu_seqlens_k_len,
+        });
+    }
+    // The packed tensors as one sequence each: every per-tensor rule applies.
+    let shape = check_forward(q, k, v, o, None, opts)?;
+    let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
+    for (what, value, total) in [
+        ("max_seqlen_q", max_seqlen_q, total_q),
+        ("max_seqlen_k", max_seqlen_k, total_k),
+    ] {
+        if value == 0 {
+            return Err(FlashAttnError::ZeroSized {
+                tensor: "varlen",
+                dim: what,
+            });
+        }
+        if value > total {
+            return Err(FlashAttnError::TooLarge {
+                what,
+                value,
+                limit: total,
+            });
+        }
+    }
+    if batch > MAX_GRID_YZ {
+        return Err(FlashAttnError::TooLarge {
+            what: "batch",
+            value: batch,
+            limit: MAX_GRID_YZ,
+        });
+    }
+    check_lse(lse_len, 1, shape.heads, total_q)?;
+    check_option_lengths(opts, batch, shape.heads)?;
+    Ok(VarlenShape {
+        batch,
+        total_q,
+        total_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        heads: shape.heads,
+        kv_heads: shape.kv_heads,
+        head_dim: shape.head_dim,
+        causal: opts.causal,
+        softmax_scale: shape.softmax_scale,
+        window: opts.window,
+        softcap: opts.softcap,
+    })
+}
+
+/// Validates a `merge_states` call: three O tensors of one [B, S, H, D]
+/// shape (D a multiple of 8, at most `MAX_HEAD_DIM`) and three f32 LSEs
+/// [B, H, S] (the output LSE optional).
+pub fn check_merge(
+    o_a: &TensorInfo,
+    o_b: &TensorInfo,
+    o: &TensorInfo,
+    lse_lens: [Option<usize>; 3],
+) -> Result<[usize; 4], FlashAttnError> {
+    check_tensor("o_a", o_a)?;
+    check_tensor("o_b", o_b)?;
+    check_tensor("o", o)?;
+    check_one_to_one("o", &o.layout)?;
+    let shape = o_a.layout.shape;
+    expect_shape("o_b", shape, o_b.layout.shape)?;
+    expect_shape("o", shape, o.layout.shape)?;
+    let [batch, seqlen, heads, head_dim] = shape;
+    if head_dim % CHUNK_ELEMS != 0 || head_dim > MAX_HEAD_DIM {
+        return Err(FlashAttnError::UnsupportedHeadDim {
+            got: head_dim,
+            supported: &SUPPORTED_HEAD_DIMS,
+        });
+    }
+    for len in lse_lens {
+        check_lse(len, batch, heads, seqlen)?;
+    }
+    if batch * seqlen * heads * head_dim / CHUNK_ELEMS > u32::MAX as usize {
+        return Err(FlashAttnError::TooLarge {
+            what: "elements",
+            value: batch * seqlen * heads * head_dim,
+            limit: u32::MAX as usize,
+        });
+    }
+    Ok(shape)
 }

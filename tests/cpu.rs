@@ -588,7 +588,7 @@ fn packed_qkv_views_validate() {
 
 #[test]
 fn unsupported_head_dims() {
-    for d in [8, 16, 32, 80, 96, 256] {
+    for d in [8, 16, 40, 80, 112, 264] {
         let a = Args::with_shapes([B, SQ, H, d], [B, SK, HKV, d]);
         assert!(
             matches!(a.forward(), Err(FlashAttnError::UnsupportedHeadDim { got, .. }) if got == d),
@@ -853,10 +853,10 @@ fn cache_seqlens_length_must_equal_batch() {
 
 #[test]
 fn decode_applies_the_forward_rules() {
-    let a = Args::with_shapes([B, 1, H, 96], [B, SK, HKV, 96]);
+    let a = Args::with_shapes([B, 1, H, 80], [B, SK, HKV, 80]);
     assert!(matches!(
         a.decode(B),
-        Err(FlashAttnError::UnsupportedHeadDim { got: 96, .. })
+        Err(FlashAttnError::UnsupportedHeadDim { got: 80, .. })
     ));
     let mut a = Args::new();
     a.k.addr += 8;
@@ -944,6 +944,13 @@ mod config {
 
     const KINDS: [KernelKind; 3] = [KernelKind::Forward, KernelKind::Decode, KernelKind::Combine];
     const DTYPES: [Dtype; 2] = [Dtype::F16, Dtype::Bf16];
+    const MASKS: [MaskKind; 3] = [MaskKind::Full, MaskKind::Causal, MaskKind::Local];
+    const SCORES: [ScoreKind; 2] = [ScoreKind::Plain, ScoreKind::Modified];
+    const SEQS: [SeqKind; 2] = [SeqKind::Dense, SeqKind::Ragged];
+
+    fn word<T: std::fmt::Debug>(x: T) -> String {
+        format!("{x:?}").to_lowercase()
+    }
 
     fn expected_name(e: &Entry) -> String {
         let kind = match e.kind {
@@ -951,13 +958,17 @@ mod config {
             KernelKind::Decode => "decode",
             KernelKind::Combine => "combine",
             KernelKind::Append => return "flash_append_kv".into(),
+            KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
         };
-        let suffix = match (e.kind, e.causal) {
-            (KernelKind::Combine, _) => "",
-            (_, true) => "_causal",
-            (_, false) => "_full",
-        };
-        format!("flash_{kind}_{}_hd{}{suffix}", e.dtype.name(), e.head_dim)
+        let p = e.policies;
+        format!(
+            "flash_{kind}_{}_hd{}_{}_{}_{}",
+            e.dtype.name(),
+            e.head_dim,
+            word(p.mask),
+            word(p.score),
+            word(p.seq)
+        )
     }
 
     #[test]
@@ -968,71 +979,98 @@ mod config {
             assert_eq!(e.name, expected_name(e));
             assert!(names.insert(e.name), "duplicate name {}", e.name);
             assert!(
-                keys.insert((e.kind, e.dtype, e.head_dim, e.causal)),
+                keys.insert((e.kind, e.dtype, e.head_dim, e.policies)),
                 "duplicate entry {e:?}"
             );
-            if e.kind == KernelKind::Append {
-                // Moves bytes: one entry for every dtype and head dim.
-                assert_eq!((e.head_dim, e.causal), (0, false), "{e:?}");
-            } else {
-                assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+            match e.kind {
+                // Move bytes or merge rows: one entry per dtype for every head dim.
+                KernelKind::Append | KernelKind::Merge => {
+                    assert_eq!((e.head_dim, e.policies), (0, Policies::PLAIN), "{e:?}")
+                }
+                KernelKind::Combine => {
+                    assert_eq!(e.policies, Policies::PLAIN, "{e:?}");
+                    assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+                }
+                _ => assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}"),
             }
-            assert!(!(e.kind == KernelKind::Combine && e.causal), "{e:?}");
         }
         assert_eq!(Dtype::F16.name(), "f16");
         assert_eq!(Dtype::Bf16.name(), "bf16");
     }
 
+    fn all_needs() -> Vec<Policies> {
+        let mut v = Vec::new();
+        for mask in MASKS {
+            for score in SCORES {
+                for seq in SEQS {
+                    v.push(Policies { mask, score, seq });
+                }
+            }
+        }
+        v
+    }
+
     #[test]
-    fn every_combination_has_exactly_one_entry() {
-        let mut expected = 0;
+    fn covers_is_the_policy_order() {
+        for a in all_needs() {
+            for b in all_needs() {
+                let mask = a.mask == MaskKind::Local || a.mask == b.mask;
+                let want = mask && a.score >= b.score && a.seq >= b.seq;
+                assert_eq!(a.covers(b), want, "{a:?} covers {b:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_problem_finds_the_most_specialised_entry() {
         for kind in KINDS {
             for dtype in DTYPES {
                 for hd in SUPPORTED_HEAD_DIMS {
-                    let causals: &[bool] = if kind == KernelKind::Combine {
-                        &[false]
-                    } else {
-                        &[false, true]
-                    };
-                    for &causal in causals {
-                        expected += 1;
-                        let matching = ENTRIES
+                    for need in all_needs() {
+                        // Decode reads its cache through runtime paging, never packed.
+                        if kind == KernelKind::Decode && need.seq == SeqKind::Ragged {
+                            assert!(find_entry(kind, dtype, hd, need).is_none());
+                            continue;
+                        }
+                        let need = if kind == KernelKind::Combine {
+                            Policies::PLAIN
+                        } else {
+                            need
+                        };
+                        let e = find_entry(kind, dtype, hd, need)
+                            .unwrap_or_else(|| panic!("{kind:?} {dtype:?} hd{hd} {need:?}"));
+                        assert_eq!((e.kind, e.dtype, e.head_dim), (kind, dtype, hd));
+                        assert!(e.policies.covers(need), "{e:?} for {need:?}");
+                        // No other entry that covers the need is more specialised.
+                        for other in ENTRIES
                             .iter()
-                            .filter(|e| {
-                                e.kind == kind
-                                    && e.dtype == dtype
-                                    && e.head_dim == hd
-                                    && e.causal == causal
-                            })
-                            .count();
-                        assert_eq!(matching, 1, "{kind:?} {dtype:?} hd{hd} causal={causal}");
-                        let e = find_entry(kind, dtype, hd, causal).expect("entry");
-                        assert_eq!(
-                            (e.kind, e.dtype, e.head_dim, e.causal),
-                            (kind, dtype, hd, causal)
-                        );
-                    }
-                }
-            }
-            // Combine ignores the mask.
-            for dtype in DTYPES {
-                for hd in SUPPORTED_HEAD_DIMS {
-                    if kind == KernelKind::Combine {
-                        assert_eq!(
-                            find_entry(kind, dtype, hd, true),
-                            find_entry(kind, dtype, hd, false)
-                        );
+                            .filter(|o| o.kind == kind && o.dtype == dtype && o.head_dim == hd)
+                        {
+                            if other.policies.covers(need) {
+                                assert!(
+                                    e.policies.mask <= other.policies.mask,
+                                    "{e:?} vs {other:?}"
+                                );
+                            }
+                        }
+                        // Plain full and causal problems get their plain kernels.
+                        if kind != KernelKind::Combine
+                            && need.score == ScoreKind::Plain
+                            && need.mask != MaskKind::Local
+                            && need.seq == SeqKind::Dense
+                        {
+                            assert_eq!(e.policies.mask, need.mask, "{e:?}");
+                            assert_eq!(e.policies.score, ScoreKind::Plain, "{e:?}");
+                        }
                     }
                 }
             }
         }
-        assert!(find_entry(KernelKind::Append, Dtype::F16, 0, false).is_some());
-        assert_eq!(
-            ENTRIES.len(),
-            expected + 1,
-            "no entries beyond the combinations and the append kernel"
-        );
-        assert!(find_entry(KernelKind::Forward, Dtype::F16, 96, false).is_none());
+        for dtype in DTYPES {
+            assert!(find_entry(KernelKind::Append, dtype, 0, Policies::PLAIN).is_some());
+            assert!(find_entry(KernelKind::Merge, dtype, 0, Policies::PLAIN).is_some());
+        }
+        assert!(find_entry(KernelKind::Forward, Dtype::F16, 80, Policies::PLAIN).is_none());
     }
 
     #[test]
@@ -1064,11 +1102,17 @@ mod config {
             );
             let chunks = t.row_chunks();
             assert_eq!(chunks * CHUNK_ELEMS, hd);
-            // Each thread copies whole rows' chunks, and one pass covers whole
-            // swizzle groups.
-            assert_eq!(t.threads() % chunks, 0, "hd{hd}");
-            assert_eq!((t.threads() / chunks) % SWIZZLE_ROWS, 0, "hd{hd}");
-            assert_eq!((t.block_m * chunks) % t.threads(), 0, "hd{hd}");
+            // Shared-memory rows hold whole swizzle groups (padded), and the
+            // strided copies split the threads into whole rows of chunk lanes
+            // that cover a block in whole passes.
+            let padded = smem_row_chunks(hd);
+            assert!(padded >= chunks && padded % SWIZZLE_ROWS == 0, "hd{hd}");
+            assert_eq!(t.smem_row_bytes(), padded * CHUNK_BYTES);
+            let lanes = copy_row_lanes(hd);
+            assert!(lanes >= chunks && lanes.is_power_of_two(), "hd{hd}");
+            assert_eq!(t.threads() % lanes, 0, "hd{hd}");
+            assert_eq!(t.block_n % (t.threads() / lanes), 0, "hd{hd}");
+            // The paged row-by-row copy gives each thread whole chunks.
             assert_eq!((t.block_n * chunks) % t.threads(), 0, "hd{hd}");
             // Shared-memory regions: the (K, V) ring of kv_stages stages, and Q
             // either before it or inside its last stage; everything inside the
@@ -1101,16 +1145,21 @@ mod config {
             assert_eq!(t.k_smem_offset() % CHUNK_BYTES, 0);
             assert_eq!(t.v_smem_offset() % CHUNK_BYTES, 0);
 
-            assert_eq!(
-                combine_rows_per_cta(hd) * hd / COMBINE_ELEMS_PER_THREAD,
-                COMBINE_THREADS,
+            // Whole rows per combine CTA; the threads past them idle.
+            let per_row = hd / COMBINE_ELEMS_PER_THREAD;
+            assert!(
+                combine_rows_per_cta(hd) * per_row <= COMBINE_THREADS,
+                "hd{hd}"
+            );
+            assert!(
+                (combine_rows_per_cta(hd) + 1) * per_row > COMBINE_THREADS,
                 "hd{hd}"
             );
             assert_eq!(hd % COMBINE_ELEMS_PER_THREAD, 0);
         }
-        assert!(!AttnTile::supports(96));
+        assert!(!AttnTile::supports(80));
         assert!(!AttnTile::supports(0));
-        assert!(AttnTile::for_kernel(KernelKind::Decode, 96).is_none());
+        assert!(AttnTile::for_kernel(KernelKind::Decode, 80).is_none());
     }
 
     #[test]
@@ -1123,6 +1172,11 @@ mod config {
                 }
                 KernelKind::Append => {
                     assert_eq!(e.threads(), APPEND_THREADS);
+                    assert_eq!(e.smem_bytes(), 0);
+                    assert_eq!(e.min_ctas_per_sm(), None);
+                }
+                KernelKind::Merge => {
+                    assert_eq!(e.threads(), MERGE_THREADS);
                     assert_eq!(e.smem_bytes(), 0);
                     assert_eq!(e.min_ctas_per_sm(), None);
                 }

@@ -24,8 +24,26 @@ pub const SWIZZLE_ROWS: usize = 8;
 pub const REQUIRED_ALIGN_BYTES: usize = CHUNK_BYTES;
 
 /// Head dimensions with compiled kernels. Adding one is a new [`AttnTile`] arm
-/// plus one line per entry in the device entry-point table.
-pub const SUPPORTED_HEAD_DIMS: [usize; 2] = [64, 128];
+/// plus its lines in [`attention_variants`].
+pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
+
+/// Largest head dim of any kernel.
+pub const MAX_HEAD_DIM: usize = 256;
+
+/// 16-byte chunks in one shared-memory row of a head-dim-`d` tile: the row's
+/// chunks rounded up to a whole swizzle group of [`SWIZZLE_ROWS`] chunks, so
+/// the XOR swizzle stays a permutation of the row (D = 32 and 96 are padded;
+/// the padding is never loaded or read).
+pub const fn smem_row_chunks(head_dim: usize) -> usize {
+    (head_dim / CHUNK_ELEMS).div_ceil(SWIZZLE_ROWS) * SWIZZLE_ROWS
+}
+
+/// Chunk lanes of a row-copy pass: the row's chunks rounded up to a power of
+/// two, so a CTA's threads split into whole rows and each thread keeps one
+/// chunk column; the lanes past the row's end issue no copy.
+pub const fn copy_row_lanes(head_dim: usize) -> usize {
+    (head_dim / CHUNK_ELEMS).next_power_of_two()
+}
 
 /// Minimum compute capability: `cp.async`, `ldmatrix` and bf16 `mma.sync` are sm_80.
 pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
@@ -78,24 +96,37 @@ impl AttnTile {
     /// The tile of a kernel family for a head dimension, `None` when that head
     /// dimension is not compiled.
     pub const fn for_kernel(kind: KernelKind, head_dim: usize) -> Option<AttnTile> {
-        let warps = 4;
-        let (split, m_tiles, q_in_regs, block_n, kv_stages, min_ctas_per_sm) =
+        let (warps, split, m_tiles, q_in_regs, block_n, kv_stages, min_ctas_per_sm) =
             match (kind, head_dim) {
                 // Decode is memory-bound with few query rows: one m-tile shared by
                 // all warps wastes the least MMA work, and the ring keeps blocks in
                 // flight while one is consumed. Two 32 KB stages measured
                 // faster than three (docs/perf-notes.md, v6).
-                (KernelKind::Decode | KernelKind::Combine, 64) => {
-                    (WarpSplit::Keys, 1, true, 64, 3, 2)
+                (KernelKind::Decode | KernelKind::Combine, 32 | 64) => {
+                    (4, WarpSplit::Keys, 1, true, 64, 3, 2)
                 }
-                (KernelKind::Decode | KernelKind::Combine, 128) => {
-                    (WarpSplit::Keys, 1, true, 64, 2, 2)
+                (KernelKind::Decode | KernelKind::Combine, 96 | 128) => {
+                    (4, WarpSplit::Keys, 1, true, 64, 2, 2)
                 }
-                (KernelKind::Forward, 64) => (WarpSplit::Rows, 2, false, 64, 2, 2),
+                // Two warps (32-key blocks) keep two 32 KB stages and the f32
+                // merge tile under the 99 KB of sm_86/89; at D = 256 Q's 64
+                // fragment registers would crowd O's 128, so Q is re-read.
+                (KernelKind::Decode | KernelKind::Combine, 192) => {
+                    (2, WarpSplit::Keys, 1, true, 32, 2, 2)
+                }
+                (KernelKind::Decode | KernelKind::Combine, 256) => {
+                    (2, WarpSplit::Keys, 1, false, 32, 2, 2)
+                }
+                (KernelKind::Forward, 32) => (4, WarpSplit::Rows, 2, true, 64, 2, 2),
+                (KernelKind::Forward, 64) => (4, WarpSplit::Rows, 2, false, 64, 2, 2),
                 // 2 x 16 rows of D=128 accumulators (128 registers) leave no room
                 // for Q's 64 fragment registers, nor for S of 64-key blocks; the
                 // two CTAs per SM get the full 255-register budget.
-                (KernelKind::Forward, 128) => (WarpSplit::Rows, 2, false, 32, 2, 2),
+                (KernelKind::Forward, 96 | 128) => (4, WarpSplit::Rows, 2, false, 32, 2, 2),
+                // One m-tile: 2 x 16 rows of D = 192/256 accumulators would take
+                // 192-256 registers alone. 32-key blocks keep Q plus two stages
+                // under the 99 KB of sm_86/89.
+                (KernelKind::Forward, 192 | 256) => (4, WarpSplit::Rows, 1, false, 32, 2, 2),
                 _ => return None,
             };
         let block_m = match split {
@@ -141,11 +172,15 @@ impl AttnTile {
     pub const fn row_chunks(self) -> usize {
         self.head_dim / CHUNK_ELEMS
     }
+    /// Bytes of one (padded) row of a shared-memory tile.
+    pub const fn smem_row_bytes(self) -> usize {
+        smem_row_chunks(self.head_dim) * CHUNK_BYTES
+    }
     pub const fn q_smem_bytes(self) -> usize {
-        self.block_m * self.head_dim * ELEM_BYTES
+        self.block_m * self.smem_row_bytes()
     }
     pub const fn kv_smem_bytes(self) -> usize {
-        self.block_n * self.head_dim * ELEM_BYTES
+        self.block_n * self.smem_row_bytes()
     }
     /// One (K, V) stage of the ring.
     pub const fn stage_bytes(self) -> usize {
@@ -219,10 +254,13 @@ pub const APPEND_THREADS: usize = 128;
 /// Pages of a paged KV cache hold a multiple of this many tokens.
 pub const PAGE_SIZE_MULTIPLE: usize = 16;
 
-/// Query rows one combine CTA finishes for a head dimension.
+/// Query rows one combine CTA finishes for a head dimension; the threads
+/// past the last whole row (D = 96, 192) idle.
 pub const fn combine_rows_per_cta(head_dim: usize) -> usize {
     COMBINE_THREADS / (head_dim / COMBINE_ELEMS_PER_THREAD)
 }
+/// Threads of one merge-states CTA (one per 16-byte chunk of a row).
+pub const MERGE_THREADS: usize = 128;
 
 /// Element type of Q, K, V and O.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -240,7 +278,7 @@ impl Dtype {
     }
 }
 
-/// The three kernel families.
+/// The kernel families.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum KernelKind {
     /// Prefill / full attention: one CTA per (query block, head, batch).
@@ -253,6 +291,67 @@ pub enum KernelKind {
     /// Copies new K/V tokens into the cache before a decode step; moves bytes,
     /// so one entry serves every dtype and head dim.
     Append,
+    /// Merges two (O, LSE) attention states over disjoint key sets; any head
+    /// dim (a multiple of 8).
+    Merge,
+}
+
+/// Which keys a query row sees (see `kernels::policy`). Ordered from the most
+/// specialised: a kernel of a later kind serves every problem of an earlier one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MaskKind {
+    /// Every key of the sequence.
+    Full,
+    /// Keys up to the bottom-right-aligned diagonal.
+    Causal,
+    /// A sliding window (left, right) read from the launch parameters; covers
+    /// `Full` and `Causal` too.
+    Local,
+}
+
+/// What is done to the scores besides the scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ScoreKind {
+    /// Nothing.
+    Plain,
+    /// Softcap, ALiBi and attention sinks, each switched on by its launch
+    /// parameter (uniform branches).
+    Modified,
+}
+
+/// Where a CTA's sequence lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SeqKind {
+    /// [B, S, H, D] with per-batch strides.
+    Dense,
+    /// Packed sequences (`cu_seqlens`) and/or K/V in a paged cache, each when
+    /// its launch parameter is set; covers `Dense`.
+    Ragged,
+}
+
+/// The policies of one attention entry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Policies {
+    pub mask: MaskKind,
+    pub score: ScoreKind,
+    pub seq: SeqKind,
+}
+
+impl Policies {
+    pub const PLAIN: Policies = Policies {
+        mask: MaskKind::Full,
+        score: ScoreKind::Plain,
+        seq: SeqKind::Dense,
+    };
+
+    /// Whether a kernel with these policies computes a problem that needs `need`.
+    pub const fn covers(self, need: Policies) -> bool {
+        let mask = match (self.mask, need.mask) {
+            (MaskKind::Local, _) => true,
+            (a, b) => a as u8 == b as u8,
+        };
+        mask && self.score as u8 >= need.score as u8 && self.seq as u8 >= need.seq as u8
+    }
 }
 
 /// One compiled kernel entry point.
@@ -261,9 +360,10 @@ pub struct Entry {
     pub name: &'static str,
     pub kind: KernelKind,
     pub dtype: Dtype,
+    /// 0 for `Append` and `Merge`, which take any head dim.
     pub head_dim: usize,
-    /// Meaningless for `Combine` and `Append`, which are always `false`.
-    pub causal: bool,
+    /// `Policies::PLAIN` for `Combine`, `Append` and `Merge`.
+    pub policies: Policies,
 }
 
 impl Entry {
@@ -272,70 +372,209 @@ impl Entry {
         match self.kind {
             KernelKind::Combine => COMBINE_THREADS,
             KernelKind::Append => APPEND_THREADS,
+            KernelKind::Merge => MERGE_THREADS,
             kind => AttnTile::of(kind, self.head_dim).threads(),
         }
     }
     /// Dynamic shared memory per CTA.
     pub const fn smem_bytes(&self) -> usize {
         match self.kind {
-            KernelKind::Combine | KernelKind::Append => 0,
+            KernelKind::Combine | KernelKind::Append | KernelKind::Merge => 0,
             kind => AttnTile::of(kind, self.head_dim).smem_bytes(),
         }
     }
     /// Occupancy the PTX build requests with `.minnctapersm`, if any.
     pub const fn min_ctas_per_sm(&self) -> Option<usize> {
         match self.kind {
-            KernelKind::Combine | KernelKind::Append => None,
+            KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
             kind => Some(AttnTile::of(kind, self.head_dim).min_ctas_per_sm),
         }
     }
 }
 
-macro_rules! entry_table {
-    ($( $name:literal => $kind:ident, $dtype:ident, $hd:literal, $causal:literal; )*) => {
-        /// Every kernel entry point in the PTX. Names follow
-        /// `flash_{fwd|decode|combine}_{dtype}_hd{D}[_{causal|full}]`, plus the
-        /// byte-moving `flash_append_kv` (dtype and head dim 0: any).
-        pub const ENTRIES: &[Entry] = &[
-            $( Entry { name: $name, kind: KernelKind::$kind, dtype: Dtype::$dtype, head_dim: $hd, causal: $causal }, )*
-        ];
+/// The one table of attention variants: each line is (kind, dtype, head dim,
+/// mask, scores, sequence layout), named with the lowercase words of the
+/// PTX entry `flash_{kind}_{dtype}_hd{D}_{mask}_{scores}_{seq}`. It calls
+/// `$callback!` with every line; the config rows ([`ENTRIES`]), the device
+/// entry points (`kernels::entries`) and so the host dispatch all come from it.
+///
+/// Per (dtype, head dim) and kind: the plain full and causal kernels that most
+/// calls use, and one `local modified ragged` kernel that serves every other
+/// combination through uniform branches (a kernel per combination would
+/// multiply the PTX; docs/perf-notes.md measures what the branches cost).
+macro_rules! attention_variants {
+    ($callback:ident) => {
+        $callback! {
+            fwd f16 32 full plain dense;
+            fwd f16 32 causal plain dense;
+            fwd f16 32 local modified ragged;
+            fwd f16 64 full plain dense;
+            fwd f16 64 causal plain dense;
+            fwd f16 64 local modified ragged;
+            fwd f16 96 full plain dense;
+            fwd f16 96 causal plain dense;
+            fwd f16 96 local modified ragged;
+            fwd f16 128 full plain dense;
+            fwd f16 128 causal plain dense;
+            fwd f16 128 local modified ragged;
+            fwd f16 192 full plain dense;
+            fwd f16 192 causal plain dense;
+            fwd f16 192 local modified ragged;
+            fwd f16 256 full plain dense;
+            fwd f16 256 causal plain dense;
+            fwd f16 256 local modified ragged;
+            fwd bf16 32 full plain dense;
+            fwd bf16 32 causal plain dense;
+            fwd bf16 32 local modified ragged;
+            fwd bf16 64 full plain dense;
+            fwd bf16 64 causal plain dense;
+            fwd bf16 64 local modified ragged;
+            fwd bf16 96 full plain dense;
+            fwd bf16 96 causal plain dense;
+            fwd bf16 96 local modified ragged;
+            fwd bf16 128 full plain dense;
+            fwd bf16 128 causal plain dense;
+            fwd bf16 128 local modified ragged;
+            fwd bf16 192 full plain dense;
+            fwd bf16 192 causal plain dense;
+            fwd bf16 192 local modified ragged;
+            fwd bf16 256 full plain dense;
+            fwd bf16 256 causal plain dense;
+            fwd bf16 256 local modified ragged;
+            decode f16 32 full plain dense;
+            decode f16 32 causal plain dense;
+            decode f16 32 local modified dense;
+            decode f16 64 full plain dense;
+            decode f16 64 causal plain dense;
+            decode f16 64 local modified dense;
+            decode f16 96 full plain dense;
+            decode f16 96 causal plain dense;
+            decode f16 96 local modified dense;
+            decode f16 128 full plain dense;
+            decode f16 128 causal plain dense;
+            decode f16 128 local modified dense;
+            decode f16 192 full plain dense;
+            decode f16 192 causal plain dense;
+            decode f16 192 local modified dense;
+            decode f16 256 full plain dense;
+            decode f16 256 causal plain dense;
+            decode f16 256 local modified dense;
+            decode bf16 32 full plain dense;
+            decode bf16 32 causal plain dense;
+            decode bf16 32 local modified dense;
+            decode bf16 64 full plain dense;
+            decode bf16 64 causal plain dense;
+            decode bf16 64 local modified dense;
+            decode bf16 96 full plain dense;
+            decode bf16 96 causal plain dense;
+            decode bf16 96 local modified dense;
+            decode bf16 128 full plain dense;
+            decode bf16 128 causal plain dense;
+            decode bf16 128 local modified dense;
+            decode bf16 192 full plain dense;
+            decode bf16 192 causal plain dense;
+            decode bf16 192 local modified dense;
+            decode bf16 256 full plain dense;
+            decode bf16 256 causal plain dense;
+            decode bf16 256 local modified dense;
+            combine f16 32 full plain dense;
+            combine f16 64 full plain dense;
+            combine f16 96 full plain dense;
+            combine f16 128 full plain dense;
+            combine f16 192 full plain dense;
+            combine f16 256 full plain dense;
+            combine bf16 32 full plain dense;
+            combine bf16 64 full plain dense;
+            combine bf16 96 full plain dense;
+            combine bf16 128 full plain dense;
+            combine bf16 192 full plain dense;
+            combine bf16 256 full plain dense;
+        }
+    };
+}
+#[allow(unused_imports)] // used by the device crate's entries only
+pub(crate) use attention_variants;
+
+/// Maps the table's words to config values.
+macro_rules! table_word {
+    (kind fwd) => {
+        KernelKind::Forward
+    };
+    (kind decode) => {
+        KernelKind::Decode
+    };
+    (kind combine) => {
+        KernelKind::Combine
+    };
+    (dtype f16) => {
+        Dtype::F16
+    };
+    (dtype bf16) => {
+        Dtype::Bf16
+    };
+    (mask full) => {
+        MaskKind::Full
+    };
+    (mask causal) => {
+        MaskKind::Causal
+    };
+    (mask local) => {
+        MaskKind::Local
+    };
+    (score plain) => {
+        ScoreKind::Plain
+    };
+    (score modified) => {
+        ScoreKind::Modified
+    };
+    (seq dense) => {
+        SeqKind::Dense
+    };
+    (seq ragged) => {
+        SeqKind::Ragged
     };
 }
 
-entry_table! {
-    "flash_fwd_f16_hd64_full" => Forward, F16, 64, false;
-    "flash_fwd_f16_hd64_causal" => Forward, F16, 64, true;
-    "flash_fwd_f16_hd128_full" => Forward, F16, 128, false;
-    "flash_fwd_f16_hd128_causal" => Forward, F16, 128, true;
-    "flash_fwd_bf16_hd64_full" => Forward, Bf16, 64, false;
-    "flash_fwd_bf16_hd64_causal" => Forward, Bf16, 64, true;
-    "flash_fwd_bf16_hd128_full" => Forward, Bf16, 128, false;
-    "flash_fwd_bf16_hd128_causal" => Forward, Bf16, 128, true;
-    "flash_decode_f16_hd64_full" => Decode, F16, 64, false;
-    "flash_decode_f16_hd64_causal" => Decode, F16, 64, true;
-    "flash_decode_f16_hd128_full" => Decode, F16, 128, false;
-    "flash_decode_f16_hd128_causal" => Decode, F16, 128, true;
-    "flash_decode_bf16_hd64_full" => Decode, Bf16, 64, false;
-    "flash_decode_bf16_hd64_causal" => Decode, Bf16, 64, true;
-    "flash_decode_bf16_hd128_full" => Decode, Bf16, 128, false;
-    "flash_decode_bf16_hd128_causal" => Decode, Bf16, 128, true;
-    "flash_combine_f16_hd64" => Combine, F16, 64, false;
-    "flash_combine_f16_hd128" => Combine, F16, 128, false;
-    "flash_combine_bf16_hd64" => Combine, Bf16, 64, false;
-    "flash_combine_bf16_hd128" => Combine, Bf16, 128, false;
-    "flash_append_kv" => Append, F16, 0, false;
+macro_rules! entry_rows {
+    ($($kind:ident $dtype:ident $d:literal $mask:ident $score:ident $seq:ident;)*) => {
+        /// Every kernel entry point in the PTX: [`attention_variants`], then the
+        /// byte-moving `flash_append_kv` and the per-dtype `flash_merge_*`.
+        pub const ENTRIES: &[Entry] = &[
+            $(Entry {
+                name: concat!(
+                    "flash_", stringify!($kind), "_", stringify!($dtype), "_hd", stringify!($d),
+                    "_", stringify!($mask), "_", stringify!($score), "_", stringify!($seq)
+                ),
+                kind: table_word!(kind $kind),
+                dtype: table_word!(dtype $dtype),
+                head_dim: $d,
+                policies: Policies {
+                    mask: table_word!(mask $mask),
+                    score: table_word!(score $score),
+                    seq: table_word!(seq $seq),
+                },
+            },)*
+            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN },
+            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN },
+            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN },
+        ];
+    };
 }
+attention_variants!(entry_rows);
 
-/// The entry point for a (kind, dtype, head dim, causal) combination.
+/// The first (most specialised) entry of `kind` for `dtype` and `head_dim`
+/// whose policies cover `need`.
 pub fn find_entry(
     kind: KernelKind,
     dtype: Dtype,
     head_dim: usize,
-    causal: bool,
+    need: Policies,
 ) -> Option<&'static Entry> {
-    let causal = causal && matches!(kind, KernelKind::Forward | KernelKind::Decode);
     ENTRIES.iter().find(|e| {
-        e.kind == kind && e.dtype == dtype && e.head_dim == head_dim && e.causal == causal
+        e.kind == kind
+            && (e.dtype == dtype || kind == KernelKind::Append)
+            && (e.head_dim == head_dim || matches!(kind, KernelKind::Append | KernelKind::Merge))
+            && e.policies.covers(need)
     })
 }
 

@@ -8,6 +8,7 @@
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 
 pub mod config;
+pub mod index;
 pub mod params;
 
 #[cfg(target_arch = "nvptx64")]

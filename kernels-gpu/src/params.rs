@@ -59,6 +59,32 @@ pub struct AttnParams {
     pub max_pages: u32,
     pub page_size: u32,
     pub num_pages: u32,
+    /// Sliding window of the `Local` mask, in keys left and right of the
+    /// bottom-right-aligned diagonal; negative = unbounded on that side.
+    pub window_left: i32,
+    pub window_right: i32,
+    /// Softcap in raw q·k units: S <- softcap_post * tanh(S * softcap_pre),
+    /// with pre = scale / c and post = c / scale, so that scale * S is
+    /// c * tanh(scale * q·k / c). 0 = off.
+    pub softcap_pre: f32,
+    pub softcap_post: f32,
+    /// f32 ALiBi slopes: slope (b, h) at `alibi + (b * alibi_batch_stride + h) * 4`
+    /// ([heads]: stride 0; [batch, heads]: stride heads). 0 = off.
+    pub alibi: u64,
+    pub alibi_batch_stride: u32,
+    /// 1 / softmax_scale: the ALiBi bias enters S in raw q·k units.
+    pub inv_scale: f32,
+    /// f32 [heads] attention-sink logits (natural log); 0 = none.
+    pub sinks: u64,
+    /// Varlen: i32 [B + 1] starts of each sequence in the packed Q/O and K/V
+    /// rows; 0 = the dense [B, S, ...] layout. Q/O are then [total_q, H, D]
+    /// (batch strides unused), K/V [total_k, Hkv, D], the LSE [H, total_q].
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    /// Packed rows of Q and of K/V: the bounds the kernel clamps every
+    /// `cu_seqlens` entry to.
+    pub total_q: u32,
+    pub total_k: u32,
 }
 
 /// Parameters of the KV-cache append kernel: copies K/V_new [B, Snew, Hkv, D]
@@ -105,4 +131,31 @@ pub struct CombineParams {
     pub heads: u32,
     pub seqlen_q: u32,
     pub num_splits: u32,
+    /// As in [`AttnParams::sinks`]: added once here, not in the partials.
+    pub sinks: u64,
+}
+
+/// Parameters of the merge-states kernel: (O, LSE) = merge((O_a, LSE_a),
+/// (O_b, LSE_b)) for states over disjoint key sets. O tensors are
+/// [B, S, H, D] (any strides, last dim contiguous), LSEs f32 [B, H, S]
+/// contiguous. One thread per 16-byte chunk of a row; `o` may be `o_a` or
+/// `o_b` (each thread reads its chunk before writing it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MergeParams {
+    pub o_a: u64,
+    pub lse_a: u64,
+    pub o_b: u64,
+    pub lse_b: u64,
+    pub o: u64,
+    /// 0: the merged LSE is not written.
+    pub lse: u64,
+    pub o_a_strides: BshStrides,
+    pub o_b_strides: BshStrides,
+    pub o_strides: BshStrides,
+    pub batch: u32,
+    pub seqlen: u32,
+    pub heads: u32,
+    /// 16-byte chunks per row (head_dim / 8).
+    pub row_chunks: u32,
 }

@@ -60,3 +60,38 @@ pub fn rcp(x: f32) -> f32 {
     }
     r
 }
+
+/// `tanh.approx.f32` (MUFU, sm_75+): max relative error about 2^-11.
+#[inline(always)]
+pub fn tanh(x: f32) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("tanh.approx.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `abs.f32`
+#[inline(always)]
+pub fn abs(x: f32) -> f32 {
+    let r: f32;
+    unsafe {
+        asm!("abs.f32 {r}, {x};", r = out(reg32) r, x = in(reg32) x, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `mov.b32 {lo, hi}` + `cvt.f32.f16` x2: the two f16 of a packed pair
+/// (`lo` in bits 0..16) as f32.
+#[inline(always)]
+pub fn unpack_f16x2(pair: u32) -> (f32, f32) {
+    let (lo, hi): (f32, f32);
+    unsafe {
+        asm!(
+            "{{ .reg .f16 l, h; mov.b32 {{l, h}}, {p}; cvt.f32.f16 {lo}, l; cvt.f32.f16 {hi}, h; }}",
+            p = in(reg32) pair, lo = out(reg32) lo, hi = out(reg32) hi,
+            options(pure, nomem, nostack),
+        );
+    }
+    (lo, hi)
+}

@@ -1,7 +1,12 @@
-//! Which query rows and which key blocks one CTA owns.
+//! Which query rows and which key blocks one CTA owns, for every mask and
+//! sequence layout. The index arithmetic lives in `crate::index` (plain Rust,
+//! property-tested on the host); this module reads the launch parameters
+//! and device-side lengths it needs.
 use super::paging;
+use super::policy::{Mask, Seq};
 use crate::arch::{global, special};
 use crate::config::AttnTile;
+use crate::index::{self, KeyWindow};
 use crate::params::{AttnParams, BshStrides};
 
 pub struct BlockInfo {
@@ -22,14 +27,18 @@ pub struct BlockInfo {
     /// Key blocks `[n_lo, n_hi)` of `block_n` keys, processed from `n_hi - 1` down.
     pub n_lo: u32,
     pub n_hi: u32,
-    /// `seqlen_k - seqlen_q`: with a causal mask aligned to the bottom-right,
-    /// token `i` sees keys `j <= i + causal_offset`.
-    pub causal_offset: i32,
-}
-
-#[inline(always)]
-fn ceil_div(a: u32, b: u32) -> u32 {
-    a.div_ceil(b)
+    /// The rows' visible key ranges (window and sequence end).
+    pub keys: KeyWindow,
+    /// Token of the CTA's last row, clamped to the sequence.
+    last_token: u32,
+    /// Batch index used for addressing (0 for packed sequences) and the first
+    /// row of the sequence in Q/O and in K/V.
+    addr_batch: u32,
+    q_start: u32,
+    k_start: u32,
+    /// Row (b, h, token) of the LSE is `lse_base + h * lse_head_stride + token`.
+    lse_base: u64,
+    lse_head_stride: u64,
 }
 
 #[inline(always)]
@@ -38,12 +47,24 @@ fn row_ptr(base: u64, s: &BshStrides, batch: u32, row: u32, head: u32) -> u64 {
     base.wrapping_add((off * 2) as u64)
 }
 
+/// (start, length) of sequence `b` in a packed tensor of `total` rows, from
+/// an i32 [B + 1] `cu_seqlens` on the device. Device data the host cannot
+/// check is clamped: the start to `[0, total]` and the end to `[start,
+/// total]`, so a bad entry shortens a sequence but never reaches outside the
+/// tensor.
+#[inline(always)]
+fn packed_range(cu_seqlens: u64, b: u32, total: u32) -> (u32, u32) {
+    let start = global::ld_nc_s32(cu_seqlens + b as u64 * 4);
+    let end = global::ld_nc_s32(cu_seqlens + (b as u64 + 1) * 4);
+    index::clamp_range(start, end, total)
+}
+
 impl BlockInfo {
     /// `heaviest_first` visits query blocks in reverse: with a causal mask the
     /// last blocks see the most keys, and starting them first shortens the tail
     /// of the last wave.
     #[inline(always)]
-    pub fn new<const CAUSAL: bool>(
+    pub fn new<M: Mask, L: Seq>(
         p: &AttnParams,
         tile: AttnTile,
         packed: bool,
@@ -65,29 +86,37 @@ impl BlockInfo {
             special::block_idx_x()
         };
         let m0 = m_block * bm;
+        let varlen = L::RAGGED && p.cu_seqlens_q != 0;
+        let (addr_batch, q_start, seqlen_q, k_start, mut seqlen_k) = if varlen {
+            let (q_start, seqlen_q) = packed_range(p.cu_seqlens_q, batch, p.total_q);
+            let (k_start, seqlen_k) = packed_range(p.cu_seqlens_k, batch, p.total_k);
+            (0, q_start, seqlen_q, k_start, seqlen_k)
+        } else {
+            (batch, 0, p.seqlen_q, 0, p.seqlen_k)
+        };
         // Device-side lengths are clamped to the cache capacity so a bad entry
         // cannot make the kernel read outside the cache. Only decode reads a
         // KV cache (`packed` is true exactly for it); compiling the load out of
         // the forward kernel keeps seqlen_k a launch parameter (uniform
         // register) instead of a per-thread register live through the loop.
-        let seqlen_k = if packed && p.cache_seqlens != 0 {
+        if packed && p.cache_seqlens != 0 {
             let n = global::ld_nc_s32(p.cache_seqlens + batch as u64 * 4);
-            (n.max(0) as u32)
+            seqlen_k = (n.max(0) as u32)
                 .saturating_add(p.seqlen_new)
-                .min(p.seqlen_k)
-        } else {
-            p.seqlen_k
-        };
-        let causal_offset = seqlen_k as i32 - p.seqlen_q as i32;
-        let mut n_max = ceil_div(seqlen_k, bn);
-        if CAUSAL {
-            let last_token = ((m0 + bm - 1) / pack).min(p.seqlen_q.max(1) - 1);
-            let visible = last_token as i32 + causal_offset + 1;
-            n_max = n_max.min(ceil_div(visible.max(0) as u32, bn));
+                .min(p.seqlen_k);
         }
-        let per_split = ceil_div(n_max, splits);
-        let n_lo = (split * per_split).min(n_max);
-        let n_hi = (n_lo + per_split).min(n_max);
+        let (left, right) = M::window(p);
+        let keys = KeyWindow::new(seqlen_q, seqlen_k, left, right);
+        let last_token = ((m0 + bm - 1) / pack).min(seqlen_q.max(1) - 1);
+        let (n_lo, n_hi) = index::key_blocks(&keys, m0 / pack, last_token, bn, split, splits);
+        let (lse_base, lse_head_stride) = if varlen {
+            (q_start as u64, p.total_q as u64)
+        } else {
+            (
+                batch as u64 * p.heads as u64 * seqlen_q as u64,
+                seqlen_q as u64,
+            )
+        };
         BlockInfo {
             batch,
             split,
@@ -96,17 +125,30 @@ impl BlockInfo {
             m0,
             pack,
             packed,
-            seqlen_q: p.seqlen_q,
+            seqlen_q,
             seqlen_k,
             n_lo,
             n_hi,
-            causal_offset,
+            keys,
+            last_token,
+            addr_batch,
+            q_start,
+            k_start,
+            lse_base,
+            lse_head_stride,
         }
+    }
+
+    /// Whether the CTA has any row inside its sequence (a packed sequence
+    /// may be shorter than the grid's `max_seqlen_q`).
+    #[inline(always)]
+    pub fn has_rows(&self) -> bool {
+        self.token_unchecked(0) < self.seqlen_q
     }
 
     /// Query token of CTA row `r`, which may lie past the sequence's end.
     #[inline(always)]
-    fn token_unchecked(&self, r: u32) -> u32 {
+    pub fn token_unchecked(&self, r: u32) -> u32 {
         if self.packed {
             (self.m0 + r) / self.pack
         } else {
@@ -138,14 +180,14 @@ impl BlockInfo {
     #[inline(always)]
     pub fn q_row_ptr(&self, base: u64, s: &BshStrides, r: u32) -> Option<u64> {
         self.token(r)
-            .map(|t| row_ptr(base, s, self.batch, t, self.head(r)))
+            .map(|t| row_ptr(base, s, self.addr_batch, self.q_start + t, self.head(r)))
     }
 
     /// Start of key `key` of this CTA's sequence and KV head in a
     /// [B, Skv, Hkv, D] tensor (K or V).
     #[inline(always)]
     pub fn kv_row_ptr(&self, base: u64, s: &BshStrides, key: u32) -> u64 {
-        row_ptr(base, s, self.batch, key, self.kv_head)
+        row_ptr(base, s, self.addr_batch, self.k_start + key, self.kv_head)
     }
 
     /// Start of key `key` of this CTA's sequence and KV head in a paged
@@ -172,29 +214,39 @@ impl BlockInfo {
 
     /// Largest key index CTA row `r` may attend to (negative: none).
     #[inline(always)]
-    pub fn key_limit<const CAUSAL: bool>(&self, r: u32) -> i32 {
-        let last_key = self.seqlen_k as i32 - 1;
-        if CAUSAL {
-            (self.token_unchecked(r) as i32 + self.causal_offset).min(last_key)
-        } else {
-            last_key
-        }
+    pub fn key_limit(&self, r: u32) -> i32 {
+        self.keys.last(self.token_unchecked(r))
+    }
+
+    /// Smallest key index CTA row `r` may attend to.
+    #[inline(always)]
+    pub fn key_floor(&self, r: u32) -> i32 {
+        self.keys.first(self.token_unchecked(r))
+    }
+
+    /// The row's position on the key axis (token + Skv - Sq), ALiBi's origin.
+    #[inline(always)]
+    pub fn key_pos(&self, r: u32) -> i32 {
+        self.token_unchecked(r) as i32 + self.keys.diag
     }
 
     /// Whether key block `n` has any element that the mask removes for some
     /// row of the CTA, so only those blocks pay for masking.
     #[inline(always)]
-    pub fn block_needs_mask<const CAUSAL: bool>(&self, n: u32, block_n: u32) -> bool {
-        let end = (n + 1) * block_n;
-        let past_end = end > self.seqlen_k;
-        let first_row_limit = self.token_unchecked(0) as i32 + self.causal_offset;
-        past_end || (CAUSAL && end as i32 - 1 > first_row_limit)
+    pub fn block_needs_mask(&self, n: u32, block_n: u32) -> bool {
+        index::block_needs_mask(
+            &self.keys,
+            self.token_unchecked(0),
+            self.last_token,
+            n,
+            block_n,
+        )
     }
 
-    /// Row `(b, head, token)` of the [B, H, Sq] LSE layout.
+    /// Row `(b, head, token)` of the LSE: [B, H, Sq], or [H, total_q] for
+    /// packed sequences.
     #[inline(always)]
-    pub fn lse_index(&self, heads: u32, r: u32, token: u32) -> u64 {
-        ((self.batch as u64 * heads as u64 + self.head(r) as u64) * self.seqlen_q as u64)
-            + token as u64
+    pub fn lse_index(&self, r: u32, token: u32) -> u64 {
+        self.lse_base + self.head(r) as u64 * self.lse_head_stride + token as u64
     }
 }

@@ -1,5 +1,6 @@
 //! Flash-decoding combine: O = Σ_s exp(lse_s - lse) · O_s with
-//! lse = log Σ_s exp(lse_s), for every (b, h, token) row.
+//! lse = log Σ_s exp(lse_s) (+ exp(sink_h) with sinks, which carry no
+//! value), for every (b, h, token) row.
 use super::element::Element;
 use super::unroll::unroll;
 use crate::arch::{global, math, special};
@@ -14,11 +15,16 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     let threads_per_row = (D / COMBINE_ELEMS_PER_THREAD) as u32;
     let tid = special::thread_idx_x();
     let rows = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
-    let row = special::block_idx_x() as u64 * combine_rows_per_cta(D) as u64
-        + (tid / threads_per_row) as u64;
-    if row >= rows {
+    let row_in_cta = tid / threads_per_row;
+    let row = special::block_idx_x() as u64 * combine_rows_per_cta(D) as u64 + row_in_cta as u64;
+    if row_in_cta as usize >= combine_rows_per_cta(D) || row >= rows {
         return;
     }
+    // 32-bit: the host keeps B·H·Sq rows below 2^32, and a 64-bit division
+    // would be a ptxas subroutine with a stack frame.
+    let (seqlen_q, heads) = (p.seqlen_q.max(1), p.heads.max(1));
+    let (bh, token) = (row as u32 / seqlen_q, row as u32 % seqlen_q);
+    let (b, h) = (bh / heads, bh % heads);
     let col = ((tid % threads_per_row) as usize * COMBINE_ELEMS_PER_THREAD) as u64;
     let splits = p.num_splits as u64;
 
@@ -26,6 +32,12 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     for s in 0..splits {
         lse_max = lse_max.max(global::ld_nc_f32(p.lse_accum + (s * rows + row) * 4));
     }
+    let sink = if p.sinks != 0 {
+        global::ld_nc_f32(p.sinks + h as u64 * 4)
+    } else {
+        f32::NEG_INFINITY
+    };
+    lse_max = lse_max.max(sink);
     let mut acc = [0f32; COMBINE_ELEMS_PER_THREAD];
     let mut sum = 0.0;
     if lse_max != f32::NEG_INFINITY {
@@ -38,15 +50,15 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
             unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] = math::fma(w, part[e], acc[e]));
         }
     }
+    if p.sinks != 0 && lse_max != f32::NEG_INFINITY {
+        sum += math::ex2((sink - lse_max) * LOG2_E);
+    }
     let (inv, lse) = if sum > 0.0 {
         (math::rcp(sum), lse_max + math::lg2(sum) * LN_2)
     } else {
         (0.0, f32::NEG_INFINITY)
     };
 
-    let (seqlen_q, heads) = (p.seqlen_q.max(1) as u64, p.heads.max(1) as u64);
-    let (bh, token) = (row / seqlen_q, row % seqlen_q);
-    let (b, h) = (bh / heads, bh % heads);
     let s = &p.o_strides;
     let off = b as i64 * s.batch + token as i64 * s.row + h as i64 * s.head + col as i64;
     let dst = p.o.wrapping_add((off * 2) as u64);

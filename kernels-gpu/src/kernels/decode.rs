@@ -10,48 +10,48 @@
 //! shared memory and written as the final O or as this split's partial.
 use super::block_info::BlockInfo;
 use super::element::Element;
-use super::mainloop::Lane;
+use super::kv_ring::{self, KvRing};
+use super::lane::Lane;
 use super::mask;
-use super::paging;
+use super::policy::{Dense, Mask, Modifiers, Scores};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
 use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
 use crate::config::{
-    AttnTile, KernelKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, ELEM_BYTES, MMA_K, MMA_M, MMA_N,
-    WARP_KEYS,
+    AttnTile, KernelKind, MaskKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
 use crate::params::AttnParams;
 
 /// ln(2): converts the log2-domain LSE back to natural log.
 const LN_2: f32 = core::f32::consts::LN_2;
+const LOG2_E: f32 = core::f32::consts::LOG2_E;
 /// 8-key n-tiles of S in one warp's slice.
 const SLICE_TILES: usize = WARP_KEYS / MMA_N;
 
 /// One decode CTA. `QK = D/16` (k-steps of Q·Kᵀ), `OT = D/8` (n-tiles of O).
 #[inline(always)]
-pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, const CAUSAL: bool>(
+pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, const OT: usize>(
     p: &AttnParams,
 ) {
     let tile = const { AttnTile::of(KernelKind::Decode, D) };
     const {
         let t = AttnTile::of(KernelKind::Decode, D);
         assert!(QK * MMA_K == D && OT * MMA_N == D);
-        assert!(matches!(t.split, WarpSplit::Keys) && t.m_tiles == 1 && t.block_m == MMA_M);
+        assert!(matches!(t.split, WarpSplit::Keys) && t.m_tiles == 1 && t.block_m == 16);
         assert!(t.block_n == t.warps * WARP_KEYS && t.kv_stages >= 2);
         assert!(SLICE_TILES == 2);
     }
     let lane = Lane::current();
-    let info = BlockInfo::new::<CAUSAL>(p, tile, true, false);
+    let info = BlockInfo::new::<M, Dense>(p, tile, true, false);
     let base = smem::base();
-    let stages = tile.kv_stages as u32;
-    let stage_bytes = tile.stage_bytes() as u32;
     let blocks = info.n_hi - info.n_lo;
     // Blocks are visited from the last to the first, so the one that may need
     // the ragged-end or causal mask comes first.
     let block = |i: u32| info.n_hi - 1 - i;
-    // Stage s of the ring; the K/V tile offsets are relative to it.
-    let slot = |s: u32| base + s * stage_bytes;
+    let load = |stage: u32, i: u32| {
+        kv_ring::load_block::<D>(p, &info, tile, stage, block(i), lane.tid, true)
+    };
 
     let q_tile = SmemTile::<D> {
         base: base + tile.q_smem_offset() as u32,
@@ -60,18 +60,12 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     cp_async::commit();
-    let mut i = 0;
-    while i + 1 < stages {
-        if i < blocks {
-            load_block::<D>(p, &info, tile, slot(i), block(i), lane.tid);
-        }
-        cp_async::commit();
-        i += 1;
-    }
+    let mut ring = KvRing::new(tile, base);
+    ring.prologue(blocks, load);
     // Q's group is the oldest. When Q borrows the last stage, that stage is
     // first refilled after the loop's first barrier, when every warp holds Q
     // in registers.
-    cp_async::wait_pending(stages - 1);
+    cp_async::wait_pending(tile.kv_stages as u32 - 1);
     barrier::sync_cta();
     let frag = FragAddr::<D>::new(base, lane.lane);
     let q_frag = |kk: usize| ldmatrix::x4(frag.at(tile.q_smem_offset(), 0, kk as u32 * 2));
@@ -79,23 +73,23 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
     if tile.q_in_regs {
         unroll::<QK>(|kk| q[kk] = q_frag(kk));
     }
+    let rows = [0, 1].map(|r| lane.group() + 8 * r);
+    let mods = Modifiers::new::<S>(p);
+    // Rows hold different heads (the packed query heads of the KV head).
+    let slopes = if mods.alibi {
+        rows.map(|r| Modifiers::slope(p, info.batch, info.head(r)))
+    } else {
+        [0.0; 2]
+    };
 
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
-    let slice = lane.warp * (WARP_KEYS * D * ELEM_BYTES) as u32;
-    let (mut read, mut write) = (0, stages - 1);
+    let slice = lane.warp * (WARP_KEYS * tile.smem_row_bytes()) as u32;
     let mut i = 0;
     while i < blocks {
-        // Block i has landed, and every warp is done with block i - 1, whose
-        // stage is refilled now.
-        cp_async::wait_pending(stages - 2);
-        barrier::sync_cta();
-        if i + stages - 1 < blocks {
-            load_block::<D>(p, &info, tile, slot(write), block(i + stages - 1), lane.tid);
-        }
-        cp_async::commit();
+        ring.advance_to(i, blocks, load);
         let n = block(i);
-        let kv = read * stage_bytes + slice;
+        let kv = ring.read_offset() + slice;
         // S = Q·K_sliceᵀ: one ldmatrix.x4 of K (row-pairs layout,
         // `SmemTile::store_addr`) gives both 8-key n-tiles of a k-step.
         let mut s = [[0f32; 4]; SLICE_TILES];
@@ -105,10 +99,18 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
             T::mma(&mut s[0], &a, b[0], b[1]);
             T::mma(&mut s[1], &a, b[2], b[3]);
         });
-        if info.block_needs_mask::<CAUSAL>(n, tile.block_n as u32) {
-            let limits = [0, 1].map(|r| info.key_limit::<CAUSAL>(lane.group() + 8 * r));
-            let key0 = n * tile.block_n as u32 + lane.warp * WARP_KEYS as u32 + 2 * lane.pair();
-            mask::apply(&mut s, key0 as i32, limits);
+        let key0 =
+            (n * tile.block_n as u32 + lane.warp * WARP_KEYS as u32 + 2 * lane.pair()) as i32;
+        if S::MODIFIED && (mods.softcap || mods.alibi) {
+            mods.apply(p, &mut s, key0, rows.map(|r| info.key_pos(r)), slopes);
+        }
+        if info.block_needs_mask(n, tile.block_n as u32) {
+            let hi = rows.map(|r| info.key_limit(r));
+            if matches!(M::KIND, MaskKind::Local) {
+                mask::apply::<SLICE_TILES, true>(&mut s, key0, hi, rows.map(|r| info.key_floor(r)));
+            } else {
+                mask::apply::<SLICE_TILES, false>(&mut s, key0, hi, [0; 2]);
+            }
         }
         softmax.rescale(&s, &mut o, p.scale_log2);
         // O += P·V_slice: the slice is exactly one k-step, P its A fragment.
@@ -120,85 +122,15 @@ pub fn decode<T: Element, const D: usize, const QK: usize, const OT: usize, cons
                 T::mma(&mut o[d + 1], &a, b[2], b[3]);
             }
         });
-        read = if read + 1 == stages { 0 } else { read + 1 };
-        write = if write + 1 == stages { 0 } else { write + 1 };
+        ring.rotate();
         i += 1;
     }
 
-    merge_warps::<D, OT>(tile, lane, base, &softmax, &o);
-    write_rows::<T, D>(p, &info, tile, lane, base);
-}
-
-/// Issues the `cp.async` copies of K and V block `n` into the stage at
-/// `stage`, committed by the caller as one group.
-#[inline(always)]
-fn load_block<const D: usize>(
-    p: &AttnParams,
-    info: &BlockInfo,
-    tile: AttnTile,
-    stage: u32,
-    n: u32,
-    tid: u32,
-) {
-    let k_tile = SmemTile::<D> {
-        base: stage + tile.k_smem_offset() as u32,
-    };
-    let v_tile = SmemTile::<D> {
-        base: stage + tile.v_smem_offset() as u32,
-    };
-    let first = n * tile.block_n as u32;
-    let paged = p.block_table != 0;
-    if paged && p.page_size % tile.block_n as u32 != 0 {
-        // Pages smaller than a block: each row looks up its page once for K and V.
-        let chunks = tile.row_chunks() as u32;
-        let per_thread = tile.block_n * tile.row_chunks() / tile.threads();
-        let mut c = 0;
-        while c < per_thread {
-            let idx = tid + (c * tile.threads()) as u32;
-            let (row, chunk) = (idx / chunks, idx % chunks);
-            let key = first + row;
-            let chunk_off = chunk as u64 * CHUNK_BYTES as u64;
-            if key < info.seqlen_k {
-                let k = info.paged_row_ptr(p, p.k, &p.k_strides, key) + chunk_off;
-                let v = info.paged_row_ptr(p, p.v, &p.v_strides, key) + chunk_off;
-                cp_async::cg_16(k_tile.store_addr::<true>(row, chunk), k, CHUNK_BYTES as u32);
-                cp_async::cg_16(
-                    v_tile.store_addr::<false>(row, chunk),
-                    v,
-                    CHUNK_BYTES as u32,
-                );
-            } else {
-                cp_async::cg_16(k_tile.store_addr::<true>(row, chunk), p.k, 0);
-                cp_async::cg_16(v_tile.store_addr::<false>(row, chunk), p.v, 0);
-            }
-            c += 1;
-        }
-        return;
-    }
-    // Contiguous, or a whole block inside one page: rows evenly strided.
-    let (k, v) = if paged {
-        let (page, row) = paging::locate(
-            p.block_table,
-            p.max_pages,
-            p.page_size,
-            p.num_pages,
-            info.batch as u64,
-            first as u64,
-        );
-        (
-            info.page_row_ptr(p.k, &p.k_strides, page, row),
-            info.page_row_ptr(p.v, &p.v_strides, page, row),
-        )
-    } else {
-        (
-            info.kv_row_ptr(p.k, &p.k_strides, first),
-            info.kv_row_ptr(p.v, &p.v_strides, first),
-        )
-    };
-    let valid = info.seqlen_k.saturating_sub(first);
-    let (rows, threads) = (tile.block_n, tile.threads());
-    k_tile.load_rows_async::<true>(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
-    v_tile.load_rows_async::<false>(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
+    // Sinks join the final normalisation only; split partials leave them to
+    // the combine kernel, which adds each row's once.
+    let sinks = S::MODIFIED && p.sinks != 0 && p.num_splits <= 1;
+    merge_warps::<D, OT>(p, &info, tile, lane, base, &softmax, &o, sinks);
+    write_rows::<T, D>(p, &info, tile, lane, base, sinks);
 }
 
 /// Shared-memory address of warp `w`'s statistic `stat` (0: m, 1: l) of row `row`.
@@ -217,9 +149,10 @@ fn merge_addr(tile: AttnTile, base: u32, w: u32, row: u32, col: u32) -> u32 {
 
 /// The merged statistics of `row` over all warps: M = max m_w (log2 domain)
 /// and L = Σ l_w·2^(m_w - M). L = 0 for a row that saw no key (every m_w is
-/// then the finite "no key" value and every l_w 0).
+/// then the finite "no key" value and every l_w 0). With `sink` (log2
+/// units), M also covers the sink and L holds 2^(sink - M).
 #[inline(always)]
-fn merged_stats(tile: AttnTile, base: u32, row: u32) -> (f32, f32) {
+fn merged_stats(tile: AttnTile, base: u32, row: u32, sink: Option<f32>) -> (f32, f32) {
     let stat = |s, w| f32::from_bits(smem::ld_b32(stat_addr(tile, base, s, w, row)));
     let warps = tile.warps as u32;
     let mut m = stat(0, 0);
@@ -227,21 +160,40 @@ fn merged_stats(tile: AttnTile, base: u32, row: u32) -> (f32, f32) {
         m = m.max(stat(0, w));
     }
     let mut l = 0.0;
+    if let Some(sink) = sink {
+        m = m.max(sink);
+        l = math::ex2(sink - m);
+    }
     for w in 0..warps {
         l = math::fma(stat(1, w), math::ex2(stat(0, w) - m), l);
     }
     (m, l)
 }
 
+/// Sink logit of CTA row `row` in log2 units, when the final normalisation
+/// includes sinks.
+#[inline(always)]
+fn row_sink(p: &AttnParams, info: &BlockInfo, row: u32, sinks: bool) -> Option<f32> {
+    if sinks {
+        Some(global::ld_nc_f32(p.sinks + info.head(row) as u64 * 4) * LOG2_E)
+    } else {
+        None
+    }
+}
+
 /// Publishes each warp's (m, l) and its O scaled by 2^(m_w - M) / L, so the
 /// CTA's O is the plain sum of the warps' tiles.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 fn merge_warps<const D: usize, const OT: usize>(
+    p: &AttnParams,
+    info: &BlockInfo,
     tile: AttnTile,
     lane: Lane,
     base: u32,
     softmax: &OnlineSoftmax,
     o: &[[f32; 4]; OT],
+    sinks: bool,
 ) {
     // The ring is reused: no copy may still be landing and no warp reading it.
     cp_async::wait_group::<0>();
@@ -262,7 +214,7 @@ fn merge_warps<const D: usize, const OT: usize>(
     }
     barrier::sync_cta();
     unroll::<2>(|r| {
-        let (m, l) = merged_stats(tile, base, rows[r]);
+        let (m, l) = merged_stats(tile, base, rows[r], row_sink(p, info, rows[r], sinks));
         let weight = if l > 0.0 {
             math::ex2(m_w[r] - m) * math::rcp(l)
         } else {
@@ -290,14 +242,18 @@ fn write_rows<T: Element, const D: usize>(
     tile: AttnTile,
     lane: Lane,
     base: u32,
+    sinks: bool,
 ) {
     const { assert!(CHUNK_ELEMS == 8) };
     let chunks = tile.row_chunks() as u32;
-    let per_thread = tile.block_m * tile.row_chunks() / tile.threads();
+    let total = tile.block_m * tile.row_chunks();
     let split = p.num_splits > 1;
     let rows_per_split = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
-    for c in 0..per_thread {
+    for c in 0..total.div_ceil(tile.threads()) {
         let idx = lane.tid + (c * tile.threads()) as u32;
+        if total % tile.threads() != 0 && idx as usize >= total {
+            continue;
+        }
         let (row, chunk) = (idx / chunks, idx % chunks);
         let Some(token) = info.token(row) else {
             continue;
@@ -311,7 +267,7 @@ fn write_rows<T: Element, const D: usize>(
                 acc[e + 4] += f32::from_bits(hi[e]);
             });
         }
-        let lse_index = info.lse_index(p.heads, row, token);
+        let lse_index = info.lse_index(row, token);
         if split {
             let index = info.split as u64 * rows_per_split + lse_index;
             let dst = p.o_accum + (index * D as u64 + (chunk * CHUNK_ELEMS as u32) as u64) * 4;
@@ -328,7 +284,7 @@ fn write_rows<T: Element, const D: usize>(
             global::st_v4_b32(dst + chunk as u64 * CHUNK_BYTES as u64, packed);
         }
         if chunk == 0 && (split || p.lse != 0) {
-            let (m, l) = merged_stats(tile, base, row);
+            let (m, l) = merged_stats(tile, base, row, row_sink(p, info, row, sinks));
             let lse = if l > 0.0 {
                 (m + math::lg2(l)) * LN_2
             } else {

@@ -6,6 +6,8 @@ pub trait Element {
     fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32);
     /// Two f32 rounded to nearest into one packed pair, `lo` first in memory.
     fn pack(lo: f32, hi: f32) -> u32;
+    /// The two values of a packed pair, `lo` (first in memory) first.
+    fn unpack(pair: u32) -> (f32, f32);
 }
 
 pub struct F16;
@@ -20,6 +22,10 @@ impl Element for F16 {
     fn pack(lo: f32, hi: f32) -> u32 {
         math::pack_f16x2(lo, hi)
     }
+    #[inline(always)]
+    fn unpack(pair: u32) -> (f32, f32) {
+        math::unpack_f16x2(pair)
+    }
 }
 
 impl Element for Bf16 {
@@ -30,5 +36,13 @@ impl Element for Bf16 {
     #[inline(always)]
     fn pack(lo: f32, hi: f32) -> u32 {
         math::pack_bf16x2(lo, hi)
+    }
+    #[inline(always)]
+    fn unpack(pair: u32) -> (f32, f32) {
+        // A bf16 is the upper half of an f32.
+        (
+            f32::from_bits(pair << 16),
+            f32::from_bits(pair & 0xffff_0000),
+        )
     }
 }

@@ -1,79 +1,110 @@
-//! PTX entry points. Names must match `config::ENTRIES` (checked by the host's
-//! tests against the built PTX).
+//! PTX entry points, one per line of `config::attention_variants` (so the
+//! names match `config::ENTRIES` by construction), plus the append and
+//! merge kernels.
 use super::append::append_kv;
 use super::combine::combine;
 use super::decode::decode;
 use super::element::{Bf16, F16};
 use super::mainloop::attention;
-use crate::config::{AttnTile, KernelKind};
-use crate::params::{AppendParams, AttnParams, CombineParams};
+use super::merge::merge;
+use super::policy::{Causal, Dense, Full, Local, Modified, Plain, Ragged};
+use crate::config::{attention_variants, AttnTile, KernelKind};
+use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
 
-macro_rules! forward_entries {
-    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal;)*) => {$(
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(p: AttnParams) {
-            attention::<
-                $elem,
-                $d,
-                { AttnTile::of(KernelKind::Forward, $d).m_tiles },
-                { $d / 16 },
-                { $d / 8 },
-                { AttnTile::of(KernelKind::Forward, $d).block_n / 8 },
-                $causal,
-            >(&p)
-        }
+/// Maps the table's words to the policy and element types.
+macro_rules! ty {
+    (f16) => {
+        F16
+    };
+    (bf16) => {
+        Bf16
+    };
+    (full) => {
+        Full
+    };
+    (causal) => {
+        Causal
+    };
+    (local) => {
+        Local
+    };
+    (plain) => {
+        Plain
+    };
+    (modified) => {
+        Modified
+    };
+    (dense) => {
+        Dense
+    };
+    (ragged) => {
+        Ragged
+    };
+}
+
+/// The body of one entry of each kind.
+macro_rules! entry_body {
+    (fwd, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+        attention::<
+            ty!($t),
+            ty!($mask),
+            ty!($score),
+            ty!($seq),
+            $d,
+            { AttnTile::of(KernelKind::Forward, $d).m_tiles },
+            { $d / 16 },
+            { $d / 8 },
+            { AttnTile::of(KernelKind::Forward, $d).block_n / 8 },
+        >(&$p)
+    };
+    (decode, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+        decode::<ty!($t), ty!($mask), ty!($score), $d, { $d / 16 }, { $d / 8 }>(&$p)
+    };
+    (combine, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+        combine::<ty!($t), $d>(&$p)
+    };
+}
+
+macro_rules! entry_params {
+    (fwd) => {
+        AttnParams
+    };
+    (decode) => {
+        AttnParams
+    };
+    (combine) => {
+        CombineParams
+    };
+}
+
+macro_rules! device_entries {
+    ($($kind:ident $dtype:ident $d:literal $mask:ident $score:ident $seq:ident;)*) => {$(
+        const _: () = {
+            #[export_name = concat!(
+                "flash_", stringify!($kind), "_", stringify!($dtype), "_hd", stringify!($d),
+                "_", stringify!($mask), "_", stringify!($score), "_", stringify!($seq)
+            )]
+            pub unsafe extern "ptx-kernel" fn entry(p: entry_params!($kind)) {
+                entry_body!($kind, p, $dtype, $d, $mask, $score, $seq)
+            }
+        };
     )*};
 }
 
-macro_rules! decode_entries {
-    ($($name:ident: $elem:ty, $d:literal, causal = $causal:literal;)*) => {$(
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(p: AttnParams) {
-            decode::<$elem, $d, { $d / 16 }, { $d / 8 }, $causal>(&p)
-        }
-    )*};
-}
-
-forward_entries! {
-    flash_fwd_f16_hd64_full: F16, 64, causal = false;
-    flash_fwd_f16_hd64_causal: F16, 64, causal = true;
-    flash_fwd_f16_hd128_full: F16, 128, causal = false;
-    flash_fwd_f16_hd128_causal: F16, 128, causal = true;
-    flash_fwd_bf16_hd64_full: Bf16, 64, causal = false;
-    flash_fwd_bf16_hd64_causal: Bf16, 64, causal = true;
-    flash_fwd_bf16_hd128_full: Bf16, 128, causal = false;
-    flash_fwd_bf16_hd128_causal: Bf16, 128, causal = true;
-}
-
-decode_entries! {
-    flash_decode_f16_hd64_full: F16, 64, causal = false;
-    flash_decode_f16_hd64_causal: F16, 64, causal = true;
-    flash_decode_f16_hd128_full: F16, 128, causal = false;
-    flash_decode_f16_hd128_causal: F16, 128, causal = true;
-    flash_decode_bf16_hd64_full: Bf16, 64, causal = false;
-    flash_decode_bf16_hd64_causal: Bf16, 64, causal = true;
-    flash_decode_bf16_hd128_full: Bf16, 128, causal = false;
-    flash_decode_bf16_hd128_causal: Bf16, 128, causal = true;
-}
-
-macro_rules! combine_entries {
-    ($($name:ident: $elem:ty, $d:literal;)*) => {$(
-        #[no_mangle]
-        pub unsafe extern "ptx-kernel" fn $name(p: CombineParams) {
-            combine::<$elem, $d>(&p)
-        }
-    )*};
-}
-
-combine_entries! {
-    flash_combine_f16_hd64: F16, 64;
-    flash_combine_f16_hd128: F16, 128;
-    flash_combine_bf16_hd64: Bf16, 64;
-    flash_combine_bf16_hd128: Bf16, 128;
-}
+attention_variants!(device_entries);
 
 /// Dtype- and head-dim-agnostic: it moves 16-byte chunks.
 #[no_mangle]
 pub unsafe extern "ptx-kernel" fn flash_append_kv(p: AppendParams) {
     append_kv(&p)
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_merge_f16(p: MergeParams) {
+    merge::<F16>(&p)
+}
+
+#[no_mangle]
+pub unsafe extern "ptx-kernel" fn flash_merge_bf16(p: MergeParams) {
+    merge::<Bf16>(&p)
 }

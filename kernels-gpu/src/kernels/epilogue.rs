@@ -2,7 +2,7 @@
 //! through shared memory for 16-byte coalesced stores.
 use super::block_info::BlockInfo;
 use super::element::Element;
-use super::mainloop::Lane;
+use super::lane::Lane;
 use super::smem_tile::SmemTile;
 use super::unroll::unroll;
 use crate::arch::{barrier, global, smem};
@@ -28,7 +28,7 @@ pub fn write_output<T: Element, const D: usize, const MT: usize, const OT: usize
             unroll::<2>(|r| {
                 let row = lane.acc_row(tile, mt, r);
                 if let Some(token) = info.token(row) {
-                    global::st_f32(p.lse + info.lse_index(p.heads, row, token) * 4, lse[mt][r]);
+                    global::st_f32(p.lse + info.lse_index(row, token) * 4, lse[mt][r]);
                 }
             });
         });

@@ -1,5 +1,6 @@
 //! Paged KV cache: where a sequence's token lives in the page pool.
 use crate::arch::global;
+use crate::index;
 
 /// Pool page and row within it of token `pos` of sequence `batch`, from an
 /// i32 [B, max_pages] block table. The page index is clamped to the pool, so a
@@ -14,10 +15,11 @@ pub fn locate(
     batch: u64,
     pos: u64,
 ) -> (u64, u64) {
-    let page_size = page_size.max(1) as u64;
-    let entry = batch * max_pages as u64 + pos / page_size;
-    let page = global::ld_nc_s32(table + entry * 4)
-        .max(0)
-        .min(num_pages.max(1) as i32 - 1);
-    (page as u64, pos % page_size)
+    let entry = batch * max_pages as u64 + pos / page_size.max(1) as u64;
+    index::page_slot(
+        global::ld_nc_s32(table + entry * 4),
+        num_pages,
+        pos,
+        page_size,
+    )
 }

@@ -1,9 +1,12 @@
 //! A row-major [rows][head_dim] tile of 16-bit elements in shared memory, its
 //! 16-byte chunks XOR-swizzled within each group of 8 rows: chunk `c` of row `r`
-//! is stored at chunk `c ^ (r % 8)`. An `ldmatrix` phase reads one logical chunk
+//! is stored at chunk `c ^ (r % 8)` (`index::swizzle`). Rows are padded to a
+//! whole group of 8 chunks (`config::smem_row_chunks`: D = 32 and 96), so the
+//! swizzle stays within the row. An `ldmatrix` phase reads one logical chunk
 //! of 8 consecutive rows, which the swizzle spreads over all 32 banks.
 use crate::arch::{cp_async, special};
-use crate::config::{CHUNK_BYTES, ELEM_BYTES, SWIZZLE_ROWS};
+use crate::config::{copy_row_lanes, smem_row_chunks, CHUNK_BYTES, ELEM_BYTES, SWIZZLE_ROWS};
+use crate::index;
 
 /// Swizzled `ldmatrix` addresses of one lane, shared by every tile of the CTA
 /// (Q, K and V have the same row length and swizzle, and lie at compile-time
@@ -58,13 +61,14 @@ pub struct SmemTile<const D: usize> {
 }
 
 impl<const D: usize> SmemTile<D> {
-    const ROW_BYTES: u32 = (D * ELEM_BYTES) as u32;
+    const ROW_BYTES: u32 = (smem_row_chunks(D) * CHUNK_BYTES) as u32;
+    /// 16-byte chunks of data in a row (the padding excluded).
+    const CHUNKS: usize = D * ELEM_BYTES / CHUNK_BYTES;
 
     /// Address of 16-byte chunk `chunk` of row `row`.
     #[inline(always)]
     pub fn chunk_addr(self, row: u32, chunk: u32) -> u32 {
-        let phys = chunk ^ (row % SWIZZLE_ROWS as u32);
-        self.base + row * Self::ROW_BYTES + phys * CHUNK_BYTES as u32
+        self.base + row * Self::ROW_BYTES + index::swizzle(row, chunk) * CHUNK_BYTES as u32
     }
 
     /// Where chunk `chunk` of row `row` is stored. `ROW_PAIRS` (the K tile)
@@ -79,8 +83,7 @@ impl<const D: usize> SmemTile<D> {
     #[inline(always)]
     pub fn store_addr<const ROW_PAIRS: bool>(self, row: u32, chunk: u32) -> u32 {
         if ROW_PAIRS {
-            let pair_row = (row & !8) | ((chunk & 1) << 3);
-            let pair_chunk = (chunk & !1) | ((row >> 3) & 1);
+            let (pair_row, pair_chunk) = index::row_pairs(row, chunk);
             self.chunk_addr(pair_row, pair_chunk)
         } else {
             self.chunk_addr(row, chunk)
@@ -96,8 +99,9 @@ impl<const D: usize> SmemTile<D> {
 
     /// Issues `cp.async` copies of `rows` rows that are evenly spaced in global
     /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
-    /// are zero-filled with a 0-byte read of `src`. Each thread's copies are
-    /// `rows_per_pass` rows apart, a multiple of the swizzle period, so its
+    /// are zero-filled with a 0-byte read of `src`. The threads split into
+    /// whole rows of [`copy_row_lanes`] chunk lanes (lanes past the row's
+    /// chunks copy nothing), so each thread keeps one chunk column and its
     /// shared and global addresses advance by constants. `ROW_PAIRS`: see
     /// [`Self::store_addr`].
     #[inline(always)]
@@ -110,16 +114,19 @@ impl<const D: usize> SmemTile<D> {
         stride_bytes: u64,
         valid: u32,
     ) {
-        let chunks = D * ELEM_BYTES / CHUNK_BYTES;
-        let rows_per_pass = threads / chunks;
+        let lanes = copy_row_lanes(D);
+        let rows_per_pass = threads / lanes;
         // Through `opaque_u32`, the thread's first row and its offsets are
         // rebuilt at each call: hoisted out of the key loop they would hold a
         // 64-bit source offset and a shared address per tile in registers. The
         // `% threads` tells LLVM the bounds of row0, so the swizzle of each
         // copy's row folds to row0's.
         let tid = special::opaque_u32(tid) % threads as u32;
-        let row0 = tid / chunks as u32;
-        let chunk = tid % chunks as u32;
+        let row0 = tid / lanes as u32;
+        let chunk = tid % lanes as u32;
+        if chunk as usize >= Self::CHUNKS {
+            return;
+        }
         let mut src_row =
             src.wrapping_add(row0 as u64 * stride_bytes + chunk as u64 * CHUNK_BYTES as u64);
         let step = stride_bytes * rows_per_pass as u64;
@@ -155,21 +162,23 @@ impl<const D: usize> SmemTile<D> {
         fallback: u64,
         src: impl Fn(u32) -> Option<u64>,
     ) {
-        let chunks = (D * ELEM_BYTES / CHUNK_BYTES) as u32;
-        let per_thread = rows * D * ELEM_BYTES / CHUNK_BYTES / threads;
+        let chunks = Self::CHUNKS as u32;
+        let total = rows * Self::CHUNKS;
         let mut i = 0;
-        while i < per_thread {
+        while i < total.div_ceil(threads) {
             let idx = tid + (i * threads) as u32;
-            let row = idx / chunks;
-            let chunk = idx % chunks;
-            let (addr, bytes) = match src(row) {
-                Some(p) => (
-                    p + (chunk as usize * CHUNK_BYTES) as u64,
-                    CHUNK_BYTES as u32,
-                ),
-                None => (fallback, 0),
-            };
-            cp_async::cg_16(self.store_addr::<ROW_PAIRS>(row, chunk), addr, bytes);
+            if total % threads == 0 || (idx as usize) < total {
+                let row = idx / chunks;
+                let chunk = idx % chunks;
+                let (addr, bytes) = match src(row) {
+                    Some(p) => (
+                        p + (chunk as usize * CHUNK_BYTES) as u64,
+                        CHUNK_BYTES as u32,
+                    ),
+                    None => (fallback, 0),
+                };
+                cp_async::cg_16(self.store_addr::<ROW_PAIRS>(row, chunk), addr, bytes);
+            }
             i += 1;
         }
     }

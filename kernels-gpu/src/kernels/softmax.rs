@@ -128,16 +128,27 @@ impl OnlineSoftmax {
     }
 
     /// Returns, per row, 1/l (0 for a row that saw no key, whose O is then 0)
-    /// and the natural-log LSE (-inf for such a row).
+    /// and the natural-log LSE (-inf for such a row). With `sinks` (per row,
+    /// log2 units), the denominator also holds 2^sink: l' = l·2^(m - m') +
+    /// 2^(sink - m') with m' = max(m, sink), O = acc·2^(m - m') / l', and the
+    /// LSE includes the sink (a row that saw no key gets O = 0, LSE = sink).
     #[inline(always)]
-    pub fn finalize(&self) -> ([f32; 2], [f32; 2]) {
+    pub fn finalize(&self, sinks: Option<[f32; 2]>) -> ([f32; 2], [f32; 2]) {
         let mut inv = [0.0; 2];
         let mut lse = [f32::NEG_INFINITY; 2];
         unroll::<2>(|r| {
             let l = quad_sum(self.l[r]);
+            let (m, l, o_weight) = match sinks {
+                Some(sink) => {
+                    let m = self.m[r].max(sink[r]);
+                    let o_weight = math::ex2(self.m[r] - m);
+                    (m, math::fma(l, o_weight, math::ex2(sink[r] - m)), o_weight)
+                }
+                None => (self.m[r], l, 1.0),
+            };
             if l > 0.0 {
-                inv[r] = math::rcp(l);
-                lse[r] = (self.m[r] + math::lg2(l)) * LN_2;
+                inv[r] = o_weight * math::rcp(l);
+                lse[r] = (m + math::lg2(l)) * LN_2;
             }
         });
         (inv, lse)

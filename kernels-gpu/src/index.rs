@@ -1,0 +1,133 @@
+//! Index arithmetic of the kernels that needs no GPU: visible key ranges of
+//! every mask, the key blocks a CTA visits and their split partition, packed
+//! (varlen) sequence ranges, the paged-cache lookup and the shared-memory
+//! swizzle. Plain Rust that compiles for the host too, where `tests/cpu.rs`
+//! property-tests it against the reference's definitions.
+use crate::config::SWIZZLE_ROWS;
+
+/// Which keys each query row of one sequence sees: query `t` sits at key
+/// position `t + diag` (the bottom-right alignment, `diag = Skv - Sq`) and
+/// sees keys `[t + diag - left, t + diag + right]` within `[0, Skv)`; a
+/// negative bound is unbounded on that side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyWindow {
+    pub seqlen_q: u32,
+    pub seqlen_k: u32,
+    pub diag: i32,
+    pub left: i32,
+    pub right: i32,
+}
+
+impl KeyWindow {
+    #[inline(always)]
+    pub fn new(seqlen_q: u32, seqlen_k: u32, left: i32, right: i32) -> KeyWindow {
+        KeyWindow {
+            seqlen_q,
+            seqlen_k,
+            diag: seqlen_k as i32 - seqlen_q as i32,
+            left,
+            right,
+        }
+    }
+
+    /// Last key token `t` sees, in `[-1, Skv - 1]` (-1: none).
+    #[inline(always)]
+    pub fn last(&self, t: u32) -> i32 {
+        let end = self.seqlen_k as i64 - 1;
+        if self.right < 0 {
+            return end as i32;
+        }
+        let hi = t as i64 + self.diag as i64 + self.right as i64;
+        hi.clamp(-1, end) as i32
+    }
+
+    /// First key token `t` sees, in `[0, Skv]` (Skv: none).
+    #[inline(always)]
+    pub fn first(&self, t: u32) -> i32 {
+        if self.left < 0 {
+            return 0;
+        }
+        let lo = t as i64 + self.diag as i64 - self.left as i64;
+        lo.clamp(0, self.seqlen_k as i64) as i32
+    }
+
+    /// Whether token `t` sees key `j`.
+    #[inline(always)]
+    pub fn sees(&self, t: u32, j: u32) -> bool {
+        let j = j as i32;
+        self.first(t) <= j && j <= self.last(t)
+    }
+}
+
+/// Key blocks `[n_lo, n_hi)` of `block_n` keys that split `split` of `splits`
+/// visits for query tokens `t_first..=t_last` (`t_last` may lie past the
+/// sequence; it is clamped). The blocks any of those rows sees are cut into
+/// `splits` consecutive ranges of equal length (the last ones may be empty).
+#[inline(always)]
+pub fn key_blocks(
+    keys: &KeyWindow,
+    t_first: u32,
+    t_last: u32,
+    block_n: u32,
+    split: u32,
+    splits: u32,
+) -> (u32, u32) {
+    let t_last = t_last.min(keys.seqlen_q.max(1) - 1);
+    // Rows further down see keys further right, at both window ends.
+    let n_max = ((keys.last(t_last) + 1) as u32).div_ceil(block_n);
+    let n_min = (keys.first(t_first) as u32 / block_n).min(n_max);
+    let per_split = (n_max - n_min).div_ceil(splits.max(1));
+    let n_lo = (n_min + split * per_split).min(n_max);
+    let n_hi = (n_lo + per_split).min(n_max);
+    (n_lo, n_hi)
+}
+
+/// Whether key block `n` holds a key that some token of `t_first..=t_last`
+/// does not see (or lies past the sequence's end), so that only those
+/// blocks pay for the element-wise mask.
+#[inline(always)]
+pub fn block_needs_mask(keys: &KeyWindow, t_first: u32, t_last: u32, n: u32, block_n: u32) -> bool {
+    let start = (n * block_n) as i32;
+    let end = start + block_n as i32;
+    let past_end = end > keys.seqlen_k as i32;
+    let right_cut = keys.right >= 0 && end - 1 > keys.last(t_first);
+    let left_cut = keys.left >= 0 && start < keys.first(t_last);
+    past_end || right_cut || left_cut
+}
+
+/// (start, length) of a packed sequence whose device-side `cu_seqlens`
+/// entries are `start` and `end`, in a tensor of `total` rows: the start is
+/// clamped to `[0, total]` and the end to `[start, total]`.
+#[inline(always)]
+pub fn clamp_range(start: i32, end: i32, total: u32) -> (u32, u32) {
+    let start = (start.max(0) as u32).min(total);
+    let end = (end.max(0) as u32).clamp(start, total);
+    (start, end - start)
+}
+
+/// Pool page and row of token `pos` given the block-table entry `entry`
+/// read for it: the page is clamped to `[0, num_pages)`.
+#[inline(always)]
+pub fn page_slot(entry: i32, num_pages: u32, pos: u64, page_size: u32) -> (u64, u64) {
+    let page = entry.max(0).min(num_pages.max(1) as i32 - 1);
+    (page as u64, pos % page_size.max(1) as u64)
+}
+
+/// Physical 16-byte chunk of logical chunk `chunk` in row `row` of a
+/// swizzled shared-memory tile: XOR with the row within its group of
+/// [`SWIZZLE_ROWS`], so the 8 rows an `ldmatrix` phase reads hit 8 different
+/// chunks (all 32 banks). A bijection on each row's `smem_row_chunks` chunks.
+#[inline(always)]
+pub const fn swizzle(row: u32, chunk: u32) -> u32 {
+    chunk ^ (row % SWIZZLE_ROWS as u32)
+}
+
+/// The row-pairs layout of K (see `SmemTile::store_addr`): swaps bit 3 of
+/// the row with bit 0 of the chunk, within each group of 16 rows.
+#[inline(always)]
+pub const fn row_pairs(row: u32, chunk: u32) -> (u32, u32) {
+    (
+        (row & !8) | ((chunk & 1) << 3),
+        (chunk & !1) | ((row >> 3) & 1),
+    )
+}

@@ -1,0 +1,143 @@
+//! Attention policies as types, as CUTLASS and FlashAttention-3 write them:
+//! which keys a query row sees ([`Mask`]), what is done to the scores besides
+//! the scale ([`Scores`]), and where a CTA's sequence lives ([`Seq`]). A
+//! kernel is instantiated per policy triple listed in
+//! `config::attention_variants`; a policy that is fixed at compile time costs
+//! nothing where it is off, and the `Local`/`Modified`/`Ragged` policies read
+//! their settings from the launch parameters (uniform branches).
+use super::unroll::unroll;
+use crate::arch::{global, math};
+use crate::config::{MaskKind, ScoreKind, SeqKind};
+use crate::params::AttnParams;
+
+pub trait Mask {
+    const KIND: MaskKind;
+    /// (left, right) window bounds in keys around the bottom-right-aligned
+    /// diagonal; negative = unbounded on that side.
+    fn window(p: &AttnParams) -> (i32, i32);
+}
+
+/// Every key of the sequence.
+pub struct Full;
+/// Keys up to the diagonal.
+pub struct Causal;
+/// A sliding window from the launch parameters (covers `Full` and `Causal`).
+pub struct Local;
+
+impl Mask for Full {
+    const KIND: MaskKind = MaskKind::Full;
+    #[inline(always)]
+    fn window(_: &AttnParams) -> (i32, i32) {
+        (-1, -1)
+    }
+}
+
+impl Mask for Causal {
+    const KIND: MaskKind = MaskKind::Causal;
+    #[inline(always)]
+    fn window(_: &AttnParams) -> (i32, i32) {
+        (-1, 0)
+    }
+}
+
+impl Mask for Local {
+    const KIND: MaskKind = MaskKind::Local;
+    #[inline(always)]
+    fn window(p: &AttnParams) -> (i32, i32) {
+        (p.window_left, p.window_right)
+    }
+}
+
+pub trait Scores {
+    const KIND: ScoreKind;
+    /// Whether softcap, ALiBi and sinks are read from the launch parameters.
+    const MODIFIED: bool = matches!(Self::KIND, ScoreKind::Modified);
+}
+
+/// scale · q·k and nothing else.
+pub struct Plain;
+/// Softcap, ALiBi and sinks, each when its parameter is set.
+pub struct Modified;
+
+impl Scores for Plain {
+    const KIND: ScoreKind = ScoreKind::Plain;
+}
+impl Scores for Modified {
+    const KIND: ScoreKind = ScoreKind::Modified;
+}
+
+pub trait Seq {
+    const KIND: SeqKind;
+    /// Whether `cu_seqlens` and a paged K/V cache are read from the launch
+    /// parameters.
+    const RAGGED: bool = matches!(Self::KIND, SeqKind::Ragged);
+}
+
+/// [B, S, H, D] with batch strides.
+pub struct Dense;
+/// Packed sequences and/or a paged K/V cache.
+pub struct Ragged;
+
+impl Seq for Dense {
+    const KIND: SeqKind = SeqKind::Dense;
+}
+impl Seq for Ragged {
+    const KIND: SeqKind = SeqKind::Ragged;
+}
+
+/// The score modifiers of a CTA, read once from the launch parameters.
+/// Scores stay in raw q·k units (the softmax multiplies by scale·log2(e)), so
+/// the softcap is `post · tanh(pre · S)` with pre = scale / c, post = c /
+/// scale, and the ALiBi bias is divided by the scale.
+#[derive(Clone, Copy)]
+pub struct Modifiers {
+    pub softcap: bool,
+    pub alibi: bool,
+}
+
+impl Modifiers {
+    #[inline(always)]
+    pub fn new<S: Scores>(p: &AttnParams) -> Modifiers {
+        Modifiers {
+            softcap: S::MODIFIED && p.softcap_pre != 0.0,
+            alibi: S::MODIFIED && p.alibi != 0,
+        }
+    }
+
+    /// ALiBi slope of (batch, head) over the softmax scale (raw q·k units).
+    #[inline(always)]
+    pub fn slope(p: &AttnParams, batch: u32, head: u32) -> f32 {
+        let index = batch as u64 * p.alibi_batch_stride as u64 + head as u64;
+        global::ld_nc_f32(p.alibi + index * 4) * p.inv_scale
+    }
+
+    /// Applies the modifiers to one S tile in accumulator layout. `key0` is
+    /// the key of the lane's first column; per row half r, `pos[r]` is the
+    /// row's position on the key axis (token + Skv - Sq) and `slope[r]` its
+    /// scaled ALiBi slope.
+    #[inline(always)]
+    pub fn apply<const ST: usize>(
+        &self,
+        p: &AttnParams,
+        s: &mut [[f32; 4]; ST],
+        key0: i32,
+        pos: [i32; 2],
+        slope: [f32; 2],
+    ) {
+        if self.softcap {
+            unroll::<ST>(|j| {
+                unroll::<4>(|e| s[j][e] = p.softcap_post * math::tanh(s[j][e] * p.softcap_pre));
+            });
+        }
+        if self.alibi {
+            let dist0 = [(pos[0] - key0) as f32, (pos[1] - key0) as f32];
+            unroll::<ST>(|j| {
+                unroll::<4>(|e| {
+                    let offset = (j * 8 + (e & 1)) as f32;
+                    let dist = math::abs(dist0[e / 2] - offset);
+                    s[j][e] = math::fma(-slope[e / 2], dist, s[j][e]);
+                });
+            });
+        }
+    }
+}
