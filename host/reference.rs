@@ -2,117 +2,264 @@
 //! want to check results. It materialises every score and probability and
 //! accumulates in f64, trading speed for being obviously correct: keep it
 //! free of any of the kernels' tricks (tiling, online softmax, splits).
-use crate::validate::{DecodeShape, ForwardShape};
+//!
+//! Semantics (FlashAttention 2.6+, natural-log units). A sequence has `sq`
+//! queries and `n` keys in use; query `i` sits on the diagonal position
+//! `i + off` with `off = n - sq`, so the last query lines up with the last key
+//! (bottom-right alignment).
+//!
+//! - Mask: the shape's window with `causal` folded in (`shape.mask()`): query
+//!   `i` sees key `j` when `j >= i + off - left` and `j <= i + off + right`, a
+//!   side that is `None` being unbounded. Visible keys are therefore one range.
+//! - Score of a visible pair: `s = scale * q·k`; with a softcap `c`,
+//!   `s = c * tanh(s / c)`; with ALiBi slopes, `s -= slope[b, h] * |i + off - j|`.
+//! - Softmax over the visible keys; an attention sink adds `exp(sink[h])` to the
+//!   denominator with no value attached. LSE is the log of that denominator.
+//! - A row with nothing to attend to (no visible key, and no sink or a sink of
+//!   -inf) has O = 0 and LSE = -inf; with a finite sink and no visible key,
+//!   O = 0 and LSE = sink.
+//! - MQA/GQA: query head `h` reads KV head `h / (heads / kv_heads)`.
+//!
+//! Entry points: [`attention`]/[`attention_ext`] (fixed layout),
+//! [`decode`]/[`decode_ext`] (a cache with per-sequence lengths), [`varlen`]
+//! (packed sequences), [`probabilities`] (P itself) and [`merge_states`] (the
+//! exact combination of two partial results over disjoint keys).
+use crate::validate::{DecodeShape, ForwardShape, VarlenShape, Window};
+use std::ops::Range;
 
-/// Output of the reference: `o` is [batch, seqlen_q, heads, head_dim] row-major,
-/// `lse` is [batch, heads, seqlen_q] (natural log).
+/// Output of the reference. For [`attention`] and [`decode`], `o` is
+/// [batch, seqlen_q, heads, head_dim] row-major and `lse` is
+/// [batch, heads, seqlen_q]; for [`varlen`], `o` is [total_q, heads, head_dim]
+/// and `lse` is [heads, total_q]; for [`merge_states`], `o` is [rows, head_dim]
+/// and `lse` is `[rows]`. LSE is in natural-log units.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RefOutput {
     pub o: Vec<f64>,
     pub lse: Vec<f64>,
 }
 
-/// One (query, key/value) problem, shared by forward and decode so the loop
-/// nest exists once. K and V hold `kv_rows` rows per batch entry, of which a
-/// batch entry may use only a prefix (decode's `cache_seqlens`).
+/// Device-side extras of a problem, as f64.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Extras<'a> {
+    /// ALiBi slopes: `[heads]` (the same for every batch entry) or
+    /// `[batch * heads]` row-major; the length decides.
+    pub alibi_slopes: Option<&'a [f64]>,
+    /// `[heads]` sink logits.
+    pub sinks: Option<&'a [f64]>,
+}
+
+/// What every query row of a problem shares. Q and O are addressed by row
+/// (one row holds all `heads` heads of one token), K and V likewise with
+/// `kv_heads` heads, so the fixed, decode and packed layouts all reduce to
+/// lists of [`Seq`]s over the same storage and the loop nest exists once.
 struct Problem<'a> {
+    /// Sequences in the problem (what a `[batch * heads]` slope array counts).
     batch: usize,
-    seqlen_q: usize,
-    kv_rows: usize,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    causal: bool,
+    /// The mask, `causal` folded in.
+    window: Window,
     scale: f64,
+    softcap: Option<f64>,
+    extras: Extras<'a>,
     q: &'a [f64],
     k: &'a [f64],
 }
 
-/// Softmax of one query row over the keys it uses.
+/// One sequence: its queries are rows `q_start..q_start + sq` of Q (and of O),
+/// its keys rows `k_start..k_start + n` of K and V.
+#[derive(Clone, Copy, Debug)]
+struct Seq {
+    /// Position in the batch (selects per-batch ALiBi slopes).
+    index: usize,
+    q_start: usize,
+    sq: usize,
+    k_start: usize,
+    n: usize,
+}
+
+/// Softmax of one query row over the keys it sees.
 struct Row {
-    /// Probabilities of the visible keys, which are always a prefix `0..p.len()`
-    /// of the keys in use.
+    /// The visible keys (indices within the sequence), a possibly empty range.
+    keys: Range<usize>,
+    /// Probabilities of `keys`, in order.
     p: Vec<f64>,
-    /// Natural-log sum of exp(scores) over visible keys; -inf when none is.
+    /// Natural-log softmax denominator (sink included); -inf when the row has
+    /// nothing to attend to.
     lse: f64,
 }
 
-impl Problem<'_> {
+impl<'a> Problem<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        batch: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+        window: Window,
+        scale: f32,
+        softcap: Option<f32>,
+        extras: &Extras<'a>,
+        q: &'a [f64],
+        k: &'a [f64],
+    ) -> Self {
+        assert!(
+            kv_heads > 0 && heads % kv_heads == 0,
+            "reference: {heads} heads cannot share {kv_heads} KV heads"
+        );
+        if let Some(slopes) = extras.alibi_slopes {
+            assert!(
+                slopes.len() == heads || slopes.len() == batch * heads,
+                "reference: alibi_slopes has {} elements, expected {heads} (per head) or {} \
+                 (per batch entry and head)",
+                slopes.len(),
+                batch * heads
+            );
+        }
+        if let Some(sinks) = extras.sinks {
+            assert!(
+                sinks.len() == heads,
+                "reference: sinks has {} elements, expected {heads}",
+                sinks.len()
+            );
+        }
+        Problem {
+            batch,
+            heads,
+            kv_heads,
+            head_dim,
+            window,
+            scale: f64::from(scale),
+            softcap: softcap.map(f64::from),
+            extras: *extras,
+            q,
+            k,
+        }
+    }
+
+    /// Panics unless `t` holds `rows` rows of `heads` heads.
     fn check_len(&self, name: &str, got: usize, rows: usize, heads: usize) {
-        let needed = self.batch * rows * heads * self.head_dim;
+        let needed = rows * heads * self.head_dim;
         assert!(
             got >= needed,
             "reference: {name} has {got} elements, the shape needs {needed}"
         );
     }
 
-    fn q_row(&self, b: usize, i: usize, h: usize) -> &[f64] {
-        let start = ((b * self.seqlen_q + i) * self.heads + h) * self.head_dim;
+    fn q_row(&self, row: usize, h: usize) -> &[f64] {
+        let start = (row * self.heads + h) * self.head_dim;
         &self.q[start..start + self.head_dim]
     }
 
-    /// Row `j` of K or V for query head `h`: MQA/GQA maps consecutive groups of
-    /// `heads / kv_heads` query heads onto one KV head.
-    fn kv_row<'t>(&self, t: &'t [f64], b: usize, j: usize, h: usize) -> &'t [f64] {
+    /// Row `row` of K or V for query head `h`: MQA/GQA maps consecutive groups
+    /// of `heads / kv_heads` query heads onto one KV head.
+    fn kv_row<'t>(&self, t: &'t [f64], row: usize, h: usize) -> &'t [f64] {
         let kv_head = h / (self.heads / self.kv_heads);
-        let start = ((b * self.kv_rows + j) * self.kv_heads + kv_head) * self.head_dim;
+        let start = (row * self.kv_heads + kv_head) * self.head_dim;
         &t[start..start + self.head_dim]
     }
 
-    /// Keys `0..visible` are what query `i` sees among the `n_keys` in use: the
-    /// causal mask is aligned to the bottom-right (the last query sees the last
-    /// key), so `j <= i + n_keys - seqlen_q`, computed signed because the bound
-    /// is negative when there are more queries than keys.
-    fn visible(&self, i: usize, n_keys: usize) -> usize {
-        if !self.causal {
-            return n_keys;
-        }
-        let last = i as i128 + n_keys as i128 - self.seqlen_q as i128;
-        (last + 1).clamp(0, n_keys as i128) as usize
+    /// Where query `i` sits among the keys: `i + n - sq`, signed because it is
+    /// negative when there are more queries than keys.
+    fn diagonal(seq: &Seq, i: usize) -> i128 {
+        i as i128 + seq.n as i128 - seq.sq as i128
     }
 
-    fn row(&self, b: usize, i: usize, h: usize, n_keys: usize) -> Row {
-        let visible = self.visible(i, n_keys);
-        let q = self.q_row(b, i, h);
-        let scores: Vec<f64> = (0..visible)
-            .map(|j| {
-                let k = self.kv_row(self.k, b, j, h);
-                self.scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>()
-            })
-            .collect();
-        if visible == 0 {
+    /// The keys query `i` sees: `diagonal - left <= j <= diagonal + right`
+    /// within `0..n`, an unbounded side reaching the end of the keys.
+    fn visible(&self, seq: &Seq, i: usize) -> Range<usize> {
+        let d = Self::diagonal(seq, i);
+        let n = seq.n as i128;
+        let lo = self.window.left.map_or(0, |l| d - l as i128).clamp(0, n);
+        let hi = self
+            .window
+            .right
+            .map_or(n, |r| d + r as i128 + 1)
+            .clamp(lo, n);
+        lo as usize..hi as usize
+    }
+
+    fn alibi_slope(&self, seq: &Seq, h: usize) -> Option<f64> {
+        let slopes = self.extras.alibi_slopes?;
+        Some(if slopes.len() == self.heads {
+            slopes[h]
+        } else {
+            slopes[seq.index * self.heads + h]
+        })
+    }
+
+    /// The score of query `i` and key `j` (both within `seq`), every policy
+    /// applied: scale, softcap, then ALiBi.
+    fn score(&self, seq: &Seq, i: usize, h: usize, j: usize) -> f64 {
+        let q = self.q_row(seq.q_start + i, h);
+        let k = self.kv_row(self.k, seq.k_start + j, h);
+        let mut s = self.scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>();
+        if let Some(c) = self.softcap {
+            s = c * (s / c).tanh();
+        }
+        if let Some(slope) = self.alibi_slope(seq, h) {
+            let distance = (Self::diagonal(seq, i) - j as i128).abs();
+            s += -slope * distance as f64;
+        }
+        s
+    }
+
+    fn row(&self, seq: &Seq, i: usize, h: usize) -> Row {
+        let keys = self.visible(seq, i);
+        let scores: Vec<f64> = keys.clone().map(|j| self.score(seq, i, h, j)).collect();
+        // A sink is one more logit in the denominator, with no value attached.
+        let sink = self.extras.sinks.map(|s| s[h]);
+        // Subtracting the maximum (the sink included) keeps exp() from
+        // overflowing.
+        let max = scores
+            .iter()
+            .copied()
+            .chain(sink)
+            .fold(f64::NEG_INFINITY, f64::max);
+        if max == f64::NEG_INFINITY {
+            // Nothing to attend to (exp(-inf - -inf) would be NaN).
             return Row {
-                p: Vec::new(),
+                p: vec![0.0; keys.len()],
+                keys,
                 lse: f64::NEG_INFINITY,
             };
         }
-        // Subtracting the maximum keeps exp() from overflowing.
-        let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum();
+        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>()
+            + sink.map_or(0.0, |s| (s - max).exp());
         let p = scores.iter().map(|s| (s - max).exp() / sum).collect();
         Row {
+            keys,
             p,
             lse: max + sum.ln(),
         }
     }
 
-    /// O and LSE, where batch entry `b` uses the first `n_keys(b)` rows of K/V.
-    fn attend(&self, v: &[f64], n_keys: impl Fn(usize) -> usize) -> RefOutput {
-        let (sq, h_n, d) = (self.seqlen_q, self.heads, self.head_dim);
-        let mut o = vec![0.0; self.batch * sq * h_n * d];
-        let mut lse = vec![0.0; self.batch * h_n * sq];
-        for b in 0..self.batch {
-            let n = n_keys(b);
+    /// O (`q_rows` rows, rows no sequence owns left 0) and LSE (`lse_len`
+    /// entries, those no sequence owns left -inf); `lse_index(seq, h, i)` places
+    /// the LSE of query `i` of `seq` for head `h`.
+    fn attend(
+        &self,
+        v: &[f64],
+        seqs: &[Seq],
+        q_rows: usize,
+        lse_len: usize,
+        lse_index: impl Fn(&Seq, usize, usize) -> usize,
+    ) -> RefOutput {
+        let (h_n, d) = (self.heads, self.head_dim);
+        let mut o = vec![0.0; q_rows * h_n * d];
+        let mut lse = vec![f64::NEG_INFINITY; lse_len];
+        for seq in seqs {
             for h in 0..h_n {
-                for i in 0..sq {
-                    let row = self.row(b, i, h, n);
-                    lse[(b * h_n + h) * sq + i] = row.lse;
-                    let out_start = ((b * sq + i) * h_n + h) * d;
+                for i in 0..seq.sq {
+                    let row = self.row(seq, i, h);
+                    lse[lse_index(seq, h, i)] = row.lse;
+                    let out_start = ((seq.q_start + i) * h_n + h) * d;
                     let out = &mut o[out_start..out_start + d];
                     // Only visible keys contribute, so whatever lies behind the
                     // mask (even a non-finite value) cannot reach the output.
-                    for (j, &pj) in row.p.iter().enumerate() {
-                        for (oc, vc) in out.iter_mut().zip(self.kv_row(v, b, j, h)) {
+                    for (j, &pj) in row.keys.zip(&row.p) {
+                        for (oc, vc) in out.iter_mut().zip(self.kv_row(v, seq.k_start + j, h)) {
                             *oc += pj * vc;
                         }
                     }
@@ -123,58 +270,92 @@ impl Problem<'_> {
     }
 }
 
-fn forward_problem<'a>(shape: &ForwardShape, q: &'a [f64], k: &'a [f64]) -> Problem<'a> {
-    let p = Problem {
-        batch: shape.batch,
-        seqlen_q: shape.seqlen_q,
-        kv_rows: shape.seqlen_k,
-        heads: shape.heads,
-        kv_heads: shape.kv_heads,
-        head_dim: shape.head_dim,
-        causal: shape.causal,
-        scale: f64::from(shape.softmax_scale),
+fn forward_problem<'a>(
+    shape: &ForwardShape,
+    q: &'a [f64],
+    k: &'a [f64],
+    extras: &Extras<'a>,
+) -> (Problem<'a>, Vec<Seq>) {
+    let p = Problem::new(
+        shape.batch,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.mask(),
+        shape.softmax_scale,
+        shape.softcap,
+        extras,
         q,
         k,
-    };
-    p.check_len("q", q.len(), p.seqlen_q, p.heads);
-    p.check_len("k", k.len(), p.kv_rows, p.kv_heads);
-    p
+    );
+    p.check_len("q", q.len(), shape.batch * shape.seqlen_q, p.heads);
+    p.check_len("k", k.len(), shape.batch * shape.seqlen_k, p.kv_heads);
+    let seqs = (0..shape.batch)
+        .map(|b| Seq {
+            index: b,
+            q_start: b * shape.seqlen_q,
+            sq: shape.seqlen_q,
+            k_start: b * shape.seqlen_k,
+            n: shape.seqlen_k,
+        })
+        .collect();
+    (p, seqs)
 }
 
-/// Attention of `q` over `k`/`v`. q: [B, Sq, H, D], k/v: [B, Skv, Hkv, D], all
-/// contiguous row-major f64.
+/// LSE index in the fixed [batch, heads, seqlen_q] layout.
+fn batched_lse_index(heads: usize) -> impl Fn(&Seq, usize, usize) -> usize {
+    move |seq, h, i| (seq.index * heads + h) * seq.sq + i
+}
+
+/// Attention of `q` over `k`/`v` with the shape's mask and softcap and no
+/// extras; the same as [`attention_ext`] with `Extras::default()`.
 ///
 /// Panics if a slice is shorter than `shape` requires.
 pub fn attention(shape: &ForwardShape, q: &[f64], k: &[f64], v: &[f64]) -> RefOutput {
-    let p = forward_problem(shape, q, k);
-    p.check_len("v", v.len(), p.kv_rows, p.kv_heads);
-    p.attend(v, |_| shape.seqlen_k)
+    attention_ext(shape, q, k, v, &Extras::default())
 }
 
-/// Softmax probabilities P as [B, H, Sq, Skv] row-major (masked entries 0; a row
-/// with no visible key is all 0).
+/// Attention of `q` over `k`/`v`. q: [B, Sq, H, D], k/v: [B, Skv, Hkv, D], all
+/// contiguous row-major f64; every policy of the module docs applies.
+///
+/// Panics if a slice is shorter than `shape` requires, or if an extra has the
+/// wrong length.
+pub fn attention_ext(
+    shape: &ForwardShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    extras: &Extras,
+) -> RefOutput {
+    let (p, seqs) = forward_problem(shape, q, k, extras);
+    p.check_len("v", v.len(), shape.batch * shape.seqlen_k, p.kv_heads);
+    let rows = shape.batch * shape.seqlen_q;
+    p.attend(v, &seqs, rows, rows * p.heads, batched_lse_index(p.heads))
+}
+
+/// Softmax probabilities P as [B, H, Sq, Skv] row-major, with the shape's mask
+/// and softcap (masked entries 0; a row with no visible key is all 0).
 ///
 /// Panics if a slice is shorter than `shape` requires.
 pub fn probabilities(shape: &ForwardShape, q: &[f64], k: &[f64]) -> Vec<f64> {
-    let p = forward_problem(shape, q, k);
-    let mut out = Vec::with_capacity(p.batch * p.heads * p.seqlen_q * p.kv_rows);
-    for b in 0..p.batch {
+    let (p, seqs) = forward_problem(shape, q, k, &Extras::default());
+    let n = shape.seqlen_k;
+    let mut out = Vec::with_capacity(p.batch * p.heads * shape.seqlen_q * n);
+    for seq in &seqs {
         for h in 0..p.heads {
-            for i in 0..p.seqlen_q {
-                let row = p.row(b, i, h, p.kv_rows).p;
-                let masked = p.kv_rows - row.len();
-                out.extend(row);
-                out.extend(std::iter::repeat_n(0.0, masked));
+            for i in 0..seq.sq {
+                let row = p.row(seq, i, h);
+                let mut full = vec![0.0; n];
+                full[row.keys].copy_from_slice(&row.p);
+                out.extend(full);
             }
         }
     }
     out
 }
 
-/// Decode: q [B, Sq, H, D]; k_cache/v_cache [B, cache_len, Hkv, D]; sequence `b`
-/// uses the first `clamp(cache_seqlens[b], 0, cache_len)` keys, the same clamp
-/// the kernel applies; causal (if `shape.causal`) aligned bottom-right within
-/// those keys.
+/// Decode with the shape's mask and softcap and no extras; the same as
+/// [`decode_ext`] with `Extras::default()`.
 ///
 /// Panics if a slice is shorter than `shape` requires.
 pub fn decode(
@@ -184,29 +365,201 @@ pub fn decode(
     v_cache: &[f64],
     cache_seqlens: &[i32],
 ) -> RefOutput {
-    let p = Problem {
-        batch: shape.batch,
-        seqlen_q: shape.seqlen_q,
-        kv_rows: shape.cache_len,
-        heads: shape.heads,
-        kv_heads: shape.kv_heads,
-        head_dim: shape.head_dim,
-        causal: shape.causal,
-        scale: f64::from(shape.softmax_scale),
+    decode_ext(
+        shape,
         q,
-        k: k_cache,
-    };
-    p.check_len("q", q.len(), p.seqlen_q, p.heads);
-    p.check_len("k_cache", k_cache.len(), p.kv_rows, p.kv_heads);
-    p.check_len("v_cache", v_cache.len(), p.kv_rows, p.kv_heads);
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        &Extras::default(),
+    )
+}
+
+/// Decode: q [B, Sq, H, D]; k_cache/v_cache [B, cache_len, Hkv, D]; sequence `b`
+/// uses the first `clamp(cache_seqlens[b], 0, cache_len)` keys, the same clamp
+/// the kernel applies, and the mask is aligned bottom-right within those keys.
+/// Output layouts are those of [`attention`].
+///
+/// Panics if a slice is shorter than `shape` requires, or if an extra has the
+/// wrong length.
+pub fn decode_ext(
+    shape: &DecodeShape,
+    q: &[f64],
+    k_cache: &[f64],
+    v_cache: &[f64],
+    cache_seqlens: &[i32],
+    extras: &Extras,
+) -> RefOutput {
+    let p = Problem::new(
+        shape.batch,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.mask(),
+        shape.softmax_scale,
+        shape.softcap,
+        extras,
+        q,
+        k_cache,
+    );
+    let kv_rows = shape.batch * shape.cache_len;
+    p.check_len("q", q.len(), shape.batch * shape.seqlen_q, p.heads);
+    p.check_len("k_cache", k_cache.len(), kv_rows, p.kv_heads);
+    p.check_len("v_cache", v_cache.len(), kv_rows, p.kv_heads);
     assert!(
-        cache_seqlens.len() >= p.batch,
+        cache_seqlens.len() >= shape.batch,
         "reference: cache_seqlens has {} entries, the batch is {}",
         cache_seqlens.len(),
-        p.batch
+        shape.batch
     );
-    let cache_len = shape.cache_len;
-    p.attend(v_cache, |b| {
-        usize::try_from(cache_seqlens[b]).map_or(0, |n| n.min(cache_len))
+    let seqs: Vec<Seq> = (0..shape.batch)
+        .map(|b| Seq {
+            index: b,
+            q_start: b * shape.seqlen_q,
+            sq: shape.seqlen_q,
+            k_start: b * shape.cache_len,
+            n: usize::try_from(cache_seqlens[b]).map_or(0, |n| n.min(shape.cache_len)),
+        })
+        .collect();
+    let rows = shape.batch * shape.seqlen_q;
+    p.attend(
+        v_cache,
+        &seqs,
+        rows,
+        rows * p.heads,
+        batched_lse_index(p.heads),
+    )
+}
+
+/// `cu_seqlens` as row offsets: at least `batch + 1` entries, non-negative,
+/// non-decreasing, the last used one at most `total`.
+fn offsets(name: &str, cu: &[i32], batch: usize, total: usize) -> Vec<usize> {
+    assert!(
+        cu.len() > batch,
+        "reference: {name} has {} entries, the batch of {batch} needs {}",
+        cu.len(),
+        batch + 1
+    );
+    let cu: Vec<usize> = cu[..=batch]
+        .iter()
+        .map(|&c| usize::try_from(c).unwrap_or_else(|_| panic!("reference: {name} holds {c} < 0")))
+        .collect();
+    assert!(
+        cu.windows(2).all(|w| w[0] <= w[1]),
+        "reference: {name} decreases: {cu:?}"
+    );
+    assert!(
+        cu[batch] <= total,
+        "reference: {name} ends at {}, past the {total} rows",
+        cu[batch]
+    );
+    cu
+}
+
+/// Packed variable-length attention: q [total_q, H, D], k/v [total_k, Hkv, D]
+/// row-major; sequence `b` owns rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of
+/// Q (likewise `cu_seqlens_k` for K/V), and its mask is aligned bottom-right
+/// within its own lengths. `o` is [total_q, H, D] and `lse` [H, total_q]. Rows
+/// of Q that no sequence owns get O = 0 and LSE = -inf. `max_seqlen_*` of the
+/// shape are not used. Per-batch ALiBi slopes are indexed by sequence.
+///
+/// Panics if a slice is shorter than `shape` requires, if the offsets are not
+/// a non-decreasing list of `batch + 1` non-negative rows within the totals,
+/// or if an extra has the wrong length.
+#[allow(clippy::too_many_arguments)]
+pub fn varlen(
+    shape: &VarlenShape,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    extras: &Extras,
+) -> RefOutput {
+    let p = Problem::new(
+        shape.batch,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+        shape.mask(),
+        shape.softmax_scale,
+        shape.softcap,
+        extras,
+        q,
+        k,
+    );
+    p.check_len("q", q.len(), shape.total_q, p.heads);
+    p.check_len("k", k.len(), shape.total_k, p.kv_heads);
+    p.check_len("v", v.len(), shape.total_k, p.kv_heads);
+    let cu_q = offsets("cu_seqlens_q", cu_seqlens_q, shape.batch, shape.total_q);
+    let cu_k = offsets("cu_seqlens_k", cu_seqlens_k, shape.batch, shape.total_k);
+    let seqs: Vec<Seq> = (0..shape.batch)
+        .map(|b| Seq {
+            index: b,
+            q_start: cu_q[b],
+            sq: cu_q[b + 1] - cu_q[b],
+            k_start: cu_k[b],
+            n: cu_k[b + 1] - cu_k[b],
+        })
+        .collect();
+    let total_q = shape.total_q;
+    p.attend(v, &seqs, total_q, p.heads * total_q, |seq, h, i| {
+        h * total_q + seq.q_start + i
     })
+}
+
+/// Exact merge of two attention states of the same queries over disjoint key
+/// sets: `o_a`/`o_b` are [rows, head_dim] (any row order, the same for both and
+/// for `lse_a`/`lse_b`, which are `[rows]`, natural log). The result is
+/// `lse = ln(exp(lse_a) + exp(lse_b))` and
+/// `o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b`, what attention over the
+/// union of the key sets gives. A state with LSE -inf (no key) carries no
+/// weight, its O unread; when both are -inf, O = 0 and LSE = -inf. LSE values
+/// must not be +inf or NaN.
+///
+/// Panics if the lengths disagree.
+pub fn merge_states(
+    o_a: &[f64],
+    lse_a: &[f64],
+    o_b: &[f64],
+    lse_b: &[f64],
+    head_dim: usize,
+) -> RefOutput {
+    let rows = lse_a.len();
+    assert_eq!(
+        lse_b.len(),
+        rows,
+        "reference: lse_b and lse_a differ in length"
+    );
+    assert_eq!(
+        o_a.len(),
+        rows * head_dim,
+        "reference: o_a is not [rows, head_dim]"
+    );
+    assert_eq!(
+        o_b.len(),
+        rows * head_dim,
+        "reference: o_b is not [rows, head_dim]"
+    );
+    let mut o = vec![0.0; rows * head_dim];
+    let mut lse = vec![f64::NEG_INFINITY; rows];
+    for r in 0..rows {
+        let max = lse_a[r].max(lse_b[r]);
+        if max == f64::NEG_INFINITY {
+            continue;
+        }
+        let merged = max + ((lse_a[r] - max).exp() + (lse_b[r] - max).exp()).ln();
+        lse[r] = merged;
+        let out = &mut o[r * head_dim..(r + 1) * head_dim];
+        for (state_o, state_lse) in [(o_a, lse_a[r]), (o_b, lse_b[r])] {
+            if state_lse == f64::NEG_INFINITY {
+                continue;
+            }
+            let w = (state_lse - merged).exp();
+            for (oc, sc) in out.iter_mut().zip(&state_o[r * head_dim..]) {
+                *oc += w * sc;
+            }
+        }
+    }
+    RefOutput { o, lse }
 }

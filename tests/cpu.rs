@@ -3,9 +3,11 @@
 //! every argument-validation rule, the kernel configuration's invariants, and
 //! `Layout::span`.
 use approx::assert_relative_eq;
-use flash_attn::reference::{self, RefOutput};
+use flash_attn::reference::{self, Extras, RefOutput};
 use flash_attn::validate::{check_decode, check_forward, TensorInfo};
-use flash_attn::{AttnOptions, DecodeShape, FlashAttnError, ForwardShape, Layout};
+use flash_attn::{
+    AttnOptions, DecodeShape, FlashAttnError, ForwardShape, Layout, VarlenShape, Window,
+};
 use proptest::prelude::*;
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -77,10 +79,33 @@ fn qkv(s: &ForwardShape, seed: u64) -> Qkv {
     }
 }
 
-/// The mask as specified, in the form `j + Sq <= i + Skv` so it needs no signed
-/// arithmetic and shares nothing with the reference's formulation.
+/// Windows as the tests draw them: each side unbounded or small (the sequences
+/// are short, so small bounds are what masks anything).
+fn window() -> impl Strategy<Value = Window> {
+    let side = || proptest::option::of(prop_oneof![0usize..4, 0usize..45]);
+    (side(), side()).prop_map(|(left, right)| Window { left, right })
+}
+
+prop_compose! {
+    /// A forward shape with a window and maybe a softcap on top.
+    fn policy_shape()(
+        s in forward_shape(None),
+        window in window(),
+        softcap in proptest::option::of(0.05f32..5.0),
+    ) -> ForwardShape {
+        ForwardShape { window, softcap, ..s }
+    }
+}
+
+/// The mask as specified, in the form `j + Sq + left >= i + Skv` and
+/// `j + Sq <= i + Skv + right` so it needs no signed arithmetic and shares
+/// nothing with the reference's formulation (u128 keeps huge bounds from
+/// overflowing). `causal` bounds the right side at 0.
 fn sees(s: &ForwardShape, i: usize, j: usize) -> bool {
-    !s.causal || j + s.seqlen_q <= i + s.seqlen_k
+    let (key, query) = ((j + s.seqlen_q) as u128, (i + s.seqlen_k) as u128);
+    let right = if s.causal { Some(0) } else { s.window.right };
+    s.window.left.is_none_or(|l| key + l as u128 >= query)
+        && right.is_none_or(|r| key <= query + r as u128)
 }
 
 fn q_at(s: &ForwardShape, q: &[f64], b: usize, i: usize, h: usize) -> Vec<f64> {
@@ -98,7 +123,11 @@ fn kv_at(s: &ForwardShape, t: &[f64], b: usize, j: usize, h: usize) -> Vec<f64> 
 fn score(s: &ForwardShape, x: &Qkv, b: usize, i: usize, h: usize, j: usize) -> f64 {
     let q = q_at(s, &x.q, b, i, h);
     let k = kv_at(s, &x.k, b, j, h);
-    f64::from(s.softmax_scale) * q.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>()
+    let raw = f64::from(s.softmax_scale) * q.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>();
+    match s.softcap.map(f64::from) {
+        Some(c) => c * (raw / c).tanh(),
+        None => raw,
+    }
 }
 
 fn o_row(s: &ForwardShape, o: &[f64], b: usize, i: usize, h: usize) -> Vec<f64> {
@@ -110,10 +139,14 @@ fn lse_at(s: &ForwardShape, lse: &[f64], b: usize, i: usize, h: usize) -> f64 {
 }
 
 fn assert_close(got: &[f64], want: &[f64]) {
+    assert_close_tol(got, want, 1e-10);
+}
+
+fn assert_close_tol(got: &[f64], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len());
     for (idx, (g, w)) in got.iter().zip(want).enumerate() {
         assert!(
-            (g - w).abs() <= 1e-10 + 1e-10 * w.abs(),
+            (g - w).abs() <= tol + tol * w.abs(),
             "element {idx}: got {g}, want {w}"
         );
     }
@@ -121,13 +154,17 @@ fn assert_close(got: &[f64], want: &[f64]) {
 
 /// LSE vectors may hold -inf, which must match exactly.
 fn assert_lse_close(got: &[f64], want: &[f64]) {
+    assert_lse_close_tol(got, want, 1e-10);
+}
+
+fn assert_lse_close_tol(got: &[f64], want: &[f64], tol: f64) {
     assert_eq!(got.len(), want.len());
     for (idx, (&g, &w)) in got.iter().zip(want).enumerate() {
         if w == f64::NEG_INFINITY {
             assert_eq!(g, w, "lse {idx}");
         } else {
             assert!(
-                (g - w).abs() <= 1e-10 + 1e-10 * w.abs(),
+                (g - w).abs() <= tol + tol * w.abs(),
                 "lse {idx}: got {g}, want {w}"
             );
         }
@@ -197,7 +234,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(32))]
 
     #[test]
-    fn probabilities_are_a_masked_softmax(s in forward_shape(None), seed in any::<u64>()) {
+    fn probabilities_are_a_masked_softmax(s in policy_shape(), seed in any::<u64>()) {
         let x = qkv(&s, seed);
         let p = reference::probabilities(&s, &x.q, &x.k);
         prop_assert_eq!(p.len(), s.batch * s.heads * s.seqlen_q * s.seqlen_k);
@@ -217,7 +254,7 @@ proptest! {
     }
 
     #[test]
-    fn attention_is_p_times_v_and_lse_is_logsumexp(s in forward_shape(None), seed in any::<u64>()) {
+    fn attention_is_p_times_v_and_lse_is_logsumexp(s in policy_shape(), seed in any::<u64>()) {
         let x = qkv(&s, seed);
         let p = reference::probabilities(&s, &x.q, &x.k);
         let out = reference::attention(&s, &x.q, &x.k, &x.v);
@@ -357,7 +394,7 @@ proptest! {
     }
 
     #[test]
-    fn gqa_equals_mha_with_repeated_kv_heads(s in forward_shape(None), seed in any::<u64>()) {
+    fn gqa_equals_mha_with_repeated_kv_heads(s in policy_shape(), seed in any::<u64>()) {
         let x = qkv(&s, seed);
         let group = s.heads / s.kv_heads;
         let repeat = |t: &[f64]| -> Vec<f64> {
@@ -412,6 +449,696 @@ proptest! {
                     }
                 }
             }
+        }
+    }
+}
+
+/// Values of the extras, drawn from a seed. `alibi`: 0 none, 1 per head [H],
+/// 2 per batch entry and head [B * H].
+struct ExtraVals {
+    slopes: Option<Vec<f64>>,
+    sinks: Option<Vec<f64>>,
+    heads: usize,
+}
+
+impl ExtraVals {
+    fn new(batch: usize, heads: usize, alibi: u8, sinks: bool, seed: u64) -> ExtraVals {
+        let mut rng = StdRng::seed_from_u64(seed ^ 0xa11b1);
+        let mut draw = |n: usize, lo: f64, hi: f64| -> Vec<f64> {
+            (0..n).map(|_| rng.random_range(lo..=hi)).collect()
+        };
+        let slopes = match alibi {
+            0 => None,
+            1 => Some(draw(heads, 0.0, 1.0)),
+            _ => Some(draw(batch * heads, 0.0, 1.0)),
+        };
+        let sinks = sinks.then(|| draw(heads, -4.0, 4.0));
+        ExtraVals {
+            slopes,
+            sinks,
+            heads,
+        }
+    }
+
+    fn extras(&self) -> Extras<'_> {
+        Extras {
+            alibi_slopes: self.slopes.as_deref(),
+            sinks: self.sinks.as_deref(),
+        }
+    }
+
+    /// The extras of batch entry `b` as a problem of its own (batch 1).
+    fn of_entry(&self, b: usize) -> Extras<'_> {
+        let h = self.heads;
+        Extras {
+            alibi_slopes: self.slopes.as_deref().map(|s| {
+                if s.len() == h {
+                    s
+                } else {
+                    &s[b * h..][..h]
+                }
+            }),
+            sinks: self.sinks.as_deref(),
+        }
+    }
+
+    /// The slope of batch entry `b`, head `h`, whatever the layout.
+    fn slope(&self, b: usize, h: usize) -> Option<f64> {
+        let s = self.slopes.as_deref()?;
+        Some(if s.len() == self.heads {
+            s[h]
+        } else {
+            s[b * self.heads + h]
+        })
+    }
+}
+
+/// Attention with every policy straight from its definition: a score for
+/// every key `sees` admits (softcap in `score`, the ALiBi distance
+/// `|i + Skv - Sq - j|` as an unsigned difference), the sink as one more term
+/// of the denominator.
+fn brute_force(s: &ForwardShape, x: &Qkv, e: &ExtraVals) -> RefOutput {
+    let mut o = vec![0.0; x.q.len()];
+    let mut lse = vec![0.0; s.batch * s.heads * s.seqlen_q];
+    for b in 0..s.batch {
+        for h in 0..s.heads {
+            for i in 0..s.seqlen_q {
+                let terms: Vec<(usize, f64)> = (0..s.seqlen_k)
+                    .filter(|&j| sees(s, i, j))
+                    .map(|j| {
+                        let bias = e.slope(b, h).map_or(0.0, |m| {
+                            -m * (i + s.seqlen_k).abs_diff(j + s.seqlen_q) as f64
+                        });
+                        (j, score(s, x, b, i, h, j) + bias)
+                    })
+                    .collect();
+                let sink = e.sinks.as_ref().map(|v| v[h]);
+                let m = terms
+                    .iter()
+                    .map(|t| t.1)
+                    .chain(sink)
+                    .fold(f64::NEG_INFINITY, f64::max);
+                let l = &mut lse[(b * s.heads + h) * s.seqlen_q + i];
+                if m == f64::NEG_INFINITY {
+                    *l = m;
+                    continue;
+                }
+                let den: f64 = terms.iter().map(|t| (t.1 - m).exp()).sum::<f64>()
+                    + sink.map_or(0.0, |x| (x - m).exp());
+                *l = m + den.ln();
+                let start = ((b * s.seqlen_q + i) * s.heads + h) * s.head_dim;
+                for &(j, sj) in &terms {
+                    let w = (sj - m).exp() / den;
+                    for (oc, vc) in o[start..][..s.head_dim]
+                        .iter_mut()
+                        .zip(kv_at(s, &x.v, b, j, h))
+                    {
+                        *oc += w * vc;
+                    }
+                }
+            }
+        }
+    }
+    RefOutput { o, lse }
+}
+
+/// Added to the narrowest covering window's sides: none, one, some, or all
+/// the way to `usize::MAX` (saturating).
+fn slack() -> impl Strategy<Value = usize> {
+    prop_oneof![Just(0usize), Just(1), 0usize..100, Just(usize::MAX)]
+}
+
+/// ln(exp(a) + exp(b)), written out.
+fn log_add_exp(a: f64, b: f64) -> f64 {
+    let m = a.max(b);
+    if m == f64::NEG_INFINITY {
+        return m;
+    }
+    m + ((a - m).exp() + (b - m).exp()).ln()
+}
+
+/// LSE [B, H, Sq] reordered like O's rows, [B, Sq, H], and back.
+fn lse_to_rows(s: &ForwardShape, lse: &[f64]) -> Vec<f64> {
+    let mut out = Vec::with_capacity(lse.len());
+    for b in 0..s.batch {
+        for i in 0..s.seqlen_q {
+            for h in 0..s.heads {
+                out.push(lse_at(s, lse, b, i, h));
+            }
+        }
+    }
+    out
+}
+
+fn lse_from_rows(s: &ForwardShape, rows: &[f64]) -> Vec<f64> {
+    let mut out = vec![0.0; rows.len()];
+    for b in 0..s.batch {
+        for i in 0..s.seqlen_q {
+            for h in 0..s.heads {
+                out[(b * s.heads + h) * s.seqlen_q + i] = rows[(b * s.seqlen_q + i) * s.heads + h];
+            }
+        }
+    }
+    out
+}
+
+/// Keys `range` of every batch entry of a [B, Skv, Hkv, D] tensor.
+fn key_slice(s: &ForwardShape, t: &[f64], range: std::ops::Range<usize>) -> Vec<f64> {
+    let row = s.kv_heads * s.head_dim;
+    (0..s.batch)
+        .flat_map(|b| {
+            t[(b * s.seqlen_k + range.start) * row..(b * s.seqlen_k + range.end) * row].to_vec()
+        })
+        .collect()
+}
+
+#[test]
+fn reference_policies_hand_computed() {
+    let one = ForwardShape {
+        batch: 1,
+        seqlen_q: 1,
+        seqlen_k: 1,
+        heads: 1,
+        kv_heads: 1,
+        head_dim: 1,
+        causal: false,
+        softmax_scale: 1.0,
+        ..Default::default()
+    };
+    // A sink equal to the only score takes half the mass; both are 1000, so
+    // this also needs the sink inside the max subtraction.
+    let sinks = [1000.0];
+    let with_sink = Extras {
+        sinks: Some(&sinks),
+        ..Default::default()
+    };
+    let out = reference::attention_ext(&one, &[1000.0], &[1.0], &[6.0], &with_sink);
+    assert_relative_eq!(out.o[0], 3.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], 1000.0 + 2f64.ln(), max_relative = 1e-12);
+
+    // A row that sees no key: O = 0, LSE = the sink.
+    let s = ForwardShape {
+        seqlen_q: 2,
+        causal: true,
+        ..one
+    };
+    let out = reference::attention_ext(&s, &[1.0, 1.0], &[1.0], &[6.0], &with_sink);
+    assert_eq!(out.o[0], 0.0);
+    assert_eq!(out.lse[0], 1000.0);
+
+    // ALiBi with zero scores: one query over 3 keys, slope ln 2, distances
+    // 2, 1, 0, so the weights are 1/4, 1/2, 1: P = [1, 2, 4] / 7.
+    let s = ForwardShape { seqlen_k: 3, ..one };
+    let slopes = [2f64.ln()];
+    let alibi = Extras {
+        alibi_slopes: Some(&slopes),
+        ..Default::default()
+    };
+    let out = reference::attention_ext(&s, &[0.0], &[1.0, 2.0, 3.0], &[7.0, 0.0, 0.0], &alibi);
+    assert_relative_eq!(out.o[0], 1.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], (7.0f64 / 4.0).ln(), max_relative = 1e-12);
+
+    // Softcap 1 turns scores ±100 into ±tanh(100).
+    let s = ForwardShape {
+        seqlen_k: 2,
+        softcap: Some(1.0),
+        ..one
+    };
+    let p = reference::probabilities(&s, &[100.0], &[1.0, -1.0]);
+    let t = 100f64.tanh();
+    assert_relative_eq!(p[0], t.exp() / (t.exp() + (-t).exp()), max_relative = 1e-12);
+
+    // Window (1, 0) without causal, 4 x 4: row 2 sees keys 1 and 2; window
+    // (0, 1): keys 2 and 3.
+    for (window, keys) in [
+        (
+            Window {
+                left: Some(1),
+                right: Some(0),
+            },
+            [1, 2],
+        ),
+        (
+            Window {
+                left: Some(0),
+                right: Some(1),
+            },
+            [2, 3],
+        ),
+    ] {
+        let s = ForwardShape {
+            seqlen_q: 4,
+            seqlen_k: 4,
+            window,
+            ..one
+        };
+        let p = reference::probabilities(&s, &[0.0; 4], &[0.0; 4]);
+        let mut want = [0.0; 4];
+        for j in keys {
+            want[j] = 0.5;
+        }
+        assert_eq!(p[8..12], want, "{window:?}");
+    }
+}
+
+#[test]
+fn merge_states_hand_computed() {
+    // Row 0: LSEs ln 1 and ln 3 weigh 1/4 and 3/4: O = 2/4 + 18/4 = 5.
+    // Row 1: state a has no key (its O is not even read); the merge is b.
+    // Row 2: neither has a key.
+    let o_a = [2.0, f64::NAN, 0.0];
+    let lse_a = [0.0, f64::NEG_INFINITY, f64::NEG_INFINITY];
+    let o_b = [6.0, 9.0, 0.0];
+    let lse_b = [3f64.ln(), 1.5, f64::NEG_INFINITY];
+    let out = reference::merge_states(&o_a, &lse_a, &o_b, &lse_b, 1);
+    assert_relative_eq!(out.o[0], 5.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], 4f64.ln(), max_relative = 1e-12);
+    assert_eq!((out.o[1], out.lse[1]), (9.0, 1.5));
+    assert_eq!((out.o[2], out.lse[2]), (0.0, f64::NEG_INFINITY));
+    // Huge LSEs must not overflow.
+    let out = reference::merge_states(&[1.0], &[1000.0], &[3.0], &[1000.0], 1);
+    assert_relative_eq!(out.o[0], 2.0, max_relative = 1e-12);
+    assert_relative_eq!(out.lse[0], 1000.0 + 2f64.ln(), max_relative = 1e-12);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(32))]
+
+    #[test]
+    fn attention_ext_is_a_brute_force_softmax(
+        s in policy_shape(),
+        alibi in 0u8..3,
+        sinks in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let e = ExtraVals::new(s.batch, s.heads, alibi, sinks, seed);
+        let got = reference::attention_ext(&s, &x.q, &x.k, &x.v, &e.extras());
+        assert_outputs_close(&got, &brute_force(&s, &x, &e));
+    }
+
+    #[test]
+    fn window_visibility_is_brute_force(s in policy_shape(), seed in any::<u64>()) {
+        // With Q = 0 every score is 0 (softcap or not), so each visible key
+        // gets exactly 1 / (number visible) and every other key 0.
+        let x = qkv(&s, seed);
+        let p = reference::probabilities(&s, &vec![0.0; x.q.len()], &x.k);
+        for (r, row) in p.chunks(s.seqlen_k).enumerate() {
+            let i = r % s.seqlen_q;
+            let visible = (0..s.seqlen_k).filter(|&j| sees(&s, i, j)).count();
+            for (j, &pj) in row.iter().enumerate() {
+                let want = if sees(&s, i, j) { 1.0 / visible as f64 } else { 0.0 };
+                prop_assert_eq!(pj, want, "row {} key {}", r, j);
+            }
+        }
+    }
+
+    #[test]
+    fn causal_is_the_window_none_zero(
+        s in forward_shape(Some(false)),
+        left in proptest::option::of(0usize..45),
+        right in proptest::option::of(0usize..45),
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let windowed = ForwardShape { window: Window { left, right: Some(0) }, ..s };
+        // causal folds into the right side whatever it was.
+        let causal = ForwardShape { causal: true, window: Window { left, right }, ..s };
+        assert_outputs_close(
+            &reference::attention(&windowed, &x.q, &x.k, &x.v),
+            &reference::attention(&causal, &x.q, &x.k, &x.v),
+        );
+    }
+
+    /// Includes (None, None), which is `Window::default()` itself; the
+    /// property with teeth is that the narrowest window still covering every
+    /// key (left Skv - 1, right Sq - 1), or any wider one up to `usize::MAX`,
+    /// masks nothing.
+    #[test]
+    fn a_window_covering_every_key_is_no_window(
+        s in forward_shape(Some(false)),
+        softcap in proptest::option::of(0.05f32..5.0),
+        extra in proptest::option::of(slack()),
+        extra_right in proptest::option::of(slack()),
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let plain = ForwardShape { softcap, ..s };
+        let window = Window {
+            left: extra.map(|e| (s.seqlen_k - 1).saturating_add(e)),
+            right: extra_right.map(|e| (s.seqlen_q - 1).saturating_add(e)),
+        };
+        let windowed = ForwardShape { window, ..plain };
+        assert_outputs_close(
+            &reference::attention(&windowed, &x.q, &x.k, &x.v),
+            &reference::attention(&plain, &x.q, &x.k, &x.v),
+        );
+    }
+
+    #[test]
+    fn window_rows_ignore_keys_outside_their_window(
+        s in policy_shape(),
+        alibi in 0u8..3,
+        sinks in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let e = ExtraVals::new(s.batch, s.heads, alibi, sinks, seed);
+        let base = reference::attention_ext(&s, &x.q, &x.k, &x.v, &e.extras());
+        // Poison every key and value row that query i0 cannot see: NaN would
+        // spread to anything it reached.
+        let i0 = (seed % s.seqlen_q as u64) as usize;
+        let (mut k, mut v) = (x.k.clone(), x.v.clone());
+        let row = s.kv_heads * s.head_dim;
+        for b in 0..s.batch {
+            for j in (0..s.seqlen_k).filter(|&j| !sees(&s, i0, j)) {
+                let r = (b * s.seqlen_k + j) * row..(b * s.seqlen_k + j + 1) * row;
+                k[r.clone()].fill(f64::NAN);
+                v[r].fill(f64::NAN);
+            }
+        }
+        let changed = reference::attention_ext(&s, &x.q, &k, &v, &e.extras());
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                prop_assert_eq!(o_row(&s, &changed.o, b, i0, h), o_row(&s, &base.o, b, i0, h));
+                prop_assert_eq!(lse_at(&s, &changed.lse, b, i0, h), lse_at(&s, &base.lse, b, i0, h));
+            }
+        }
+    }
+
+    #[test]
+    fn huge_softcap_is_no_softcap(s in policy_shape(), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let plain = ForwardShape { softcap: None, ..s };
+        let capped = ForwardShape { softcap: Some(1e9), ..s };
+        let got = reference::attention(&capped, &x.q, &x.k, &x.v);
+        let want = reference::attention(&plain, &x.q, &x.k, &x.v);
+        assert_close_tol(&got.o, &want.o, 1e-9);
+        assert_lse_close_tol(&got.lse, &want.lse, 1e-9);
+    }
+
+    #[test]
+    fn softcap_bounds_the_scores(
+        s in policy_shape(),
+        c in 0.05f32..3.0,
+        seed in any::<u64>(),
+    ) {
+        // Q times 5 pushes raw scores well past the cap.
+        let s = ForwardShape { softcap: Some(c), ..s };
+        let x = qkv(&s, seed);
+        let q: Vec<f64> = x.q.iter().map(|v| 5.0 * v).collect();
+        let p = reference::probabilities(&s, &q, &x.k);
+        let out = reference::attention(&s, &q, &x.k, &x.v);
+        let c = f64::from(c);
+        for b in 0..s.batch {
+            for h in 0..s.heads {
+                for i in 0..s.seqlen_q {
+                    let lse = lse_at(&s, &out.lse, b, i, h);
+                    let prow = &p[((b * s.heads + h) * s.seqlen_q + i) * s.seqlen_k..][..s.seqlen_k];
+                    for j in (0..s.seqlen_k).filter(|&j| sees(&s, i, j)) {
+                        // P = exp(S - LSE), so S = LSE + ln P.
+                        let score = lse + prow[j].ln();
+                        prop_assert!(score.abs() <= c + 1e-9, "row {} key {}: |{}| > {}", i, j, score, c);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn minus_inf_sinks_are_no_sinks(
+        s in policy_shape(),
+        sink in prop_oneof![Just(f64::NEG_INFINITY), Just(-1e300)],
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let sinks = vec![sink; s.heads];
+        let extras = Extras { sinks: Some(&sinks), ..Default::default() };
+        let got = reference::attention_ext(&s, &x.q, &x.k, &x.v, &extras);
+        let mut want = reference::attention(&s, &x.q, &x.k, &x.v);
+        // A row without keys reports the sink itself as its LSE.
+        for l in &mut want.lse {
+            if *l == f64::NEG_INFINITY {
+                *l = sink;
+            }
+        }
+        assert_outputs_close(&got, &want);
+    }
+
+    #[test]
+    fn sinks_take_probability_mass(
+        s in policy_shape(),
+        sinks in proptest::collection::vec(
+            prop_oneof![4 => -4.0f64..4.0, 1 => Just(800.0), 1 => Just(-800.0)],
+            9,
+        ),
+        seed in any::<u64>(),
+    ) {
+        let x = qkv(&s, seed);
+        let sinks = &sinks[..s.heads];
+        let extras = Extras { sinks: Some(sinks), ..Default::default() };
+        let plain = reference::attention(&s, &x.q, &x.k, &x.v);
+        let got = reference::attention_ext(&s, &x.q, &x.k, &x.v, &extras);
+        // With V = 1 every element of O is the row sum of P.
+        let ones = vec![1.0; x.v.len()];
+        let sums = reference::attention_ext(&s, &x.q, &x.k, &ones, &extras);
+        for b in 0..s.batch {
+            for (h, &sink) in sinks.iter().enumerate() {
+                for i in 0..s.seqlen_q {
+                    let lse_plain = lse_at(&s, &plain.lse, b, i, h);
+                    let lse = lse_at(&s, &got.lse, b, i, h);
+                    let want_lse = log_add_exp(lse_plain, sink);
+                    prop_assert!(
+                        (lse - want_lse).abs() <= 1e-10 * (1.0 + want_lse.abs()),
+                        "lse {} vs {}", lse, want_lse
+                    );
+                    // The sink scales P (hence O) by exp(lse_plain - lse).
+                    let shrink = (lse_plain - lse).exp();
+                    let want_o: Vec<f64> = o_row(&s, &plain.o, b, i, h).iter().map(|o| o * shrink).collect();
+                    assert_close(&o_row(&s, &got.o, b, i, h), &want_o);
+                    let sum = o_row(&s, &sums.o, b, i, h)[0];
+                    let sink_mass = (sink - lse).exp();
+                    prop_assert!(
+                        (sum - (1.0 - sink_mass)).abs() < 1e-12,
+                        "row sum {} vs 1 - {}", sum, sink_mass
+                    );
+                    // Strictly below 1 wherever the sink's share survives rounding.
+                    prop_assert!(sum <= 1.0 + 1e-12, "row sum {}", sum);
+                    prop_assert!(
+                        sum < 1.0 || sink_mass < 1e-12,
+                        "row sum {} with sink mass {}", sum, sink_mass
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn zero_alibi_slopes_are_no_alibi(s in policy_shape(), per_batch in any::<bool>(), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let slopes = vec![0.0; if per_batch { s.batch * s.heads } else { s.heads }];
+        let extras = Extras { alibi_slopes: Some(&slopes), ..Default::default() };
+        assert_outputs_close(
+            &reference::attention_ext(&s, &x.q, &x.k, &x.v, &extras),
+            &reference::attention(&s, &x.q, &x.k, &x.v),
+        );
+    }
+
+    #[test]
+    fn per_head_slopes_equal_them_repeated_per_batch_entry(s in policy_shape(), seed in any::<u64>()) {
+        let x = qkv(&s, seed);
+        let e = ExtraVals::new(s.batch, s.heads, 1, false, seed);
+        let per_head = e.slopes.clone().unwrap();
+        let repeated: Vec<f64> = per_head.iter().copied().cycle().take(s.batch * s.heads).collect();
+        let extras = |slopes| Extras { alibi_slopes: Some(slopes), ..Default::default() };
+        assert_outputs_close(
+            &reference::attention_ext(&s, &x.q, &x.k, &x.v, &extras(&per_head)),
+            &reference::attention_ext(&s, &x.q, &x.k, &x.v, &extras(&repeated)),
+        );
+    }
+
+    #[test]
+    fn varlen_of_one_sequence_is_the_forward(
+        s in policy_shape(),
+        alibi in 0u8..3,
+        sinks in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        let s = ForwardShape { batch: 1, ..s };
+        let x = qkv(&s, seed);
+        let e = ExtraVals::new(1, s.heads, alibi, sinks, seed);
+        let v = VarlenShape {
+            batch: 1,
+            total_q: s.seqlen_q,
+            total_k: s.seqlen_k,
+            max_seqlen_q: s.seqlen_q,
+            max_seqlen_k: s.seqlen_k,
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            causal: s.causal,
+            softmax_scale: s.softmax_scale,
+            window: s.window,
+            softcap: s.softcap,
+        };
+        let cu_q = [0, s.seqlen_q as i32];
+        let cu_k = [0, s.seqlen_k as i32];
+        assert_outputs_close(
+            &reference::varlen(&v, &cu_q, &cu_k, &x.q, &x.k, &x.v, &e.extras()),
+            &reference::attention_ext(&s, &x.q, &x.k, &x.v, &e.extras()),
+        );
+    }
+
+    #[test]
+    fn varlen_is_a_loop_over_sequences(
+        lens in proptest::collection::vec(
+            (prop_oneof![Just(0usize), Just(1), 0usize..14], prop_oneof![Just(0usize), Just(1), 0usize..14]),
+            1..5,
+        ),
+        pads in [0usize..3, 0usize..3, 0usize..3, 0usize..3],
+        (kv_heads, heads) in heads(),
+        head_dim in prop_oneof![Just(1usize), Just(3), Just(16)],
+        causal in any::<bool>(),
+        window in window(),
+        softcap in proptest::option::of(0.05f32..5.0),
+        alibi in 0u8..3,
+        sinks in any::<bool>(),
+        seed in any::<u64>(),
+    ) {
+        // Rows before the first and after the last sequence belong to none.
+        let batch = lens.len();
+        let cu = |pad: usize, len: fn(&(usize, usize)) -> usize| -> Vec<usize> {
+            let ends = lens.iter().scan(pad, |acc, l| {
+                *acc += len(l);
+                Some(*acc)
+            });
+            std::iter::once(pad).chain(ends).collect()
+        };
+        let (cu_q, cu_k) = (cu(pads[0], |l| l.0), cu(pads[1], |l| l.1));
+        let (total_q, total_k) = (cu_q[batch] + pads[2], cu_k[batch] + pads[3]);
+        let mut rng = StdRng::seed_from_u64(seed);
+        let q = random_vec(&mut rng, total_q * heads * head_dim);
+        let k = random_vec(&mut rng, total_k * kv_heads * head_dim);
+        let v = random_vec(&mut rng, total_k * kv_heads * head_dim);
+        let e = ExtraVals::new(batch, heads, alibi, sinks, seed);
+        let shape = VarlenShape {
+            batch, total_q, total_k,
+            max_seqlen_q: lens.iter().map(|l| l.0).max().unwrap(),
+            max_seqlen_k: lens.iter().map(|l| l.1).max().unwrap(),
+            heads, kv_heads, head_dim, causal,
+            softmax_scale: scale(head_dim, None),
+            window, softcap,
+        };
+        let to_i32 = |cu: &[usize]| cu.iter().map(|&c| c as i32).collect::<Vec<_>>();
+        let got = reference::varlen(&shape, &to_i32(&cu_q), &to_i32(&cu_k), &q, &k, &v, &e.extras());
+
+        let (q_row, kv_row) = (heads * head_dim, kv_heads * head_dim);
+        let mut want = RefOutput { o: vec![0.0; q.len()], lse: vec![f64::NEG_INFINITY; heads * total_q] };
+        for b in 0..batch {
+            let (sq, sk) = lens[b];
+            let fwd = ForwardShape {
+                batch: 1, seqlen_q: sq, seqlen_k: sk, heads, kv_heads, head_dim, causal,
+                softmax_scale: shape.softmax_scale, window, softcap,
+            };
+            let kb = &k[cu_k[b] * kv_row..cu_k[b + 1] * kv_row];
+            let vb = &v[cu_k[b] * kv_row..cu_k[b + 1] * kv_row];
+            let qb = &q[cu_q[b] * q_row..cu_q[b + 1] * q_row];
+            let out = reference::attention_ext(&fwd, qb, kb, vb, &e.of_entry(b));
+            want.o[cu_q[b] * q_row..cu_q[b + 1] * q_row].copy_from_slice(&out.o);
+            for h in 0..heads {
+                want.lse[h * total_q + cu_q[b]..][..sq].copy_from_slice(&out.lse[h * sq..][..sq]);
+            }
+        }
+        assert_outputs_close(&got, &want);
+    }
+
+    /// Splitting the keys at `cut` into a prefix A and a suffix B: the suffix
+    /// keeps the mask (the alignment is to the end of the keys), while the
+    /// prefix, whose end lies `Skv - cut` keys earlier, needs the right bound
+    /// widened by `Skv - cut`. Causal rows that see nothing of B, or nothing
+    /// at all (Sq > Skv), exercise the -inf states.
+    #[test]
+    fn merge_states_over_a_key_split_is_attention_over_all(
+        s in forward_shape(None),
+        right in proptest::option::of(0usize..45),
+        softcap in proptest::option::of(0.05f32..5.0),
+        cut_frac in 0.0f64..=1.0,
+        seed in any::<u64>(),
+    ) {
+        let s = ForwardShape { window: Window { left: None, right }, softcap, ..s };
+        let x = qkv(&s, seed);
+        let cut = ((cut_frac * s.seqlen_k as f64) as usize).min(s.seqlen_k);
+        let full = reference::attention(&s, &x.q, &x.k, &x.v);
+
+        let tail = s.seqlen_k - cut;
+        let right_a = s.mask().right.map(|r| r + tail);
+        let shape_a = ForwardShape {
+            seqlen_k: cut,
+            causal: false,
+            window: Window { left: None, right: right_a },
+            ..s
+        };
+        let shape_b = ForwardShape { seqlen_k: tail, ..s };
+        let half = |shape: &ForwardShape, keys: std::ops::Range<usize>| {
+            let (k, v) = (key_slice(&s, &x.k, keys.clone()), key_slice(&s, &x.v, keys));
+            reference::attention(shape, &x.q, &k, &v)
+        };
+        let (a, b) = (half(&shape_a, 0..cut), half(&shape_b, cut..s.seqlen_k));
+        let (lse_a, lse_b) = (lse_to_rows(&s, &a.lse), lse_to_rows(&s, &b.lse));
+        let merged = reference::merge_states(&a.o, &lse_a, &b.o, &lse_b, s.head_dim);
+        let merged = RefOutput { o: merged.o, lse: lse_from_rows(&s, &merged.lse) };
+        assert_outputs_close(&merged, &full);
+    }
+
+    #[test]
+    fn decode_ext_is_attention_ext_over_the_cache_prefix(
+        batch in 1usize..3,
+        seqlen_q in 1usize..8,
+        cache_len in 1usize..40,
+        (kv_heads, heads) in heads(),
+        head_dim in head_dim(),
+        causal in any::<bool>(),
+        window in window(),
+        softcap in proptest::option::of(0.05f32..5.0),
+        alibi in 0u8..3,
+        sinks in any::<bool>(),
+        seqlens in proptest::collection::vec(-3i32..45, 2),
+        seed in any::<u64>(),
+    ) {
+        let shape = DecodeShape {
+            batch, seqlen_q, cache_len, heads, kv_heads, head_dim, causal,
+            softmax_scale: scale(head_dim, None),
+            window, softcap,
+        };
+        let mut rng = StdRng::seed_from_u64(seed);
+        let q = random_vec(&mut rng, batch * seqlen_q * heads * head_dim);
+        let k = random_vec(&mut rng, batch * cache_len * kv_heads * head_dim);
+        let v = random_vec(&mut rng, batch * cache_len * kv_heads * head_dim);
+        let e = ExtraVals::new(batch, heads, alibi, sinks, seed);
+        let seqlens = &seqlens[..batch];
+        let out = reference::decode_ext(&shape, &q, &k, &v, seqlens, &e.extras());
+
+        let (q_per_b, kv_per_b) = (seqlen_q * heads * head_dim, cache_len * kv_heads * head_dim);
+        let lse_per_b = heads * seqlen_q;
+        for b in 0..batch {
+            let n = seqlens[b].clamp(0, cache_len as i32) as usize;
+            let got = RefOutput {
+                o: out.o[b * q_per_b..][..q_per_b].to_vec(),
+                lse: out.lse[b * lse_per_b..][..lse_per_b].to_vec(),
+            };
+            let fwd = ForwardShape {
+                batch: 1, seqlen_q, seqlen_k: n, heads, kv_heads, head_dim, causal,
+                softmax_scale: shape.softmax_scale, window, softcap,
+            };
+            let prefix = n * kv_heads * head_dim;
+            let want = reference::attention_ext(
+                &fwd,
+                &q[b * q_per_b..][..q_per_b],
+                &k[b * kv_per_b..][..prefix],
+                &v[b * kv_per_b..][..prefix],
+                &e.of_entry(b),
+            );
+            assert_outputs_close(&got, &want);
         }
     }
 }
