@@ -15,10 +15,10 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flash_attn::reference;
-use flash_attn::validate::{DecodeShape, ForwardShape};
+use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
-    AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError, KvCache, Layout,
-    TensorMut, TensorRef,
+    AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
+    KvCache, Layout, TensorMut, TensorRef, Varlen, Window,
 };
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -37,10 +37,13 @@ fn open_gpu() -> Option<Gpu> {
     if !unsafe { cudarc::driver::sys::is_culib_present() } {
         return None;
     }
-    if CudaContext::device_count().ok()? < 1 {
+    // A driver that is present but fails, or a device that does not open, is
+    // a failure of the suite, not a reason to skip it.
+    let count = CudaContext::device_count().expect("the CUDA driver is present but fails");
+    if count < 1 {
         return None;
     }
-    let ctx = CudaContext::new(0).ok()?;
+    let ctx = CudaContext::new(0).expect("a GPU is present, so its context must open");
     let fa = FlashAttention::new(&ctx).expect("a GPU is present, so the module must load");
     Some(Gpu {
         stream: ctx.default_stream(),
@@ -76,7 +79,10 @@ fn nan<T: AttnElement>() -> T {
     T::from_f64(f64::NAN)
 }
 
-/// Compares `got` (laid out by `layout`) with the contiguous reference.
+/// Compares `got` (laid out by `layout`) with the contiguous reference, row
+/// by row: each (b, s, h) row of D values must be within `abs_tol` of the
+/// reference everywhere and within `rel_l2_tol` in relative L2 norm, so an
+/// error confined to a few rows cannot hide in a norm over the tensor.
 fn check_output<T: AttnElement>(
     got: &[T],
     layout: &Layout,
@@ -84,11 +90,11 @@ fn check_output<T: AttnElement>(
     what: &str,
 ) -> Result<(), String> {
     let [b, s, h, d] = layout.shape;
-    let mut max_err = 0.0f64;
-    let (mut err2, mut ref2) = (0.0f64, 0.0f64);
+    let (atol, rtol) = (abs_tol(T::DTYPE), rel_l2_tol(T::DTYPE));
     for bi in 0..b {
         for si in 0..s {
             for hi in 0..h {
+                let (mut max_err, mut err2, mut ref2) = (0.0f64, 0.0f64, 0.0f64);
                 for di in 0..d {
                     let g = got[bi * layout.strides[0]
                         + si * layout.strides[1]
@@ -105,15 +111,15 @@ fn check_output<T: AttnElement>(
                     err2 += (g - w) * (g - w);
                     ref2 += w * w;
                 }
+                let rel = (err2 / ref2.max(1e-30)).sqrt();
+                if max_err > atol || (ref2 > 1e-6 && rel > rtol) {
+                    return Err(format!(
+                        "{what}: row [{bi},{si},{hi}]: max |err| {max_err:.3e} (tol {atol:.1e}), \
+                         rel L2 {rel:.3e} (tol {rtol:.1e})"
+                    ));
+                }
             }
         }
-    }
-    let rel = (err2 / ref2.max(1e-30)).sqrt();
-    let (atol, rtol) = (abs_tol(T::DTYPE), rel_l2_tol(T::DTYPE));
-    if max_err > atol || (ref2 > 1e-12 && rel > rtol) {
-        return Err(format!(
-            "{what}: max |err| {max_err:.3e} (tol {atol:.1e}), rel L2 {rel:.3e} (tol {rtol:.1e})"
-        ));
     }
     Ok(())
 }
@@ -765,6 +771,626 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
     Ok(())
 }
 
+/// The policies of one case, with the device-side values drawn per case.
+#[derive(Clone, Debug)]
+struct Policy {
+    causal: bool,
+    window: Window,
+    softcap: Option<f32>,
+    /// None, Some(false): slopes [H], Some(true): slopes [B, H].
+    alibi: Option<bool>,
+    sinks: bool,
+}
+
+fn policy_strategy() -> impl Strategy<Value = Policy> {
+    let bound =
+        prop_oneof![2 => Just(None), 1 => Just(Some(0usize)), 2 => (1usize..=400).prop_map(Some)];
+    (
+        any::<bool>(),
+        bound.clone(),
+        bound,
+        prop::option::weighted(0.4, 0.5f32..30.0),
+        prop::option::weighted(0.4, any::<bool>()),
+        prop::bool::weighted(0.4),
+    )
+        .prop_map(|(causal, left, right, softcap, alibi, sinks)| Policy {
+            causal,
+            window: Window { left, right },
+            softcap,
+            alibi,
+            sinks,
+        })
+}
+
+/// Host values and device buffers of a case's ALiBi slopes and sinks.
+struct PolicyData {
+    slopes: Option<(Vec<f64>, CudaSlice<f32>)>,
+    sinks: Option<(Vec<f64>, CudaSlice<f32>)>,
+}
+
+fn policy_data(
+    gpu: &Gpu,
+    pol: &Policy,
+    batch: usize,
+    heads: usize,
+    rng: &mut StdRng,
+) -> Result<PolicyData, String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let mut upload = |n: usize, lo: f32, hi: f32| -> Result<(Vec<f64>, CudaSlice<f32>), String> {
+        let v: Vec<f32> = (0..n).map(|_| rng.random_range(lo..hi)).collect();
+        let dev = gpu.stream.clone_htod(&v).map_err(e)?;
+        Ok((v.iter().map(|&x| x as f64).collect(), dev))
+    };
+    let slopes = match pol.alibi {
+        None => None,
+        Some(per_batch) => Some(upload(
+            if per_batch { batch * heads } else { heads },
+            0.0,
+            0.5,
+        )?),
+    };
+    let sinks = if pol.sinks {
+        Some(upload(heads, -2.0, 3.0)?)
+    } else {
+        None
+    };
+    Ok(PolicyData { slopes, sinks })
+}
+
+/// Runs `f` with the case's options and the reference's extras.
+fn with_options<R>(
+    pol: &Policy,
+    data: &PolicyData,
+    f: impl FnOnce(&AttnOptions, &reference::Extras) -> R,
+) -> R {
+    let slope_view = data.slopes.as_ref().map(|(_, d)| d.as_view());
+    let sink_view = data.sinks.as_ref().map(|(_, d)| d.as_view());
+    let opts = AttnOptions {
+        causal: pol.causal,
+        window: pol.window,
+        softcap: pol.softcap,
+        alibi_slopes: slope_view.as_ref().map(|v| {
+            if pol.alibi == Some(true) {
+                AlibiSlopes::PerBatchHead(v)
+            } else {
+                AlibiSlopes::PerHead(v)
+            }
+        }),
+        sinks: sink_view.as_ref(),
+        ..Default::default()
+    };
+    let extras = reference::Extras {
+        alibi_slopes: data.slopes.as_ref().map(|(h, _)| h.as_slice()),
+        sinks: data.sinks.as_ref().map(|(h, _)| h.as_slice()),
+    };
+    f(&opts, &extras)
+}
+
+#[derive(Clone, Debug)]
+struct PolicyFwdCase {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    policy: Policy,
+    seed: u64,
+}
+
+fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, sq, sk, h, hk, d) = (
+        c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.kv_heads, c.head_dim,
+    );
+    let (ql, kvl) = (
+        Layout::contiguous([b, sq, h, d]),
+        Layout::contiguous([b, sk, hk, d]),
+    );
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let k_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let v_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let (q, k, v) = (
+        s.clone_htod(&q_host).map_err(e)?,
+        s.clone_htod(&k_host).map_err(e)?,
+        s.clone_htod(&v_host).map_err(e)?,
+    );
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: c.policy.causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        window: c.policy.window,
+        softcap: c.policy.softcap,
+    };
+    let want = with_options(&c.policy, &data, |opts, extras| {
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .forward(
+                s,
+                &TensorRef::new(q.as_view(), ql),
+                &TensorRef::new(k.as_view(), kvl),
+                &TensorRef::new(v.as_view(), kvl),
+                &mut TensorMut::new(o.as_view_mut(), ql),
+                Some(&mut lse_view),
+                opts,
+            )
+            .map_err(|x| x.to_string())?;
+        Ok::<_, String>(reference::attention_ext(
+            &shape,
+            &to_f64(&q_host),
+            &to_f64(&k_host),
+            &to_f64(&v_host),
+            extras,
+        ))
+    })?;
+    check_output(
+        &s.clone_dtoh(&o).map_err(e)?,
+        &ql,
+        &want.o,
+        &format!("{c:?}"),
+    )?;
+    check_lse(
+        &s.clone_dtoh(&lse).map_err(e)?,
+        &want.lse,
+        &format!("{c:?}"),
+    )
+}
+
+fn policy_fwd_strategy() -> impl Strategy<Value = PolicyFwdCase> {
+    (
+        1usize..=2,
+        seqlen(),
+        seqlen(),
+        head_counts(),
+        head_dims(),
+        policy_strategy(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(batch, seqlen_q, seqlen_k, (heads, kv_heads), head_dim, policy, seed)| {
+                PolicyFwdCase {
+                    batch,
+                    seqlen_q,
+                    seqlen_k,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    policy,
+                    seed,
+                }
+            },
+        )
+}
+
+#[derive(Clone, Debug)]
+struct VarlenCase {
+    /// (query, key) lengths per sequence; 0 and 1 included.
+    lens: Vec<(usize, usize)>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    policy: Policy,
+    seed: u64,
+}
+
+fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (h, hk, d) = (c.heads, c.kv_heads, c.head_dim);
+    let mut cu_q = vec![0i32];
+    let mut cu_k = vec![0i32];
+    for &(lq, lk) in &c.lens {
+        cu_q.push(cu_q.last().unwrap() + lq as i32);
+        cu_k.push(cu_k.last().unwrap() + lk as i32);
+    }
+    let (tq, tk) = (
+        *cu_q.last().unwrap() as usize,
+        *cu_k.last().unwrap() as usize,
+    );
+    let (tq, tk) = (tq.max(1), tk.max(1));
+    let max_q = c.lens.iter().map(|l| l.0).max().unwrap().max(1);
+    let max_k = c.lens.iter().map(|l| l.1).max().unwrap().max(1);
+    let (ql, kvl) = (Layout::packed([tq, h, d]), Layout::packed([tk, hk, d]));
+    let q_host = random_values::<T>(&mut rng, tq * h * d);
+    let k_host = random_values::<T>(&mut rng, tk * hk * d);
+    let v_host = random_values::<T>(&mut rng, tk * hk * d);
+    let batch = c.lens.len();
+    let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let (q, k, v) = (
+        s.clone_htod(&q_host).map_err(e)?,
+        s.clone_htod(&k_host).map_err(e)?,
+        s.clone_htod(&v_host).map_err(e)?,
+    );
+    let (cuq, cuk) = (
+        s.clone_htod(&cu_q).map_err(e)?,
+        s.clone_htod(&cu_k).map_err(e)?,
+    );
+    let mut o = s.clone_htod(&vec![nan::<T>(); tq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; h * tq]).map_err(e)?;
+    let shape = VarlenShape {
+        batch,
+        total_q: tq,
+        total_k: tk,
+        max_seqlen_q: max_q,
+        max_seqlen_k: max_k,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: c.policy.causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        window: c.policy.window,
+        softcap: c.policy.softcap,
+    };
+    let want = with_options(&c.policy, &data, |opts, extras| {
+        let (cq, ck) = (cuq.as_view(), cuk.as_view());
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .forward_varlen(
+                s,
+                &TensorRef::new(q.as_view(), ql),
+                &TensorRef::new(k.as_view(), kvl),
+                &TensorRef::new(v.as_view(), kvl),
+                &mut TensorMut::new(o.as_view_mut(), ql),
+                Some(&mut lse_view),
+                &Varlen {
+                    cu_seqlens_q: &cq,
+                    cu_seqlens_k: &ck,
+                    max_seqlen_q: max_q,
+                    max_seqlen_k: max_k,
+                },
+                opts,
+            )
+            .map_err(|x| x.to_string())?;
+        Ok::<_, String>(reference::varlen(
+            &shape,
+            &cu_q,
+            &cu_k,
+            &to_f64(&q_host),
+            &to_f64(&k_host),
+            &to_f64(&v_host),
+            extras,
+        ))
+    })?;
+    // Rows owned by no sequence (the padding row of an all-empty batch) are
+    // not written: compare only the owned ones.
+    let owned = *cu_q.last().unwrap() as usize;
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    let owned_layout = Layout::packed([owned, h, d]);
+    if owned > 0 {
+        check_output(
+            &o_host[..owned * h * d],
+            &owned_layout,
+            &want.o[..owned * h * d],
+            &format!("{c:?}"),
+        )?;
+    }
+    let lse_host = s.clone_dtoh(&lse).map_err(e)?;
+    for hi in 0..h {
+        let row = hi * tq;
+        check_lse(
+            &lse_host[row..row + owned],
+            &want.lse[row..row + owned],
+            &format!("{c:?} head {hi}"),
+        )?;
+    }
+    Ok(())
+}
+
+fn varlen_strategy() -> impl Strategy<Value = VarlenCase> {
+    let len = prop_oneof![1 => Just(0usize), 1 => Just(1usize), 4 => 2usize..=300];
+    (
+        prop::collection::vec((len.clone(), len), 1..=5),
+        head_counts(),
+        head_dims(),
+        policy_strategy(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(lens, (heads, kv_heads), head_dim, policy, seed)| VarlenCase {
+                lens,
+                heads,
+                kv_heads,
+                head_dim,
+                policy,
+                seed,
+            },
+        )
+}
+
+#[derive(Clone, Debug)]
+struct PolicyDecodeCase {
+    batch: usize,
+    seqlen_q: usize,
+    cache_len: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seqlens: Vec<i32>,
+    policy: Policy,
+    seed: u64,
+}
+
+fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, sq, l, h, hk, d) = (
+        c.batch,
+        c.seqlen_q,
+        c.cache_len,
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+    );
+    let ql = Layout::contiguous([b, sq, h, d]);
+    let cl = Layout::contiguous([b, l, hk, d]);
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let k_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let v_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let (q, k, v) = (
+        s.clone_htod(&q_host).map_err(e)?,
+        s.clone_htod(&k_host).map_err(e)?,
+        s.clone_htod(&v_host).map_err(e)?,
+    );
+    let seqlens = s.clone_htod(&c.seqlens).map_err(e)?;
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let shape = DecodeShape {
+        batch: b,
+        seqlen_q: sq,
+        cache_len: l,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: c.policy.causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        window: c.policy.window,
+        softcap: c.policy.softcap,
+    };
+    let want = with_options(&c.policy, &data, |opts, extras| {
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .decode(
+                s,
+                &TensorRef::new(q.as_view(), ql),
+                &TensorRef::new(k.as_view(), cl),
+                &TensorRef::new(v.as_view(), cl),
+                &seqlens.as_view(),
+                &mut TensorMut::new(o.as_view_mut(), ql),
+                Some(&mut lse_view),
+                opts,
+                None,
+            )
+            .map_err(|x| x.to_string())?;
+        Ok::<_, String>(reference::decode_ext(
+            &shape,
+            &to_f64(&q_host),
+            &to_f64(&k_host),
+            &to_f64(&v_host),
+            &c.seqlens,
+            extras,
+        ))
+    })?;
+    let splits = gpu.fa.decode_splits::<T>(&shape);
+    let what = format!("{c:?} splits={splits}");
+    check_output(&s.clone_dtoh(&o).map_err(e)?, &ql, &want.o, &what)?;
+    check_lse(&s.clone_dtoh(&lse).map_err(e)?, &want.lse, &what)
+}
+
+fn policy_decode_strategy() -> impl Strategy<Value = PolicyDecodeCase> {
+    (
+        1usize..=3,
+        1usize..=4,
+        prop_oneof![1usize..=200, 201usize..=3000],
+        head_counts(),
+        head_dims(),
+        policy_strategy(),
+        any::<u64>(),
+    )
+        .prop_flat_map(
+            |(batch, seqlen_q, cache_len, (heads, kv_heads), head_dim, policy, seed)| {
+                let len = prop_oneof![Just(1i32), Just(cache_len as i32), 1i32..=cache_len as i32];
+                prop::collection::vec(len, batch).prop_map(move |seqlens| PolicyDecodeCase {
+                    batch,
+                    seqlen_q,
+                    cache_len,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    seqlens,
+                    policy: policy.clone(),
+                    seed,
+                })
+            },
+        )
+}
+
+/// merge_states of the forward over two disjoint key ranges equals the
+/// forward over all keys (and the reference merge of the same two states).
+fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (b, sq, sk, h, hk, d) = (
+        c.batch,
+        c.seqlen_q,
+        c.seqlen_k.max(2),
+        c.heads,
+        c.kv_heads,
+        c.head_dim,
+    );
+    let cut = rng.random_range(1..sk);
+    let ql = Layout::contiguous([b, sq, h, d]);
+    let full = Layout::contiguous([b, sk, hk, d]);
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let k_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let v_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let (q, k, v) = (
+        s.clone_htod(&q_host).map_err(e)?,
+        s.clone_htod(&k_host).map_err(e)?,
+        s.clone_htod(&v_host).map_err(e)?,
+    );
+    // The two key ranges as strided views of the same K/V.
+    let part = |lo: usize, hi: usize| Layout {
+        shape: [b, hi - lo, hk, d],
+        strides: full.strides,
+    };
+    let mut states = Vec::new();
+    for (lo, hi) in [(0, cut), (cut, sk)] {
+        let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+        let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+        {
+            let mut lse_view = lse.as_view_mut();
+            gpu.fa
+                .forward(
+                    s,
+                    &TensorRef::new(q.as_view(), ql),
+                    &TensorRef::new(k.slice(lo * hk * d..), part(lo, hi)),
+                    &TensorRef::new(v.slice(lo * hk * d..), part(lo, hi)),
+                    &mut TensorMut::new(o.as_view_mut(), ql),
+                    Some(&mut lse_view),
+                    &AttnOptions::default(),
+                )
+                .map_err(|x| x.to_string())?;
+        }
+        states.push((o, lse));
+    }
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    {
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .merge_states(
+                s,
+                &TensorRef::new(states[0].0.as_view(), ql),
+                &states[0].1.as_view(),
+                &TensorRef::new(states[1].0.as_view(), ql),
+                &states[1].1.as_view(),
+                &mut TensorMut::new(o.as_view_mut(), ql),
+                Some(&mut lse_view),
+            )
+            .map_err(|x| x.to_string())?;
+    }
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    let lse_host = s.clone_dtoh(&lse).map_err(e)?;
+    // Against the reference merge of the very states the GPU produced (O
+    // rows [B, Sq, H, D] against LSE rows [B, H, Sq]: reorder the LSE).
+    let lse_rows = |l: &[f32]| -> Vec<f64> {
+        let mut out = vec![0.0; b * sq * h];
+        for bi in 0..b {
+            for hi in 0..h {
+                for t in 0..sq {
+                    out[(bi * sq + t) * h + hi] = l[(bi * h + hi) * sq + t] as f64;
+                }
+            }
+        }
+        out
+    };
+    let (oa, ob) = (
+        to_f64(&s.clone_dtoh(&states[0].0).map_err(e)?),
+        to_f64(&s.clone_dtoh(&states[1].0).map_err(e)?),
+    );
+    let (la, lb) = (
+        lse_rows(&s.clone_dtoh(&states[0].1).map_err(e)?),
+        lse_rows(&s.clone_dtoh(&states[1].1).map_err(e)?),
+    );
+    let merged = reference::merge_states(&oa, &la, &ob, &lb, d);
+    check_output(&o_host, &ql, &merged.o, &format!("{c:?} cut={cut} (merge)"))?;
+    // And against attention over all keys: two roundings of the states plus one
+    // of the merge stay within the tolerance of one kernel's output.
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
+    };
+    let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
+    check_output(&o_host, &ql, &want.o, &format!("{c:?} cut={cut} (full)"))?;
+    check_lse(&lse_host, &want.lse, &format!("{c:?} cut={cut}"))
+}
+
+/// Scores that grow by far more than the lazy rescale's slack from the first
+/// key block visited (the last) to the later ones: keys of block 0 point
+/// along Q, so the running max jumps when they arrive and O and l must be
+/// rescaled, or P = exp2(S - stale m) overflows.
+fn run_rescale<T: AttnElement>(gpu: &Gpu, head_dim: usize, causal: bool) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(head_dim as u64);
+    let (b, sq, sk, h, d) = (1, 70, 300, 2, head_dim);
+    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let mut k_host = random_values::<T>(&mut rng, b * sk * h * d);
+    let v_host = random_values::<T>(&mut rng, b * sk * h * d);
+    for j in 0..16 {
+        for hi in 0..h {
+            for t in 0..d {
+                // Key j aligned with query 0's signs, scaled up: q·k ~ D/2.
+                let sign = q_host[hi * d + t].to_f64().signum();
+                k_host[(j * h + hi) * d + t] = T::from_f64(sign);
+            }
+        }
+    }
+    let l = Layout::contiguous([b, sk, h, d]);
+    let ql = Layout::contiguous([b, sq, h, d]);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let (q, k, v) = (
+        s.clone_htod(&q_host).map_err(e)?,
+        s.clone_htod(&k_host).map_err(e)?,
+        s.clone_htod(&v_host).map_err(e)?,
+    );
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    // Scale 1: scores of the aligned keys reach D/2 against about ±sqrt(D)/3.
+    let opts = AttnOptions {
+        causal,
+        softmax_scale: Some(1.0),
+        ..Default::default()
+    };
+    gpu.fa
+        .forward(
+            s,
+            &TensorRef::new(q.as_view(), ql),
+            &TensorRef::new(k.as_view(), l),
+            &TensorRef::new(v.as_view(), l),
+            &mut TensorMut::new(o.as_view_mut(), ql),
+            None,
+            &opts,
+        )
+        .map_err(|x| x.to_string())?;
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: h,
+        head_dim: d,
+        causal,
+        softmax_scale: 1.0,
+        ..Default::default()
+    };
+    let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
+    check_output(
+        &s.clone_dtoh(&o).map_err(e)?,
+        &ql,
+        &want.o,
+        &format!("rescale hd{d} causal={causal}"),
+    )
+}
+
 fn head_dims() -> impl Strategy<Value = usize> {
     prop::sample::select(flash_attn::SUPPORTED_HEAD_DIMS.to_vec())
 }
@@ -839,10 +1465,13 @@ fn decode_strategy() -> impl Strategy<Value = DecodeCase> {
 /// Random cases per proptest trial; `FLASH_ATTN_GPU_CASES` lowers it for
 /// slow runs such as compute-sanitizer's.
 fn case_count() -> u32 {
-    std::env::var("FLASH_ATTN_GPU_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(48)
+    match std::env::var("FLASH_ATTN_GPU_CASES") {
+        Err(_) => 48,
+        Ok(v) => match v.parse() {
+            Ok(n) if n > 0 => n,
+            _ => panic!("FLASH_ATTN_GPU_CASES={v:?}: expected a positive number of cases"),
+        },
+    }
 }
 
 fn proptest_trial<S, F>(
@@ -959,6 +1588,59 @@ fn main() {
             trials.push(Trial::test(
                 concat!("kvcache_graph_replay_", $name),
                 move || graph_replay::<$t>().map_err(Failed::from),
+            ));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("forward_policies_random_", $name),
+                move || {
+                    proptest_trial(
+                        &g,
+                        case_count(),
+                        policy_fwd_strategy(),
+                        run_forward_policy::<$t>,
+                    )
+                },
+            ));
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!("varlen_random_", $name), move || {
+                proptest_trial(&g, case_count(), varlen_strategy(), run_varlen::<$t>)
+            }));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("decode_policies_random_", $name),
+                move || {
+                    proptest_trial(
+                        &g,
+                        case_count(),
+                        policy_decode_strategy(),
+                        run_decode_policy::<$t>,
+                    )
+                },
+            ));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("merge_states_random_", $name),
+                move || {
+                    proptest_trial(
+                        &g,
+                        case_count().div_ceil(2),
+                        policy_fwd_strategy(),
+                        run_merge::<$t>,
+                    )
+                },
+            ));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("lazy_rescale_past_slack_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    for &d in &flash_attn::SUPPORTED_HEAD_DIMS {
+                        for causal in [false, true] {
+                            run_rescale::<$t>(gpu, d, causal)?;
+                        }
+                    }
+                    Ok(())
+                },
             ));
         }};
     }
