@@ -2197,3 +2197,152 @@ mod kvcache_validation {
         ));
     }
 }
+
+// ---------------------------------------------------------------------------
+// Index arithmetic of the kernels (flash_attn_kernels::index)
+// ---------------------------------------------------------------------------
+
+mod index {
+    use flash_attn::Window;
+    use flash_attn_kernels::config::{smem_row_chunks, SUPPORTED_HEAD_DIMS};
+    use flash_attn_kernels::index::*;
+    use proptest::prelude::*;
+
+    fn bound() -> impl Strategy<Value = Option<usize>> {
+        prop_oneof![Just(None), Just(Some(0usize)), (0usize..80).prop_map(Some)]
+    }
+
+    /// The kernels' window bound: negative = unbounded.
+    fn as_i32(b: Option<usize>) -> i32 {
+        b.map_or(-1, |v| v as i32)
+    }
+
+    /// The specification, in unsigned form: `j + sq + left >= i + sk` and
+    /// `j + sq <= i + sk + right`.
+    fn sees(sq: usize, sk: usize, w: Window, i: usize, j: usize) -> bool {
+        j < sk
+            && w.left.is_none_or(|l| j + sq + l >= i + sk)
+            && w.right.is_none_or(|r| j + sq <= i + sk + r)
+    }
+
+    proptest! {
+        #[test]
+        fn key_window_is_the_specified_mask(
+            sq in 1usize..60, sk in 0usize..60, left in bound(), right in bound(),
+        ) {
+            let w = Window { left, right };
+            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
+            for i in 0..sq {
+                for j in 0..sk + 3 {
+                    prop_assert_eq!(keys.sees(i as u32, j as u32), sees(sq, sk, w, i, j), "i={} j={}", i, j);
+                }
+            }
+        }
+
+        #[test]
+        fn key_blocks_partition_the_visible_keys_across_splits(
+            sq in 1usize..70, sk in 0usize..300, left in bound(), right in bound(),
+            bn in prop::sample::select(vec![16u32, 32, 64]),
+            bm in prop::sample::select(vec![16u32, 64, 128]),
+            splits in 1u32..6,
+        ) {
+            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
+            for t0 in (0..sq as u32).step_by(bm as usize) {
+                let t1 = t0 + bm - 1;
+                let ranges: Vec<(u32, u32)> =
+                    (0..splits).map(|s| key_blocks(&keys, t0, t1, bn, s, splits)).collect();
+                // Consecutive and disjoint.
+                for w in ranges.windows(2) {
+                    prop_assert!(w[0].1 <= w[1].0 || w[1].0 == w[1].1);
+                }
+                let covered = |j: u32| ranges.iter().any(|&(lo, hi)| lo * bn <= j && j < hi * bn);
+                // Every key a row of the CTA sees lies in exactly one split's blocks.
+                for t in t0..=t1.min(sq as u32 - 1) {
+                    for j in 0..sk as u32 {
+                        if keys.sees(t, j) {
+                            prop_assert!(covered(j), "t={} j={} {:?}", t, j, ranges);
+                            let n = ranges.iter().filter(|&&(lo, hi)| lo * bn <= j && j < hi * bn).count();
+                            prop_assert_eq!(n, 1);
+                        }
+                    }
+                }
+                // No visited block lies wholly outside every row's window.
+                for &(lo, hi) in &ranges {
+                    for n in lo..hi {
+                        let any = (t0..=t1.min(sq as u32 - 1))
+                            .any(|t| (n * bn..(n + 1) * bn).any(|j| keys.sees(t, j)));
+                        prop_assert!(any, "block {} of {:?} is visited for nothing", n, ranges);
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn blocks_without_mask_are_fully_visible(
+            sq in 1usize..70, sk in 1usize..300, left in bound(), right in bound(),
+            bn in prop::sample::select(vec![16u32, 32, 64]), bm in prop::sample::select(vec![16u32, 64]),
+        ) {
+            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
+            for t0 in (0..sq as u32).step_by(bm as usize) {
+                let t1 = (t0 + bm - 1).min(sq as u32 - 1);
+                for n in 0..(sk as u32).div_ceil(bn) {
+                    if !block_needs_mask(&keys, t0, t1, n, bn) {
+                        for t in t0..=t1 {
+                            for j in n * bn..(n + 1) * bn {
+                                prop_assert!(keys.sees(t, j), "t={} j={} block {}", t, j, n);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn packed_ranges_stay_inside_the_tensor(start in any::<i32>(), end in any::<i32>(), total in 0u32..1000) {
+            let (s, len) = clamp_range(start, end, total);
+            prop_assert!(s <= total && s + len <= total);
+            if 0 <= start && start <= end && end as u32 <= total {
+                prop_assert_eq!((s, len), (start as u32, (end - start) as u32));
+            }
+        }
+
+        #[test]
+        fn page_slots_stay_inside_the_pool(entry in any::<i32>(), pages in 1u32..100, pos in 0u64..10_000, ps in prop::sample::select(vec![16u32, 32, 256])) {
+            let (page, row) = page_slot(entry, pages, pos, ps);
+            prop_assert!(page < pages as u64 && row < ps as u64);
+            if (0..pages as i32).contains(&entry) {
+                prop_assert_eq!(page, entry as u64);
+            }
+        }
+    }
+
+    #[test]
+    fn swizzle_is_a_bijection_on_each_padded_row() {
+        for d in SUPPORTED_HEAD_DIMS {
+            let chunks = smem_row_chunks(d) as u32;
+            for row in 0..64u32 {
+                let mut seen = vec![false; chunks as usize];
+                for c in 0..chunks {
+                    let p = swizzle(row, c);
+                    assert!(p < chunks, "hd{d} row {row} chunk {c} -> {p}");
+                    assert!(!std::mem::replace(&mut seen[p as usize], true));
+                }
+            }
+            // An ldmatrix phase (8 consecutive rows of one logical chunk) hits 8
+            // different chunks: no bank conflict.
+            for c in 0..chunks {
+                let mut phys: Vec<u32> = (0..8).map(|r| swizzle(r, c) % 8).collect();
+                phys.sort_unstable();
+                phys.dedup();
+                assert_eq!(phys.len(), 8, "hd{d} chunk {c}");
+            }
+        }
+        // The row-pairs layout is an involution on each 16-row group.
+        for row in 0..16u32 {
+            for chunk in 0..8u32 {
+                let (r, c) = row_pairs(row, chunk);
+                assert_eq!(row_pairs(r, c), (row, chunk));
+            }
+        }
+    }
+}
