@@ -7,14 +7,36 @@
 //! overlap the previous launch (as in a real model); the reported time is the
 //! median sample. Inputs are rotated over enough copies to defeat the L2 cache.
 //!
-//! Options: `--filter SUBSTR` (matches the printed shape label), `--quick`
-//! (fewer repetitions), `--json PATH`. Without a GPU it says so and exits 0.
+//! The 16k-token sweep keeps hidden = heads * D at 2048 where D divides it
+//! (heads = 2048 / D, rounded down: D=96 runs 21 heads, hidden 2016), the same
+//! rule as `scripts/compare-torch.py`'s copy of the shape list.
+//!
+//! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
+//! score and sequence policies next to the plain kernel on the same shape:
+//! `policy-window` (sliding windows), `policy-scores` (softcap, ALiBi, sinks),
+//! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
+//! mean length) and `policy-decode` (windowed and soft-capped decode). Their
+//! FLOPs count only the visible (query, key) pairs, exactly, per sequence; the
+//! last column compares each with its plain row (time full/window, overhead in
+//! %, or varlen/fixed TFLOP/s). Their JSON lines carry `"policy"` (`"none"`
+//! for the plain reference rows), `"origin"`, `"flops"` and the comparison,
+//! and `scripts/compare-torch.py` skips every line with a `"policy"` key.
+//!
+//! Options: `--filter SUBSTR` (matches the printed shape label, which ends with
+//! the policy name, e.g. `window4096`, `softcap50`, `alibi`, `sinks0.5`,
+//! `varlen`; a policy row's plain reference row runs with it), `--quick`
+//! (fewer repetitions), `--json PATH`, `--list` (print the selected rows'
+//! labels, FLOPs and bytes and exit; needs no GPU). Without a GPU it says so
+//! and exits 0.
 use std::io::Write;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
-use flash_attn::{AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut, TensorRef};
+use flash_attn::{
+    AlibiSlopes, AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut, TensorRef,
+    Varlen, Window,
+};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -26,6 +48,69 @@ const MAX_ROTATIONS: usize = 64;
 /// Launches per timed batch are chosen to fill about this much GPU time.
 const BATCH_TARGET_MS: f64 = 0.5;
 const MAX_BATCH: usize = 64;
+/// The varlen rows: this many sequences of random lengths in `VARLEN_LENS`.
+const VARLEN_SEQS: usize = 16;
+const VARLEN_LENS: std::ops::RangeInclusive<usize> = 64..=2048;
+
+/// The varlen rows' sequence lengths (fixed seed; about 16k tokens in all).
+fn varlen_seqlens() -> Vec<usize> {
+    let mut rng = StdRng::seed_from_u64(0x7a51e9);
+    (0..VARLEN_SEQS)
+        .map(|_| rng.random_range(VARLEN_LENS))
+        .collect()
+}
+
+/// Visible (query, key) pairs of one sequence under `window` (already combined
+/// with the causal flag by [`Window::effective`]), bottom-right aligned.
+fn visible_pairs(seqlen_q: usize, seqlen_k: usize, window: Window) -> u64 {
+    let (sq, sk) = (seqlen_q as i64, seqlen_k as i64);
+    (0..sq)
+        .map(|i| {
+            let diag = i + sk - sq;
+            let lo = window.left.map_or(0, |l| (diag - l as i64).max(0));
+            let hi = window
+                .right
+                .map_or(sk - 1, |r| (diag + r as i64).min(sk - 1));
+            (hi - lo + 1).max(0) as u64
+        })
+        .sum()
+}
+
+/// A mask, score or sequence policy on top of the plain kernel.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Policy {
+    /// The plain kernel.
+    None,
+    /// A sliding window (with `causal`, its right side is 0).
+    Window(Window),
+    /// Logit soft-capping at this value.
+    Softcap(f32),
+    /// Per-head ALiBi slopes 2^(-8(h+1)/H).
+    Alibi,
+    /// Per-head attention-sink logits, all this value.
+    Sinks(f32),
+    /// `batch` packed sequences of [`varlen_seqlens`] lengths; the shape's
+    /// `seqlen_q`/`seqlen_k` hold their mean (its plain row's sequence length).
+    Varlen,
+}
+
+impl Policy {
+    fn name(&self) -> String {
+        let bound = |b: Option<usize>| b.map_or("inf".to_string(), |b| b.to_string());
+        match *self {
+            Policy::None => "none".into(),
+            Policy::Window(Window {
+                left: Some(l),
+                right: None,
+            }) => format!("window{l}"),
+            Policy::Window(w) => format!("window{}-{}", bound(w.left), bound(w.right)),
+            Policy::Softcap(c) => format!("softcap{c}"),
+            Policy::Alibi => "alibi".into(),
+            Policy::Sinks(s) => format!("sinks{s}"),
+            Policy::Varlen => "varlen".into(),
+        }
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -33,7 +118,7 @@ enum Kind {
     Decode,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Shape {
     kind: Kind,
     dtype: Dtype,
@@ -50,6 +135,8 @@ struct Shape {
     page_size: Option<usize>,
     /// Where the shape comes from, for the table.
     origin: &'static str,
+    /// `Policy::None` except in the `policy-*` rows.
+    policy: Policy,
 }
 
 impl Shape {
@@ -73,10 +160,52 @@ impl Shape {
             self.seqlen_k,
             self.head_dim,
             if self.causal { " causal" } else { "" }
-        )
+        ) + &self.policy_suffix()
     }
-    /// Matmul FLOPs (Q·Kᵀ and P·V); a causal mask halves them.
+    fn policy_suffix(&self) -> String {
+        if self.policy == Policy::None {
+            String::new()
+        } else {
+            format!(" {}", self.policy.name())
+        }
+    }
+    /// A `policy-*` row: exact visible-pair FLOPs, its own JSON keys.
+    fn is_policy_row(&self) -> bool {
+        self.origin.starts_with("policy-")
+    }
+    /// The plain row a policy row is compared with.
+    fn plain(&self) -> Shape {
+        Shape {
+            policy: Policy::None,
+            ..*self
+        }
+    }
+    /// (seqlen_q, seqlen_k) of each sequence.
+    fn sequences(&self) -> Vec<(usize, usize)> {
+        if self.policy == Policy::Varlen {
+            varlen_seqlens().into_iter().map(|l| (l, l)).collect()
+        } else {
+            vec![(self.seqlen_q, self.seqlen_k); self.batch]
+        }
+    }
+    fn window(&self) -> Window {
+        match self.policy {
+            Policy::Window(w) => w,
+            _ => Window::UNBOUNDED,
+        }
+    }
+    /// Matmul FLOPs (Q·Kᵀ and P·V). A causal mask halves them; the policy
+    /// rows count exactly the visible (query, key) pairs of each sequence.
     fn flops(&self) -> f64 {
+        if self.is_policy_row() {
+            let mask = self.window().effective(self.causal);
+            let pairs: u64 = self
+                .sequences()
+                .into_iter()
+                .map(|(sq, sk)| visible_pairs(sq, sk, mask))
+                .sum();
+            return 4.0 * (self.heads * self.head_dim) as f64 * pairs as f64;
+        }
         let f =
             4.0 * (self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.head_dim) as f64;
         if self.causal && self.kind == Kind::Forward {
@@ -88,6 +217,25 @@ impl Shape {
     /// Bytes the kernel must move at least: K and V once (decode, reported as
     /// GB/s), or Q, K, V and O once (forward).
     fn bytes(&self) -> f64 {
+        if self.is_policy_row() {
+            // Tokens of Q/O and keys of K/V the kernel must touch: a window
+            // bounds the keys of a decode row to its last `left + Sq` keys.
+            let mask = self.window().effective(self.causal);
+            let (mut q_tokens, mut k_tokens) = (0, 0);
+            for (sq, sk) in self.sequences() {
+                q_tokens += sq;
+                k_tokens += match (self.kind, mask.left) {
+                    (Kind::Decode, Some(left)) => sk.min(left.saturating_add(sq)),
+                    _ => sk,
+                };
+            }
+            let kv = 2 * k_tokens * self.kv_heads * self.head_dim * 2;
+            let qo = 2 * q_tokens * self.heads * self.head_dim * 2;
+            return match self.kind {
+                Kind::Decode => kv as f64,
+                Kind::Forward => (kv + qo) as f64,
+            };
+        }
         let kv = 2 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * 2;
         let qo = 2 * self.batch * self.seqlen_q * self.heads * self.head_dim * 2;
         match self.kind {
@@ -110,6 +258,7 @@ fn shapes() -> Vec<Shape> {
         causal,
         page_size: None,
         origin,
+        policy: Policy::None,
     };
     let dec = |batch, heads, kv_heads, cache: usize, head_dim, origin| Shape {
         kind: Kind::Decode,
@@ -123,11 +272,12 @@ fn shapes() -> Vec<Shape> {
         causal: true,
         page_size: None,
         origin,
+        policy: Policy::None,
     };
     let mut v = vec![fwd(Dtype::F16, 4, 16, 4096, 128, false, "floor")];
     // Sweep at 16k tokens per batch, hidden 2048.
     for dtype in [Dtype::F16, Dtype::Bf16] {
-        for head_dim in [64, 128] {
+        for head_dim in [64, 96, 128, 256] {
             for causal in [false, true] {
                 for seqlen in [512, 1024, 2048, 4096, 8192, 16384] {
                     v.push(fwd(
@@ -180,6 +330,48 @@ fn shapes() -> Vec<Shape> {
     for cache in [256, 512, 1024, 2048, 4096] {
         v.push(dec(1, 9, 9, cache, 64, "seed-SmolLM"));
     }
+    // Policies (f16, ours only), each right after its plain row.
+    let with = |s: Shape, policy| Shape { policy, ..s };
+    for (causal, window) in [
+        (true, Window::left(4096)),
+        (
+            false,
+            Window {
+                left: Some(4096),
+                right: Some(4096),
+            },
+        ),
+    ] {
+        let plain = fwd(Dtype::F16, 1, 16, 16384, 128, causal, "policy-window");
+        v.extend([plain, with(plain, Policy::Window(window))]);
+    }
+    for causal in [true, false] {
+        let plain = fwd(Dtype::F16, 4, 16, 4096, 128, causal, "policy-scores");
+        v.push(plain);
+        for policy in [Policy::Softcap(50.0), Policy::Alibi, Policy::Sinks(0.5)] {
+            v.push(with(plain, policy));
+        }
+    }
+    let lens = varlen_seqlens();
+    let mean = (lens.iter().sum::<usize>() + VARLEN_SEQS / 2) / VARLEN_SEQS;
+    for causal in [true, false] {
+        let plain = fwd(
+            Dtype::F16,
+            VARLEN_SEQS,
+            16,
+            mean,
+            128,
+            causal,
+            "policy-varlen",
+        );
+        v.extend([plain, with(plain, Policy::Varlen)]);
+    }
+    let plain = dec(8, 32, 8, 16384, 128, "policy-decode");
+    v.extend([
+        plain,
+        with(plain, Policy::Window(Window::left(4096))),
+        with(plain, Policy::Softcap(50.0)),
+    ]);
     v
 }
 
@@ -236,15 +428,12 @@ fn time_median(stream: &Arc<CudaStream>, reps: usize, mut launch: impl FnMut(usi
     samples[samples.len() / 2]
 }
 
-fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
+/// Random Q, K, V copies, enough of them to defeat the L2 cache.
+fn random_sets<T: AttnElement>(b: &Bench, q_len: usize, kv_len: usize) -> Vec<[CudaSlice<T>; 3]> {
     let mut rng = StdRng::seed_from_u64(0x5eed);
-    let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
-    let kv_layout = Layout::contiguous([s.batch, s.seqlen_k, s.kv_heads, s.head_dim]);
-    let q_len = s.batch * s.seqlen_q * s.heads * s.head_dim;
-    let kv_len = s.batch * s.seqlen_k * s.kv_heads * s.head_dim;
     let set_bytes = (2 * q_len + 2 * kv_len) * 2;
     let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, MAX_ROTATIONS);
-    let inputs: Vec<[CudaSlice<T>; 3]> = (0..sets)
+    (0..sets)
         .map(|_| {
             [
                 random_buffer::<T>(&b.stream, &mut rng, q_len),
@@ -252,13 +441,43 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
                 random_buffer::<T>(&b.stream, &mut rng, kv_len),
             ]
         })
+        .collect()
+}
+
+fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
+    let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
+    let kv_layout = Layout::contiguous([s.batch, s.seqlen_k, s.kv_heads, s.head_dim]);
+    let q_len = s.batch * s.seqlen_q * s.heads * s.head_dim;
+    let kv_len = s.batch * s.seqlen_k * s.kv_heads * s.head_dim;
+    // Policy parameters: ALiBi slopes 2^(-8(h+1)/H) and sink logits, per head.
+    let slopes: Vec<f32> = (0..s.heads)
+        .map(|h| (-8.0 * (h + 1) as f32 / s.heads as f32).exp2())
         .collect();
-    let mut o = b.stream.alloc_zeros::<T>(q_len).expect("alloc");
+    let slopes = b.stream.clone_htod(&slopes).expect("upload");
+    let slopes = slopes.as_view();
+    let sink = match s.policy {
+        Policy::Sinks(x) => x,
+        _ => 0.0,
+    };
+    let sinks = b.stream.clone_htod(&vec![sink; s.heads]).expect("upload");
+    let sinks = sinks.as_view();
     let opts = AttnOptions {
         causal: s.causal,
         softmax_scale: None,
-        ..Default::default()
+        window: s.window(),
+        softcap: match s.policy {
+            Policy::Softcap(c) => Some(c),
+            _ => None,
+        },
+        alibi_slopes: (s.policy == Policy::Alibi).then_some(AlibiSlopes::PerHead(&slopes)),
+        sinks: matches!(s.policy, Policy::Sinks(_)).then_some(&sinks),
     };
+    if s.policy == Policy::Varlen {
+        return run_varlen::<T>(b, s, &opts);
+    }
+    let inputs = random_sets::<T>(b, q_len, kv_len);
+    let sets = inputs.len();
+    let mut o = b.stream.alloc_zeros::<T>(q_len).expect("alloc");
     let seqlens = b
         .stream
         .clone_htod(&vec![s.seqlen_k as i32; s.batch])
@@ -274,7 +493,8 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
             head_dim: s.head_dim,
             causal: s.causal,
             softmax_scale: 1.0 / (s.head_dim as f32).sqrt(),
-            ..Default::default()
+            window: opts.window,
+            softcap: opts.softcap,
         };
         workspace = Some(
             b.fa.decode_workspace::<T>(&b.stream, &shape)
@@ -305,6 +525,54 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
                 workspace.as_mut(),
             ),
         }
+        .expect("launch");
+    })
+}
+
+/// Forward over [`varlen_seqlens`] packed as [total, H, D] (Q, K and V share
+/// the sequence boundaries).
+fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
+    let lens = varlen_seqlens();
+    let total: usize = lens.iter().sum();
+    let cu: Vec<i32> = std::iter::once(0)
+        .chain(lens.iter().scan(0, |acc, &l| {
+            *acc += l as i32;
+            Some(*acc)
+        }))
+        .collect();
+    let cu = b.stream.clone_htod(&cu).expect("upload");
+    let cu = cu.as_view();
+    let max = lens.iter().copied().max().unwrap_or(0);
+    let seqlens = Varlen {
+        cu_seqlens_q: &cu,
+        cu_seqlens_k: &cu,
+        max_seqlen_q: max,
+        max_seqlen_k: max,
+    };
+    let q_layout = Layout::packed([total, s.heads, s.head_dim]);
+    let kv_layout = Layout::packed([total, s.kv_heads, s.head_dim]);
+    let inputs = random_sets::<T>(
+        b,
+        total * s.heads * s.head_dim,
+        total * s.kv_heads * s.head_dim,
+    );
+    let sets = inputs.len();
+    let mut o = b
+        .stream
+        .alloc_zeros::<T>(total * s.heads * s.head_dim)
+        .expect("alloc");
+    time_median(&b.stream, b.reps, |i| {
+        let [q, k, v] = &inputs[i % sets];
+        b.fa.forward_varlen(
+            &b.stream,
+            &TensorRef::new(q.as_view(), q_layout),
+            &TensorRef::new(k.as_view(), kv_layout),
+            &TensorRef::new(v.as_view(), kv_layout),
+            &mut TensorMut::new(o.as_view_mut(), q_layout),
+            None,
+            &seqlens,
+            opts,
+        )
         .expect("launch");
     })
 }
@@ -378,6 +646,34 @@ fn main() {
         format!("{dir}/flash-attn-bench.jsonl")
     });
 
+    let all = shapes();
+    let matches = |s: &Shape| filter.as_deref().is_none_or(|f| s.label().contains(f));
+    // A policy row's plain row runs whenever one of its policy rows does.
+    let selected: Vec<Shape> = all
+        .iter()
+        .copied()
+        .filter(|&s| {
+            matches(&s)
+                || (s.is_policy_row()
+                    && s.policy == Policy::None
+                    && all
+                        .iter()
+                        .any(|t| t.policy != Policy::None && t.plain() == s && matches(t)))
+        })
+        .collect();
+    if args.iter().any(|a| a == "--list") {
+        for s in &selected {
+            println!(
+                "{:<70} {:>12.3} GFLOP {:>10.1} MB",
+                s.label(),
+                s.flops() / 1e9,
+                s.bytes() / 1e6
+            );
+        }
+        println!("{} rows", selected.len());
+        return;
+    }
+
     // SAFETY: only probes whether the driver library can be loaded.
     let have_driver = unsafe { cudarc::driver::sys::is_culib_present() };
     if !have_driver || CudaContext::device_count().map_or(true, |n| n < 1) {
@@ -419,16 +715,38 @@ fn main() {
         "TFLOP/s",
         "GB/s"
     );
-    for s in shapes() {
-        if filter.as_deref().is_some_and(|f| !s.label().contains(f)) {
-            continue;
-        }
+    // Plain reference rows of the policy rows measured so far: (shape, ms, TFLOP/s).
+    let mut plain_rows: Vec<(Shape, f64, f64)> = Vec::new();
+    for s in selected {
+        let is_reference = s.is_policy_row() && s.policy == Policy::None;
         let ms = match s.dtype {
             Dtype::F16 => run_shape::<f16>(&bench, &s),
             Dtype::Bf16 => run_shape::<bf16>(&bench, &s),
         };
         let tflops = s.flops() / (ms * 1e-3) / 1e12;
         let gbps = s.bytes() / (ms * 1e-3) / 1e9;
+        if is_reference {
+            plain_rows.push((s, ms, tflops));
+        }
+        // How a policy row compares with its plain row.
+        let versus = plain_rows
+            .iter()
+            .rev()
+            .find(|(p, _, _)| s.policy != Policy::None && *p == s.plain())
+            .map(|&(_, plain_ms, plain_tflops)| {
+                let (key, value) = match s.policy {
+                    Policy::Window(_) => ("full_over_window_time", plain_ms / ms),
+                    Policy::Varlen => ("varlen_over_fixed_tflops", tflops / plain_tflops),
+                    _ => ("overhead_pct", (ms / plain_ms - 1.0) * 100.0),
+                };
+                (key, value, plain_ms)
+            });
+        let versus_text = match versus {
+            Some(("full_over_window_time", x, _)) => format!(", full/window time {x:.2}x"),
+            Some(("varlen_over_fixed_tflops", x, _)) => format!(", varlen/fixed TFLOP/s {x:.2}"),
+            Some((_, x, _)) => format!(", overhead {x:+.1}%"),
+            None => String::new(),
+        };
         let kernel = if s.kind == Kind::Forward {
             "forward"
         } else {
@@ -450,8 +768,10 @@ fn main() {
             gbps,
             s.page_size
                 .map_or(s.origin.to_string(), |p| format!("{} page {p}", s.origin))
+                + &s.policy_suffix()
+                + &versus_text
         );
-        let line = serde_json::json!({
+        let mut line = serde_json::json!({
             "kernel": kernel,
             "dtype": s.dtype.name(),
             "batch": s.batch,
@@ -465,6 +785,24 @@ fn main() {
             "tflops": tflops,
             "gbps": gbps,
         });
+        if s.is_policy_row() {
+            // compare-torch.py skips lines with a "policy" key (no baseline).
+            let extra = line.as_object_mut().expect("a JSON object");
+            extra.insert("policy".into(), s.policy.name().into());
+            extra.insert("origin".into(), s.origin.into());
+            extra.insert("flops".into(), s.flops().into());
+            if let Some((key, value, plain_ms)) = versus {
+                extra.insert(key.into(), value.into());
+                extra.insert("plain_ms".into(), plain_ms.into());
+            }
+            if s.policy == Policy::Varlen {
+                extra.insert("seqlens".into(), varlen_seqlens().into());
+            }
+            if let Policy::Window(w) = s.policy {
+                extra.insert("window_left".into(), w.left.into());
+                extra.insert("window_right".into(), w.right.into());
+            }
+        }
         if s.page_size.is_none() {
             writeln!(json, "{line}").expect("write JSON line");
         }

@@ -39,6 +39,10 @@ warm-up calls, then per-call event pairs with a synchronize after each, no L2
 flush, at most 16 K/V copies rotated) for an apples-to-apples check of the harness.
 
 Ratios are baseline ms / our ms, so a value above 1 means ours is faster.
+The bench's policy rows (sliding windows, softcap, ALiBi, sinks, varlen; JSON
+lines with a "policy" key, "none" on their plain reference rows) have no PyTorch
+baseline: they are counted and skipped when reading, never merged with the
+plain shapes.
 Exit status: 0 on success, 1 on a real error (no input rows, no CUDA device, the
 bench failed), 2 on bad arguments. A backend that rejects a shape is a table
 entry, not an error.
@@ -105,6 +109,10 @@ class Shape(NamedTuple):
 # --------------------------------------------------------------------------
 
 
+# Head dims of the bench's "16k tokens per batch" sweep (and of the forward plot).
+SWEEP_HEAD_DIMS = (64, 96, 128, 256)
+
+
 def bench_shapes() -> list[tuple[str, Shape]]:
     """The (origin, shape) list of benches/attention.rs::shapes(), in its order.
 
@@ -112,6 +120,8 @@ def bench_shapes() -> list[tuple[str, Shape]]:
     which starts with the origin ("sweep", "seed-L4", ...). Replicating the list
     lets --filter mean the same thing here and gives the table an origin column.
     Shapes not found here (the bench changed) get origin "other"; nothing breaks.
+    The sweep uses heads = 2048 // head_dim (D=96: 21 heads, hidden 2016), as the
+    bench does. The bench's "policy-*" rows are not here: read_jsonl skips them.
     """
     out: list[tuple[str, Shape]] = []
 
@@ -124,7 +134,7 @@ def bench_shapes() -> list[tuple[str, Shape]]:
 
     fwd("f16", 4, 16, 4096, 128, False, "floor")
     for dtype in ("f16", "bf16"):
-        for head_dim in (64, 128):
+        for head_dim in SWEEP_HEAD_DIMS:
             for causal in (False, True):
                 for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
                     fwd(dtype, 16384 // seqlen, 2048 // head_dim, seqlen, head_dim, causal, "sweep")
@@ -261,21 +271,33 @@ def parse_row(obj: Any) -> dict:
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
-    """Reads bench JSON lines; bad lines are reported and skipped, not fatal."""
+    """Reads bench JSON lines; bad lines are reported and skipped, not fatal.
+
+    Lines with a "policy" key (the bench's policy rows and their plain reference
+    rows: ours only, FLOPs over visible pairs) are skipped, so that they are
+    neither timed against PyTorch nor merged with a plain shape of the same keys.
+    """
     rows = []
+    policy_rows = 0
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             line = line.strip()
             if not line or line.startswith("#"):
                 continue
             try:
-                rows.append(parse_row(json.loads(line)))
+                obj = json.loads(line)
+                if isinstance(obj, dict) and "policy" in obj:
+                    policy_rows += 1
+                    continue
+                rows.append(parse_row(obj))
             except json.JSONDecodeError as e:
                 warn(f"{path}:{n}: not JSON ({e.msg}); line skipped")
             except KeyError as e:
                 warn(f"{path}:{n}: missing key {e}; line skipped")
             except (ValueError, TypeError) as e:
                 warn(f"{path}:{n}: {e}; line skipped")
+    if policy_rows:
+        info(f"{path}: {policy_rows} policy rows (ours only, no baseline) skipped")
     return rows
 
 
@@ -965,15 +987,16 @@ def plot_forward(entries: list[dict], names: list[str], env: dict, ceilings: dic
     # The "16k tokens per batch" sweep: B*S = 16384, square. Where two shapes land on
     # one point, the hidden-2048 one (the sweep's) wins.
     sel = [e for e in entries if e["shape"].kernel == "forward" and e["shape"].seqlen_q == e["shape"].seqlen_k
-           and e["shape"].batch * e["shape"].seqlen_q == 16384 and e["shape"].head_dim in (64, 128)]
-    sel.sort(key=lambda e: e["shape"].heads * e["shape"].head_dim != 2048)
+           and e["shape"].batch * e["shape"].seqlen_q == 16384 and e["shape"].head_dim in SWEEP_HEAD_DIMS]
+    sel.sort(key=lambda e: e["shape"].heads != 2048 // e["shape"].head_dim)
     if not sel:
         return False
     plt = _pyplot()
     dtypes = [d for d in DTYPE_ORDER if any(e["shape"].dtype == d for e in sel)]
     colors = _impl_styles(names)
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), squeeze=False)
-    for r, d in enumerate((64, 128)):
+    dims = [d for d in SWEEP_HEAD_DIMS if any(e["shape"].head_dim == d for e in sel)]
+    fig, axes = plt.subplots(len(dims), 2, figsize=(13, 4.5 * len(dims)), squeeze=False)
+    for r, d in enumerate(dims):
         for c, causal in enumerate((False, True)):
             ax = axes[r][c]
             panel = [e for e in sel if e["shape"].head_dim == d and e["shape"].causal == causal]
@@ -1093,10 +1116,12 @@ def _fake_ms(s: Shape, rng: random.Random) -> float:
 
 
 def _unit_checks(tmp: Path) -> None:
-    # Shape list replica: 82 bench lines, 80 distinct shapes (the floor shape and
+    # Shape list replica: 142 bench lines, 140 distinct shapes (the floor shape and
     # seed-A100 S=2048 are also sweep points).
     shapes = bench_shapes()
-    assert len(shapes) == 82 and len({s for _, s in shapes}) == 80, len(shapes)
+    assert len(shapes) == 142 and len({s for _, s in shapes}) == 140, len(shapes)
+    assert Shape("forward", "bf16", 4, 21, 21, 4096, 4096, 96, True) in {s for _, s in shapes}
+    assert Shape("forward", "f16", 1, 8, 8, 16384, 16384, 256, False) in {s for _, s in shapes}
     floor = Shape("forward", "f16", 4, 16, 16, 4096, 4096, 128, False)
     assert origins_of(floor) == ["floor", "sweep"]
     assert matches_filter(floor, "floor") and matches_filter(floor, "sweep forward f16 b4")
@@ -1124,7 +1149,10 @@ def _unit_checks(tmp: Path) -> None:
              json.dumps({**good, "median_ms": -1}), json.dumps({k: v for k, v in good.items() if k != "heads"}),
              json.dumps({**good, "kernel": "backward"}), json.dumps({**good, "batch": 2.5}),
              json.dumps({**good, "heads": 12, "kv_heads": 8}), json.dumps([1, 2]),
-             json.dumps({**good, "dtype": "bfloat16", "causal": "true", "median_ms": 1.5})]
+             json.dumps({**good, "dtype": "bfloat16", "causal": "true", "median_ms": 1.5}),
+             # Policy rows (same shape keys as `good`) are skipped, not merged.
+             json.dumps({**good, "policy": "softcap50", "origin": "policy-scores", "median_ms": 2.2}),
+             json.dumps({**good, "policy": "none", "origin": "policy-scores", "median_ms": 2.1})]
     p = tmp / "unit.jsonl"
     p.write_text("\n".join(lines) + "\n")
     info("(the 'line skipped' warnings below are expected: the self-test feeds bad lines on purpose)")
