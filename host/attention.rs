@@ -22,7 +22,7 @@ use crate::kernels::ptx_for_arch;
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
     check_decode, check_forward, check_kvcache, check_merge, check_varlen, AlibiSlopes,
-    AttnOptions, DecodeShape, KvCacheShape, TensorInfo, VarlenShape, Window,
+    AttnOptions, DecodeShape, ForwardShape, KvCacheShape, TensorInfo, VarlenShape, Window,
 };
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
@@ -93,6 +93,15 @@ pub struct Varlen<'a> {
     pub max_seqlen_q: usize,
     /// The longest key sequence (at most the packed K/V rows).
     pub max_seqlen_k: usize,
+}
+
+/// Device addresses and row counts of packed (varlen) sequences.
+#[derive(Clone, Copy, Default)]
+struct Packed {
+    cu_seqlens_q: u64,
+    cu_seqlens_k: u64,
+    total_q: usize,
+    total_k: usize,
 }
 
 /// Validated device pointers and element strides of one decode call.
@@ -309,41 +318,13 @@ impl FlashAttention {
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
-        let policy = policy_args(
-            opts,
-            shape.mask(),
-            shape.softmax_scale,
-            shape.heads,
-            SeqKind::Dense,
-            stream,
-        );
-        let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
-        let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
-        let params = AttnParams {
-            q: q_ptr,
-            k: k_ptr,
-            v: v_ptr,
-            o: o_ptr,
-            lse: lse_ptr,
-            q_strides: strides(&q.layout),
-            k_strides: strides(&k.layout),
-            v_strides: strides(&v.layout),
-            o_strides: strides(&o.layout),
-            batch: shape.batch as u32,
-            heads: shape.heads as u32,
-            kv_heads: shape.kv_heads as u32,
-            seqlen_q: shape.seqlen_q as u32,
-            seqlen_k: shape.seqlen_k as u32,
-            pack: 1,
-            num_splits: 1,
-            ..policy.params
-        };
-        let grid = (
-            shape.seqlen_q.div_ceil(tile.block_m) as u32,
-            shape.heads as u32,
-            shape.batch as u32,
-        );
-        self.launch(stream, kernel, grid, ByValue(params))
+        let tensors = [
+            (q_ptr, &q.layout),
+            (k_ptr, &k.layout),
+            (v_ptr, &v.layout),
+            (o_ptr, &o.layout),
+        ];
+        self.launch_forward::<T>(stream, tensors, lse_ptr, &shape, None, opts)
     }
 
     /// Attention over variable-length sequences packed without padding
@@ -387,41 +368,87 @@ impl FlashAttention {
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
+        let tensors = [
+            (q_ptr, &q.layout),
+            (k_ptr, &k.layout),
+            (v_ptr, &v.layout),
+            (o_ptr, &o.layout),
+        ];
+        // The grid covers max_seqlen_q rows per sequence; the kernel reads each
+        // sequence's own lengths from cu_seqlens.
+        let grid_shape = ForwardShape {
+            batch: shape.batch,
+            seqlen_q: shape.max_seqlen_q,
+            seqlen_k: shape.total_k,
+            heads: shape.heads,
+            kv_heads: shape.kv_heads,
+            head_dim: shape.head_dim,
+            causal: shape.causal,
+            softmax_scale: shape.softmax_scale,
+            window: shape.window,
+            softcap: shape.softcap,
+        };
+        let packed = Packed {
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+            total_q: shape.total_q,
+            total_k: shape.total_k,
+        };
+        self.launch_forward::<T>(stream, tensors, lse_ptr, &grid_shape, Some(packed), opts)
+    }
+
+    /// Launches the forward kernel for a validated problem: dense, or packed
+    /// sequences when `packed` is given.
+    fn launch_forward<T: AttnElement>(
+        &self,
+        stream: &CudaStream,
+        [q, k, v, o]: [(u64, &Layout); 4],
+        lse: u64,
+        shape: &ForwardShape,
+        packed: Option<Packed>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        let seq = if packed.is_some() {
+            SeqKind::Ragged
+        } else {
+            SeqKind::Dense
+        };
         let policy = policy_args(
             opts,
             shape.mask(),
             shape.softmax_scale,
             shape.heads,
-            SeqKind::Ragged,
+            seq,
             stream,
         );
         let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
         let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
+        let packed = packed.unwrap_or_default();
         let params = AttnParams {
-            q: q_ptr,
-            k: k_ptr,
-            v: v_ptr,
-            o: o_ptr,
-            lse: lse_ptr,
-            q_strides: strides(&q.layout),
-            k_strides: strides(&k.layout),
-            v_strides: strides(&v.layout),
-            o_strides: strides(&o.layout),
+            q: q.0,
+            k: k.0,
+            v: v.0,
+            o: o.0,
+            lse,
+            q_strides: strides(q.1),
+            k_strides: strides(k.1),
+            v_strides: strides(v.1),
+            o_strides: strides(o.1),
             batch: shape.batch as u32,
             heads: shape.heads as u32,
             kv_heads: shape.kv_heads as u32,
-            seqlen_q: shape.max_seqlen_q as u32,
-            seqlen_k: shape.total_k as u32,
+            seqlen_q: shape.seqlen_q as u32,
+            seqlen_k: shape.seqlen_k as u32,
             pack: 1,
             num_splits: 1,
-            cu_seqlens_q: cu_q,
-            cu_seqlens_k: cu_k,
-            total_q: shape.total_q as u32,
-            total_k: shape.total_k as u32,
+            cu_seqlens_q: packed.cu_seqlens_q,
+            cu_seqlens_k: packed.cu_seqlens_k,
+            total_q: packed.total_q as u32,
+            total_k: packed.total_k as u32,
             ..policy.params
         };
         let grid = (
-            shape.max_seqlen_q.div_ceil(tile.block_m) as u32,
+            shape.seqlen_q.div_ceil(tile.block_m) as u32,
             shape.heads as u32,
             shape.batch as u32,
         );
