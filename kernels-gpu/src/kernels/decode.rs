@@ -19,7 +19,7 @@ use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
 use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
 use crate::config::{
-    AttnTile, KernelKind, MaskKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
+    AttnTile, KernelKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
 use crate::params::AttnParams;
 
@@ -105,12 +105,7 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
             mods.apply(p, &mut s, key0, rows.map(|r| info.key_pos(r)), slopes);
         }
         if info.block_needs_mask(n, tile.block_n as u32) {
-            let hi = rows.map(|r| info.key_limit(r));
-            if matches!(M::KIND, MaskKind::Local) {
-                mask::apply::<SLICE_TILES, true>(&mut s, key0, hi, rows.map(|r| info.key_floor(r)));
-            } else {
-                mask::apply::<SLICE_TILES, false>(&mut s, key0, hi, [0; 2]);
-            }
+            mask::apply_rows::<M, SLICE_TILES>(&mut s, key0, &info, rows);
         }
         softmax.rescale(&s, &mut o, p.scale_log2);
         // O += P·V_slice: the slice is exactly one k-step, P its A fragment.

@@ -110,7 +110,6 @@ pub fn load_block<const D: usize>(
     let first = n * tile.block_n as u32;
     let paged = may_page && p.block_table != 0;
     if paged && p.page_size % tile.block_n as u32 != 0 {
-        const { assert!(CHUNK_BYTES == 16) };
         let chunks = tile.row_chunks() as u32;
         let per_thread = tile.block_n * tile.row_chunks() / tile.threads();
         let mut c = 0;

@@ -218,16 +218,9 @@ fn kv_block<
         // otherwise hoist all 2 x MT limits out of the loop, live through
         // every key block.
         let row0 = special::opaque_u32(lane.acc_row(tile, 0, 0));
-        let left = !matches!(M::KIND, MaskKind::Full | MaskKind::Causal);
         unroll::<MT>(|mt| {
             let rows = [0, 1].map(|r| row0 + (mt * MMA_M + 8 * r) as u32);
-            let hi = rows.map(|r| info.key_limit(r));
-            if left {
-                let lo = rows.map(|r| info.key_floor(r));
-                mask::apply::<ST, true>(&mut s[mt], key0, hi, lo);
-            } else {
-                mask::apply::<ST, false>(&mut s[mt], key0, hi, [0; 2]);
-            }
+            mask::apply_rows::<M, ST>(&mut s[mt], key0, info, rows);
         });
     }
 

@@ -1,5 +1,25 @@
 //! The attention mask on one S tile held in mma accumulator layout.
+use super::block_info::BlockInfo;
+use super::policy::Mask;
 use super::unroll::unroll;
+
+/// Masks the S tile of the lane's CTA rows `rows` (g and g + 8) to the keys
+/// each of them sees; the left bound is compiled in only for masks that
+/// have one.
+#[inline(always)]
+pub fn apply_rows<M: Mask, const ST: usize>(
+    s: &mut [[f32; 4]; ST],
+    key0: i32,
+    info: &BlockInfo,
+    rows: [u32; 2],
+) {
+    let hi = rows.map(|r| info.key_limit(r));
+    if M::LEFT {
+        apply::<ST, true>(s, key0, hi, rows.map(|r| info.key_floor(r)));
+    } else {
+        apply::<ST, false>(s, key0, hi, [0; 2]);
+    }
+}
 
 /// Sets S to -inf where the key lies outside the row's visible range. `key0`
 /// is the key of this lane's first column (tile start + 2 * (lane % 4));

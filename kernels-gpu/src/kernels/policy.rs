@@ -12,6 +12,8 @@ use crate::params::AttnParams;
 
 pub trait Mask {
     const KIND: MaskKind;
+    /// Whether a row's visible keys may start after key 0 (a left bound).
+    const LEFT: bool = matches!(Self::KIND, MaskKind::Local);
     /// (left, right) window bounds in keys around the bottom-right-aligned
     /// diagonal; negative = unbounded on that side.
     fn window(p: &AttnParams) -> (i32, i32);
