@@ -771,6 +771,45 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
     Ok(())
 }
 
+/// Random Q, K and V (`nq`, `nkv`, `nkv` elements) on the host and the device.
+struct Inputs<T> {
+    q_host: Vec<T>,
+    k_host: Vec<T>,
+    v_host: Vec<T>,
+    q: CudaSlice<T>,
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+}
+
+fn random_inputs<T: AttnElement>(
+    gpu: &Gpu,
+    rng: &mut StdRng,
+    nq: usize,
+    nkv: usize,
+) -> Result<Inputs<T>, String> {
+    let (q_host, k_host, v_host) = (
+        random_values::<T>(rng, nq),
+        random_values::<T>(rng, nkv),
+        random_values::<T>(rng, nkv),
+    );
+    let up = |x: &[T]| gpu.stream.clone_htod(x).map_err(|e| e.to_string());
+    Ok(Inputs {
+        q: up(&q_host)?,
+        k: up(&k_host)?,
+        v: up(&v_host)?,
+        q_host,
+        k_host,
+        v_host,
+    })
+}
+
+/// A device buffer of `n` NaNs, so unwritten outputs cannot pass.
+fn poisoned<T: AttnElement>(gpu: &Gpu, n: usize) -> Result<CudaSlice<T>, String> {
+    gpu.stream
+        .clone_htod(&vec![nan::<T>(); n])
+        .map_err(|e| e.to_string())
+}
+
 /// The policies of one case, with the device-side values drawn per case.
 #[derive(Clone, Debug)]
 struct Policy {
@@ -887,18 +926,11 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
         Layout::contiguous([b, sq, h, d]),
         Layout::contiguous([b, sk, hk, d]),
     );
-    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
-    let k_host = random_values::<T>(&mut rng, b * sk * hk * d);
-    let v_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let x = random_inputs::<T>(gpu, &mut rng, b * sq * h * d, b * sk * hk * d)?;
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    let (q, k, v) = (
-        s.clone_htod(&q_host).map_err(e)?,
-        s.clone_htod(&k_host).map_err(e)?,
-        s.clone_htod(&v_host).map_err(e)?,
-    );
-    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     let shape = ForwardShape {
         batch: b,
@@ -917,9 +949,9 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
         gpu.fa
             .forward(
                 s,
-                &TensorRef::new(q.as_view(), ql),
-                &TensorRef::new(k.as_view(), kvl),
-                &TensorRef::new(v.as_view(), kvl),
+                &TensorRef::new(x.q.as_view(), ql),
+                &TensorRef::new(x.k.as_view(), kvl),
+                &TensorRef::new(x.v.as_view(), kvl),
                 &mut TensorMut::new(o.as_view_mut(), ql),
                 Some(&mut lse_view),
                 opts,
@@ -927,9 +959,9 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             .map_err(|x| x.to_string())?;
         Ok::<_, String>(reference::attention_ext(
             &shape,
-            &to_f64(&q_host),
-            &to_f64(&k_host),
-            &to_f64(&v_host),
+            &to_f64(&x.q_host),
+            &to_f64(&x.k_host),
+            &to_f64(&x.v_host),
             extras,
         ))
     })?;
@@ -1000,23 +1032,16 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
     let max_q = c.lens.iter().map(|l| l.0).max().unwrap().max(1);
     let max_k = c.lens.iter().map(|l| l.1).max().unwrap().max(1);
     let (ql, kvl) = (Layout::packed([tq, h, d]), Layout::packed([tk, hk, d]));
-    let q_host = random_values::<T>(&mut rng, tq * h * d);
-    let k_host = random_values::<T>(&mut rng, tk * hk * d);
-    let v_host = random_values::<T>(&mut rng, tk * hk * d);
+    let x = random_inputs::<T>(gpu, &mut rng, tq * h * d, tk * hk * d)?;
     let batch = c.lens.len();
     let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    let (q, k, v) = (
-        s.clone_htod(&q_host).map_err(e)?,
-        s.clone_htod(&k_host).map_err(e)?,
-        s.clone_htod(&v_host).map_err(e)?,
-    );
     let (cuq, cuk) = (
         s.clone_htod(&cu_q).map_err(e)?,
         s.clone_htod(&cu_k).map_err(e)?,
     );
-    let mut o = s.clone_htod(&vec![nan::<T>(); tq * h * d]).map_err(e)?;
+    let mut o = poisoned::<T>(gpu, tq * h * d)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; h * tq]).map_err(e)?;
     let shape = VarlenShape {
         batch,
@@ -1038,9 +1063,9 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
         gpu.fa
             .forward_varlen(
                 s,
-                &TensorRef::new(q.as_view(), ql),
-                &TensorRef::new(k.as_view(), kvl),
-                &TensorRef::new(v.as_view(), kvl),
+                &TensorRef::new(x.q.as_view(), ql),
+                &TensorRef::new(x.k.as_view(), kvl),
+                &TensorRef::new(x.v.as_view(), kvl),
                 &mut TensorMut::new(o.as_view_mut(), ql),
                 Some(&mut lse_view),
                 &Varlen {
@@ -1056,9 +1081,9 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
             &shape,
             &cu_q,
             &cu_k,
-            &to_f64(&q_host),
-            &to_f64(&k_host),
-            &to_f64(&v_host),
+            &to_f64(&x.q_host),
+            &to_f64(&x.k_host),
+            &to_f64(&x.v_host),
             extras,
         ))
     })?;
@@ -1133,19 +1158,12 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
     );
     let ql = Layout::contiguous([b, sq, h, d]);
     let cl = Layout::contiguous([b, l, hk, d]);
-    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
-    let k_host = random_values::<T>(&mut rng, b * l * hk * d);
-    let v_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let x = random_inputs::<T>(gpu, &mut rng, b * sq * h * d, b * l * hk * d)?;
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    let (q, k, v) = (
-        s.clone_htod(&q_host).map_err(e)?,
-        s.clone_htod(&k_host).map_err(e)?,
-        s.clone_htod(&v_host).map_err(e)?,
-    );
     let seqlens = s.clone_htod(&c.seqlens).map_err(e)?;
-    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     let shape = DecodeShape {
         batch: b,
@@ -1164,9 +1182,9 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
         gpu.fa
             .decode(
                 s,
-                &TensorRef::new(q.as_view(), ql),
-                &TensorRef::new(k.as_view(), cl),
-                &TensorRef::new(v.as_view(), cl),
+                &TensorRef::new(x.q.as_view(), ql),
+                &TensorRef::new(x.k.as_view(), cl),
+                &TensorRef::new(x.v.as_view(), cl),
                 &seqlens.as_view(),
                 &mut TensorMut::new(o.as_view_mut(), ql),
                 Some(&mut lse_view),
@@ -1176,9 +1194,9 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
             .map_err(|x| x.to_string())?;
         Ok::<_, String>(reference::decode_ext(
             &shape,
-            &to_f64(&q_host),
-            &to_f64(&k_host),
-            &to_f64(&v_host),
+            &to_f64(&x.q_host),
+            &to_f64(&x.k_host),
+            &to_f64(&x.v_host),
             &c.seqlens,
             extras,
         ))
@@ -1232,16 +1250,9 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     let cut = rng.random_range(1..sk);
     let ql = Layout::contiguous([b, sq, h, d]);
     let full = Layout::contiguous([b, sk, hk, d]);
-    let q_host = random_values::<T>(&mut rng, b * sq * h * d);
-    let k_host = random_values::<T>(&mut rng, b * sk * hk * d);
-    let v_host = random_values::<T>(&mut rng, b * sk * hk * d);
+    let x = random_inputs::<T>(gpu, &mut rng, b * sq * h * d, b * sk * hk * d)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    let (q, k, v) = (
-        s.clone_htod(&q_host).map_err(e)?,
-        s.clone_htod(&k_host).map_err(e)?,
-        s.clone_htod(&v_host).map_err(e)?,
-    );
     // The two key ranges as strided views of the same K/V.
     let part = |lo: usize, hi: usize| Layout {
         shape: [b, hi - lo, hk, d],
@@ -1249,16 +1260,16 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     };
     let mut states = Vec::new();
     for (lo, hi) in [(0, cut), (cut, sk)] {
-        let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+        let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
         let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
         {
             let mut lse_view = lse.as_view_mut();
             gpu.fa
                 .forward(
                     s,
-                    &TensorRef::new(q.as_view(), ql),
-                    &TensorRef::new(k.slice(lo * hk * d..), part(lo, hi)),
-                    &TensorRef::new(v.slice(lo * hk * d..), part(lo, hi)),
+                    &TensorRef::new(x.q.as_view(), ql),
+                    &TensorRef::new(x.k.slice(lo * hk * d..), part(lo, hi)),
+                    &TensorRef::new(x.v.slice(lo * hk * d..), part(lo, hi)),
                     &mut TensorMut::new(o.as_view_mut(), ql),
                     Some(&mut lse_view),
                     &AttnOptions::default(),
@@ -1320,7 +1331,12 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
         softmax_scale: 1.0 / (d as f32).sqrt(),
         ..Default::default()
     };
-    let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
+    let want = reference::attention(
+        &shape,
+        &to_f64(&x.q_host),
+        &to_f64(&x.k_host),
+        &to_f64(&x.v_host),
+    );
     check_output(&o_host, &ql, &want.o, &format!("{c:?} cut={cut} (full)"))?;
     check_lse(&lse_host, &want.lse, &format!("{c:?} cut={cut}"))
 }
