@@ -21,8 +21,9 @@ use crate::error::FlashAttnError;
 use crate::kernels::ptx_for_arch;
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
-    check_decode, check_forward, check_kvcache, check_merge, check_varlen, AlibiSlopes,
-    AttnOptions, DecodeShape, ForwardShape, KvCacheShape, TensorInfo, VarlenShape, Window,
+    check_decode, check_forward, check_kvcache, check_merge, check_varlen, check_varlen_paged,
+    AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging, TensorInfo,
+    VarlenShape, Window,
 };
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
@@ -95,13 +96,33 @@ pub struct Varlen<'a> {
     pub max_seqlen_k: usize,
 }
 
-/// Device addresses and row counts of packed (varlen) sequences.
+/// Packed queries against a paged KV cache (chunked prefill, as vLLM and
+/// FlashAttention's varlen with `block_table` run it): query sequence `b`
+/// owns rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q and O, and its keys
+/// are the first `seqlens_k[b]` tokens of the cache pages listed in row `b`
+/// of the block table, the new chunk's own K/V included (written into the
+/// cache beforehand).
+pub struct PagedVarlen<'a> {
+    /// i32 [B + 1] on the device.
+    pub cu_seqlens_q: &'a CudaView<'a, i32>,
+    /// The longest query sequence: the grid covers this many rows per sequence.
+    pub max_seqlen_q: usize,
+    /// i32 [B] on the device: keys per sequence, each clamped by the kernel
+    /// to `max_pages x page_size`.
+    pub seqlens_k: &'a CudaView<'a, i32>,
+    pub block_table: &'a BlockTable<'a>,
+}
+
+/// Device addresses and row counts of packed (varlen) sequences; with
+/// `paged` (block table, geometry), K/V are a page pool and `cu_seqlens_k`
+/// points to i32 [B] key counts (see `AttnParams::cu_seqlens_q`).
 #[derive(Clone, Copy, Default)]
 struct Packed {
     cu_seqlens_q: u64,
     cu_seqlens_k: u64,
     total_q: usize,
     total_k: usize,
+    paged: Option<(u64, Paging)>,
 }
 
 /// Validated device pointers and element strides of one decode call.
@@ -374,27 +395,74 @@ impl FlashAttention {
             (v_ptr, &v.layout),
             (o_ptr, &o.layout),
         ];
-        // The grid covers max_seqlen_q rows per sequence; the kernel reads each
-        // sequence's own lengths from cu_seqlens.
-        let grid_shape = ForwardShape {
-            batch: shape.batch,
-            seqlen_q: shape.max_seqlen_q,
-            seqlen_k: shape.total_k,
-            heads: shape.heads,
-            kv_heads: shape.kv_heads,
-            head_dim: shape.head_dim,
-            causal: shape.causal,
-            softmax_scale: shape.softmax_scale,
-            window: shape.window,
-            softcap: shape.softcap,
-        };
         let packed = Packed {
             cu_seqlens_q: cu_q,
             cu_seqlens_k: cu_k,
             total_q: shape.total_q,
             total_k: shape.total_k,
+            paged: None,
         };
-        self.launch_forward::<T>(stream, tensors, lse_ptr, &grid_shape, Some(packed), opts)
+        self.launch_forward::<T>(stream, tensors, lse_ptr, &shape.grid(), Some(packed), opts)
+    }
+
+    /// Packed queries against a paged KV cache ([`PagedVarlen`]; chunked
+    /// prefill): Q and O are [total_q, H, D] as [`Layout::packed`] layouts,
+    /// K and V page pools [num_pages, page_size, Hkv, D] (page_size a
+    /// multiple of 16). Query `i` of sequence `b` (of `n_q` rows) sits at key
+    /// position `i + seqlens_k[b] - n_q`: the chunk is the end of the
+    /// sequence, as in [`Self::forward_varlen`]'s bottom-right alignment.
+    /// `lse`, if given, is f32 [H, total_q]. Page indices and `seqlens_k` live
+    /// on the device and are clamped by the kernel (indices to the pool,
+    /// lengths to `max_pages x page_size`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen_paged<T: AttnElement>(
+        &self,
+        stream: &CudaStream,
+        q: &TensorRef<'_, T>,
+        k_cache: &TensorRef<'_, T>,
+        v_cache: &TensorRef<'_, T>,
+        o: &mut TensorMut<'_, T>,
+        lse: Option<&mut CudaViewMut<'_, f32>>,
+        seqs: &PagedVarlen<'_>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
+        let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
+        let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
+        let (cu_q, _cq_sync) = seqs.cu_seqlens_q.device_ptr(stream);
+        let (seqlens_k, _sk_sync) = seqs.seqlens_k.device_ptr(stream);
+        let (table, _t_sync) = seqs.block_table.table.device_ptr(stream);
+        let o_len = o.data.len();
+        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let (shape, paging) = check_varlen_paged(
+            &info(q.layout, q.data.len(), q_ptr),
+            &info(k_cache.layout, k_cache.data.len(), k_ptr),
+            &info(v_cache.layout, v_cache.data.len(), v_ptr),
+            &info(o.layout, o_len, o_ptr),
+            seqs.cu_seqlens_q.len(),
+            seqs.seqlens_k.len(),
+            (seqs.block_table.table.len(), seqs.block_table.max_pages),
+            seqs.max_seqlen_q,
+            lse.as_ref().map(|l| l.len()),
+            opts,
+        )?;
+        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
+        let tensors = [
+            (q_ptr, &q.layout),
+            (k_ptr, &k_cache.layout),
+            (v_ptr, &v_cache.layout),
+            (o_ptr, &o.layout),
+        ];
+        // The kernel reads a paged call's key counts where a packed call's
+        // cu_seqlens_k go, and clamps them to total_k = the capacity.
+        let packed = Packed {
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: seqlens_k,
+            total_q: shape.total_q,
+            total_k: shape.total_k,
+            paged: Some((table, paging)),
+        };
+        self.launch_forward::<T>(stream, tensors, lse_ptr, &shape.grid(), Some(packed), opts)
     }
 
     /// Launches the forward kernel for a validated problem: dense, or packed
@@ -424,6 +492,7 @@ impl FlashAttention {
         let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
         let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
         let packed = packed.unwrap_or_default();
+        let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {
             q: q.0,
             k: k.0,
@@ -445,6 +514,10 @@ impl FlashAttention {
             cu_seqlens_k: packed.cu_seqlens_k,
             total_q: packed.total_q as u32,
             total_k: packed.total_k as u32,
+            block_table: table,
+            max_pages: paging.max_pages as u32,
+            page_size: paging.page_size as u32,
+            num_pages: paging.num_pages as u32,
             ..policy.params
         };
         let grid = (

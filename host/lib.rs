@@ -35,7 +35,7 @@ pub mod reference;
 mod tensor;
 pub mod validate;
 
-pub use attention::{BlockTable, DecodeWorkspace, FlashAttention, KvCache, Varlen};
+pub use attention::{BlockTable, DecodeWorkspace, FlashAttention, KvCache, PagedVarlen, Varlen};
 pub use error::FlashAttnError;
 pub use flash_attn_kernels::config::{Dtype, SUPPORTED_HEAD_DIMS};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};

@@ -160,6 +160,24 @@ impl VarlenShape {
     pub fn mask(&self) -> Window {
         self.window.effective(self.causal)
     }
+
+    /// The launch geometry: `max_seqlen_q` rows per sequence (the kernel
+    /// reads each sequence's own lengths on the device) and `total_k` as the
+    /// bound of every key count.
+    pub fn grid(&self) -> ForwardShape {
+        ForwardShape {
+            batch: self.batch,
+            seqlen_q: self.max_seqlen_q,
+            seqlen_k: self.total_k,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            causal: self.causal,
+            softmax_scale: self.softmax_scale,
+            window: self.window,
+            softcap: self.softcap,
+        }
+    }
 }
 
 /// Grid dimensions y and z are limited to 65535 CTAs.
@@ -463,6 +481,77 @@ pub struct KvCacheShape {
     pub seqlen_new: usize,
 }
 
+/// The geometry of a page pool `k_cache` [num_pages, page_size, Hkv, D]
+/// addressed by a block table of `entries` i32 = [batch, max_pages].
+fn check_paging(
+    k_cache: &TensorInfo,
+    batch: usize,
+    (entries, max_pages): (usize, usize),
+) -> Result<Paging, FlashAttnError> {
+    let [num_pages, page_size, _, _] = k_cache.layout.shape;
+    if page_size == 0 || page_size % PAGE_SIZE_MULTIPLE != 0 {
+        return Err(FlashAttnError::PageSize {
+            page_size,
+            multiple: PAGE_SIZE_MULTIPLE,
+        });
+    }
+    if max_pages == 0 {
+        return Err(FlashAttnError::ZeroSized {
+            tensor: "block_table",
+            dim: "max_pages",
+        });
+    }
+    let expected = batch
+        .checked_mul(max_pages)
+        .ok_or(FlashAttnError::TooLarge {
+            what: "batch x max_pages",
+            value: usize::MAX,
+            limit: MAX_LEN,
+        })?;
+    if entries < expected {
+        return Err(FlashAttnError::BlockTableLength {
+            expected,
+            got: entries,
+        });
+    }
+    Ok(Paging {
+        page_size,
+        max_pages,
+        num_pages,
+    })
+}
+
+/// A page pool checked as if it were a [`lead`, capacity, Hkv, D] tensor:
+/// the per-tensor rules (strides, alignment, extent) apply to the pool, and
+/// the shape rules see the logical cache of `max_pages x page_size` keys.
+fn logical_cache(
+    name: &'static str,
+    t: &TensorInfo,
+    lead: usize,
+    p: Paging,
+) -> Result<TensorInfo, FlashAttnError> {
+    check_tensor(name, t)?;
+    let capacity = p
+        .max_pages
+        .checked_mul(p.page_size)
+        .filter(|&c| c <= MAX_LEN)
+        .ok_or(FlashAttnError::TooLarge {
+            what: "max_pages x page_size",
+            value: usize::MAX,
+            limit: MAX_LEN,
+        })?;
+    let [_, _, h, d] = t.layout.shape;
+    let layout = Layout {
+        shape: [lead, capacity, h, d],
+        strides: [0, 0, t.layout.strides[2], 1],
+    };
+    Ok(TensorInfo {
+        layout,
+        len: layout.span().unwrap_or(usize::MAX),
+        addr: t.addr,
+    })
+}
+
 /// Validates a decode call against a KV cache that may be paged and may get
 /// `new_kv` = (K_new, V_new) [B, Snew, Hkv, D] appended first. Contiguous
 /// caches are [B, Lmax, Hkv, D]; paged ones are page pools [num_pages,
@@ -484,65 +573,11 @@ pub fn check_kvcache(
     let batch = q.layout.shape[0];
     let paging = match block_table {
         None => None,
-        Some((entries, max_pages)) => {
-            let [num_pages, page_size, _, _] = k_cache.layout.shape;
-            if page_size == 0 || page_size % PAGE_SIZE_MULTIPLE != 0 {
-                return Err(FlashAttnError::PageSize {
-                    page_size,
-                    multiple: PAGE_SIZE_MULTIPLE,
-                });
-            }
-            if max_pages == 0 {
-                return Err(FlashAttnError::ZeroSized {
-                    tensor: "block_table",
-                    dim: "max_pages",
-                });
-            }
-            let expected = batch
-                .checked_mul(max_pages)
-                .ok_or(FlashAttnError::TooLarge {
-                    what: "batch x max_pages",
-                    value: usize::MAX,
-                    limit: MAX_LEN,
-                })?;
-            if entries < expected {
-                return Err(FlashAttnError::BlockTableLength {
-                    expected,
-                    got: entries,
-                });
-            }
-            Some(Paging {
-                page_size,
-                max_pages,
-                num_pages,
-            })
-        }
+        Some(table) => Some(check_paging(k_cache, batch, table)?),
     };
-    // A page pool is checked as if it were a [B, capacity, Hkv, D] cache: the
-    // per-tensor rules (strides, alignment, extent) are the same, and the
-    // shape rules see the logical cache.
-    let logical = |name: &'static str, t: &TensorInfo| -> Result<TensorInfo, FlashAttnError> {
-        let Some(p) = paging else { return Ok(*t) };
-        check_tensor(name, t)?;
-        let capacity = p
-            .max_pages
-            .checked_mul(p.page_size)
-            .filter(|&c| c <= MAX_LEN)
-            .ok_or(FlashAttnError::TooLarge {
-                what: "max_pages x page_size",
-                value: usize::MAX,
-                limit: MAX_LEN,
-            })?;
-        let [_, _, h, d] = t.layout.shape;
-        let layout = Layout {
-            shape: [batch, capacity, h, d],
-            strides: [0, 0, t.layout.strides[2], 1],
-        };
-        Ok(TensorInfo {
-            layout,
-            len: layout.span().unwrap_or(usize::MAX),
-            addr: t.addr,
-        })
+    let logical = |name: &'static str, t: &TensorInfo| match paging {
+        None => Ok(*t),
+        Some(p) => logical_cache(name, t, batch, p),
     };
     if paging.is_some() {
         expect_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
@@ -604,9 +639,63 @@ pub fn check_varlen(
     lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<VarlenShape, FlashAttnError> {
-    for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
-        expect_dim(name, 0, 1, t.layout.shape[0])?;
+    let batch = varlen_batch(cu_seqlens_q_len)?;
+    if cu_seqlens_k_len != cu_seqlens_q_len {
+        return Err(FlashAttnError::SeqlensLength {
+            expected: cu_seqlens_q_len,
+            got: cu_seqlens_k_len,
+        });
     }
+    check_packed(
+        q,
+        k,
+        v,
+        o,
+        batch,
+        (max_seqlen_q, max_seqlen_k),
+        lse_len,
+        opts,
+    )
+}
+
+/// Validates packed queries against a paged KV cache (chunked prefill): Q/O
+/// [total_q, H, D] as [`Layout::packed`] layouts with `cu_seqlens_q` of
+/// `batch + 1` i32; K/V page pools [num_pages, page_size, Hkv, D];
+/// `seqlens_k` of `batch` i32 (keys per sequence, on the device); a block
+/// table of `entries` i32 = [batch, max_pages]. The shape's `total_k` and
+/// `max_seqlen_k` are the capacity per sequence, `max_pages x page_size`,
+/// which the kernel clamps each `seqlens_k` entry to.
+#[allow(clippy::too_many_arguments)]
+pub fn check_varlen_paged(
+    q: &TensorInfo,
+    k_cache: &TensorInfo,
+    v_cache: &TensorInfo,
+    o: &TensorInfo,
+    cu_seqlens_q_len: usize,
+    seqlens_k_len: usize,
+    block_table: (usize, usize),
+    max_seqlen_q: usize,
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<(VarlenShape, Paging), FlashAttnError> {
+    let batch = varlen_batch(cu_seqlens_q_len)?;
+    if seqlens_k_len != batch {
+        return Err(FlashAttnError::SeqlensLength {
+            expected: batch,
+            got: seqlens_k_len,
+        });
+    }
+    let paging = check_paging(k_cache, batch, block_table)?;
+    expect_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
+    let k = logical_cache("k_cache", k_cache, 1, paging)?;
+    let v = logical_cache("v_cache", v_cache, 1, paging)?;
+    let capacity = k.layout.shape[1];
+    let shape = check_packed(q, &k, &v, o, batch, (max_seqlen_q, capacity), lse_len, opts)?;
+    Ok((shape, paging))
+}
+
+/// The batch of a varlen call from the length of `cu_seqlens_q` (B + 1).
+fn varlen_batch(cu_seqlens_q_len: usize) -> Result<usize, FlashAttnError> {
     if cu_seqlens_q_len < 2 {
         return Err(FlashAttnError::SeqlensLength {
             expected: 2,
@@ -614,13 +703,33 @@ pub fn check_varlen(
         });
     }
     let batch = cu_seqlens_q_len - 1;
-    if cu_seqlens_k_len != cu_seqlens_q_len {
-        return Err(FlashAttnError::SeqlensLength {
-            expected: cu_seqlens_q_len,
-            got: cu_seqlens_k_len,
+    if batch > MAX_GRID_YZ {
+        return Err(FlashAttnError::TooLarge {
+            what: "batch",
+            value: batch,
+            limit: MAX_GRID_YZ,
         });
     }
-    // The packed tensors as one sequence each: every per-tensor rule applies.
+    Ok(batch)
+}
+
+/// The rules every packed-query call shares: the tensors as one sequence
+/// each ([1, total, heads, head_dim]), the host's maximum lengths within the
+/// packed rows, the LSE [H, total_q] and the option lengths.
+#[allow(clippy::too_many_arguments)]
+fn check_packed(
+    q: &TensorInfo,
+    k: &TensorInfo,
+    v: &TensorInfo,
+    o: &TensorInfo,
+    batch: usize,
+    (max_seqlen_q, max_seqlen_k): (usize, usize),
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<VarlenShape, FlashAttnError> {
+    for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
+        expect_dim(name, 0, 1, t.layout.shape[0])?;
+    }
     let shape = check_forward(q, k, v, o, None, opts)?;
     let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
     for (what, value, total) in [
@@ -640,13 +749,6 @@ pub fn check_varlen(
                 limit: total,
             });
         }
-    }
-    if batch > MAX_GRID_YZ {
-        return Err(FlashAttnError::TooLarge {
-            what: "batch",
-            value: batch,
-            limit: MAX_GRID_YZ,
-        });
     }
     check_lse(lse_len, 1, shape.heads, total_q)?;
     check_option_lengths(opts, batch, shape.heads)?;

@@ -2346,3 +2346,153 @@ mod index {
         }
     }
 }
+
+mod varlen_paged_validation {
+    use flash_attn::validate::{check_varlen_paged, AttnOptions, TensorInfo};
+    use flash_attn::{FlashAttnError, Layout, VarlenShape};
+
+    const B: usize = 3;
+    const H: usize = 8;
+    const HKV: usize = 2;
+    const D: usize = 64;
+    const PAGE: usize = 32;
+    const PAGES: usize = 12;
+    const MAX_PAGES: usize = 4;
+    const TOTAL_Q: usize = 50;
+
+    fn t(shape: [usize; 4], addr: u64) -> TensorInfo {
+        let layout = Layout::contiguous(shape);
+        TensorInfo {
+            layout,
+            len: layout.span().unwrap(),
+            addr,
+        }
+    }
+
+    struct Case {
+        q: TensorInfo,
+        k: TensorInfo,
+        v: TensorInfo,
+        o: TensorInfo,
+        cu_q: usize,
+        seqlens_k: usize,
+        table: (usize, usize),
+        max_q: usize,
+        lse: Option<usize>,
+    }
+
+    impl Case {
+        fn valid() -> Case {
+            Case {
+                q: t([1, TOTAL_Q, H, D], 1 << 20),
+                k: t([PAGES, PAGE, HKV, D], 2 << 20),
+                v: t([PAGES, PAGE, HKV, D], 3 << 20),
+                o: t([1, TOTAL_Q, H, D], 4 << 20),
+                cu_q: B + 1,
+                seqlens_k: B,
+                table: (B * MAX_PAGES, MAX_PAGES),
+                max_q: 20,
+                lse: Some(H * TOTAL_Q),
+            }
+        }
+        fn check(&self) -> Result<VarlenShape, FlashAttnError> {
+            check_varlen_paged(
+                &self.q,
+                &self.k,
+                &self.v,
+                &self.o,
+                self.cu_q,
+                self.seqlens_k,
+                self.table,
+                self.max_q,
+                self.lse,
+                &AttnOptions::default(),
+            )
+            .map(|(shape, paging)| {
+                assert_eq!(
+                    (paging.page_size, paging.max_pages, paging.num_pages),
+                    (PAGE, MAX_PAGES, PAGES)
+                );
+                shape
+            })
+        }
+    }
+
+    #[test]
+    fn the_capacity_bounds_every_key_count() {
+        let s = Case::valid().check().expect("valid");
+        assert_eq!((s.batch, s.total_q, s.max_seqlen_q), (B, TOTAL_Q, 20));
+        assert_eq!(
+            (s.total_k, s.max_seqlen_k),
+            (MAX_PAGES * PAGE, MAX_PAGES * PAGE)
+        );
+        assert_eq!((s.heads, s.kv_heads, s.head_dim), (H, HKV, D));
+    }
+
+    #[test]
+    fn one_key_count_per_sequence() {
+        for n in [B - 1, B + 1] {
+            let mut c = Case::valid();
+            c.seqlens_k = n;
+            assert!(
+                matches!(c.check(), Err(FlashAttnError::SeqlensLength { expected: B, got }) if got == n)
+            );
+        }
+        let mut c = Case::valid();
+        c.cu_q = 1;
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::SeqlensLength {
+                expected: 2,
+                got: 1
+            })
+        ));
+    }
+
+    #[test]
+    fn the_pool_rules_of_decode_apply() {
+        let mut c = Case::valid();
+        c.k = t([PAGES, 24, HKV, D], c.k.addr);
+        c.v = t([PAGES, 24, HKV, D], c.v.addr);
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::PageSize { page_size: 24, .. })
+        ));
+        let mut c = Case::valid();
+        c.table = (B * MAX_PAGES - 1, MAX_PAGES);
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::BlockTableLength { .. })
+        ));
+        let mut c = Case::valid();
+        c.v = t([PAGES + 1, PAGE, HKV, D], c.v.addr);
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::ShapeMismatch {
+                tensor: "v_cache",
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn packed_query_rules_apply() {
+        let mut c = Case::valid();
+        c.max_q = 0;
+        assert!(matches!(c.check(), Err(FlashAttnError::ZeroSized { .. })));
+        c.max_q = TOTAL_Q + 1;
+        assert!(matches!(
+            c.check(),
+            Err(FlashAttnError::TooLarge {
+                what: "max_seqlen_q",
+                ..
+            })
+        ));
+        let mut c = Case::valid();
+        c.lse = Some(H * TOTAL_Q - 1);
+        assert!(matches!(c.check(), Err(FlashAttnError::LseLength { .. })));
+        let mut c = Case::valid();
+        c.q = t([2, TOTAL_Q, H, D], c.q.addr);
+        assert!(c.check().is_err());
+    }
+}

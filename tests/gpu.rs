@@ -18,7 +18,7 @@ use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
-    KvCache, Layout, TensorMut, TensorRef, Varlen, Window,
+    KvCache, Layout, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -1087,26 +1087,39 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
             extras,
         ))
     })?;
-    // Rows owned by no sequence (the padding row of an all-empty batch) are
-    // not written: compare only the owned ones.
+    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &format!("{c:?}"))
+}
+
+/// Checks a varlen call's O [total_q, H, D] and LSE [H, total_q] against the
+/// reference. Rows owned by no sequence (the padding row of an all-empty
+/// batch) are not written: only the owned ones are compared.
+fn check_packed_outputs<T: AttnElement>(
+    gpu: &Gpu,
+    o: &CudaSlice<T>,
+    lse: &CudaSlice<f32>,
+    cu_q: &[i32],
+    (tq, h, d): (usize, usize, usize),
+    want: &reference::RefOutput,
+    what: &str,
+) -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
     let owned = *cu_q.last().unwrap() as usize;
-    let o_host = s.clone_dtoh(&o).map_err(e)?;
-    let owned_layout = Layout::packed([owned, h, d]);
+    let o_host = gpu.stream.clone_dtoh(o).map_err(e)?;
     if owned > 0 {
         check_output(
             &o_host[..owned * h * d],
-            &owned_layout,
+            &Layout::packed([owned, h, d]),
             &want.o[..owned * h * d],
-            &format!("{c:?}"),
+            what,
         )?;
     }
-    let lse_host = s.clone_dtoh(&lse).map_err(e)?;
+    let lse_host = gpu.stream.clone_dtoh(lse).map_err(e)?;
     for hi in 0..h {
         let row = hi * tq;
         check_lse(
             &lse_host[row..row + owned],
             &want.lse[row..row + owned],
-            &format!("{c:?} head {hi}"),
+            &format!("{what} head {hi}"),
         )?;
     }
     Ok(())
@@ -1129,6 +1142,159 @@ fn varlen_strategy() -> impl Strategy<Value = VarlenCase> {
                 head_dim,
                 policy,
                 seed,
+            },
+        )
+}
+
+/// Packed queries against a paged KV cache (chunked prefill). The
+/// device-side key counts may be negative or past the capacity
+/// `page_size x max_pages`: the kernel clamps them to `[0, capacity]`.
+#[derive(Clone, Debug)]
+struct PagedVarlenCase {
+    /// (query rows, device-side key count) per sequence.
+    lens: Vec<(usize, i32)>,
+    page_size: usize,
+    max_pages: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    policy: Policy,
+    seed: u64,
+}
+
+fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (h, hk, d, batch) = (c.heads, c.kv_heads, c.head_dim, c.lens.len());
+    // The cache as the decode tests build it: each sequence's first
+    // (clamped) keys random, the rest NaN, pages shuffled in a pool with
+    // spare NaN pages, so any read past a sequence poisons its output.
+    let kv = KvCase {
+        batch,
+        seqlen_q: 0,
+        seqlen_new: 0,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: false,
+        page_size: Some(c.page_size),
+        max_pages: c.max_pages,
+        seqlens: c.lens.iter().map(|l| l.1).collect(),
+        seed: c.seed,
+    };
+    let cap = kv.capacity();
+    let st = make_kv_state::<T>(&kv, &mut rng);
+    let mut cu_q = vec![0i32];
+    let mut cu_k = vec![0i32];
+    let (mut k_packed, mut v_packed) = (Vec::new(), Vec::new());
+    for (bi, &(lq, n)) in c.lens.iter().enumerate() {
+        let keys = (n.max(0) as usize).min(cap);
+        let rows = bi * cap * hk * d..(bi * cap + keys) * hk * d;
+        k_packed.extend(to_f64(&st.k_logical[rows.clone()]));
+        v_packed.extend(to_f64(&st.v_logical[rows]));
+        cu_q.push(cu_q.last().unwrap() + lq as i32);
+        cu_k.push(cu_k.last().unwrap() + keys as i32);
+    }
+    let tq = (*cu_q.last().unwrap() as usize).max(1);
+    let tk = *cu_k.last().unwrap() as usize;
+    let max_q = c.lens.iter().map(|l| l.0).max().unwrap().max(1);
+    let ql = Layout::packed([tq, h, d]);
+    let pool = cache_layout(&kv, st.num_pages);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let q_host = random_values::<T>(&mut rng, tq * h * d);
+    let q = s.clone_htod(&q_host).map_err(e)?;
+    let k_pool = s
+        .clone_htod(&to_device_layout(&kv, &st, &st.k_logical))
+        .map_err(e)?;
+    let v_pool = s
+        .clone_htod(&to_device_layout(&kv, &st, &st.v_logical))
+        .map_err(e)?;
+    let cuq = s.clone_htod(&cu_q).map_err(e)?;
+    let seqlens_k = s.clone_htod(&kv.seqlens).map_err(e)?;
+    let table = s.clone_htod(&st.table).map_err(e)?;
+    let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
+    let mut o = poisoned::<T>(gpu, tq * h * d)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; h * tq]).map_err(e)?;
+    let shape = VarlenShape {
+        batch,
+        total_q: tq,
+        total_k: tk,
+        max_seqlen_q: max_q,
+        max_seqlen_k: cap,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: c.policy.causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        window: c.policy.window,
+        softcap: c.policy.softcap,
+    };
+    let want = with_options(&c.policy, &data, |opts, extras| {
+        let (cq, sk) = (cuq.as_view(), seqlens_k.as_view());
+        let block_table = BlockTable {
+            table: table.as_view(),
+            max_pages: c.max_pages,
+        };
+        let mut lse_view = lse.as_view_mut();
+        gpu.fa
+            .forward_varlen_paged(
+                s,
+                &TensorRef::new(q.as_view(), ql),
+                &TensorRef::new(k_pool.as_view(), pool),
+                &TensorRef::new(v_pool.as_view(), pool),
+                &mut TensorMut::new(o.as_view_mut(), ql),
+                Some(&mut lse_view),
+                &PagedVarlen {
+                    cu_seqlens_q: &cq,
+                    max_seqlen_q: max_q,
+                    seqlens_k: &sk,
+                    block_table: &block_table,
+                },
+                opts,
+            )
+            .map_err(|x| x.to_string())?;
+        Ok::<_, String>(reference::varlen(
+            &shape,
+            &cu_q,
+            &cu_k,
+            &to_f64(&q_host),
+            &k_packed,
+            &v_packed,
+            extras,
+        ))
+    })?;
+    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &format!("{c:?}"))
+}
+
+fn varlen_paged_strategy() -> impl Strategy<Value = PagedVarlenCase> {
+    let q_len = prop_oneof![1 => Just(0usize), 1 => Just(1usize), 4 => 2usize..=200];
+    let k_len = prop_oneof![1 => -3i32..=0, 1 => Just(1i32), 6 => 2i32..=700];
+    (
+        prop::collection::vec((q_len, k_len), 1..=4),
+        // Below, at and above the forward tiles' 32/64-key blocks: pages that
+        // split a block are read row by row.
+        prop::sample::select(vec![16usize, 48, 64, 256]),
+        // Some capacities are one page short of the longest sequence.
+        prop::bool::weighted(0.3),
+        head_counts(),
+        head_dims(),
+        policy_strategy(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(lens, page_size, short, (heads, kv_heads), head_dim, policy, seed)| {
+                let longest = lens.iter().map(|l| l.1.max(1) as usize).max().unwrap();
+                let pages = longest.div_ceil(page_size);
+                PagedVarlenCase {
+                    lens,
+                    page_size,
+                    max_pages: if short { pages.max(2) - 1 } else { pages },
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    policy,
+                    seed,
+                }
             },
         )
 }
@@ -1621,6 +1787,18 @@ fn main() {
             trials.push(Trial::test(concat!("varlen_random_", $name), move || {
                 proptest_trial(&g, case_count(), varlen_strategy(), run_varlen::<$t>)
             }));
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("varlen_paged_random_", $name),
+                move || {
+                    proptest_trial(
+                        &g,
+                        case_count(),
+                        varlen_paged_strategy(),
+                        run_varlen_paged::<$t>,
+                    )
+                },
+            ));
             let g = gpu.clone();
             trials.push(Trial::test(
                 concat!("decode_policies_random_", $name),

@@ -52,7 +52,7 @@ pub struct AttnParams {
     /// Tokens appended to the cache just before this launch: sequence `b`
     /// attends to `cache_seqlens[b] + seqlen_new` keys (decode).
     pub seqlen_new: u32,
-    /// Paged cache (decode): [B, max_pages] i32 page indices, 0 for a
+    /// Paged cache (decode and ragged forward): [B, max_pages] i32 page indices, 0 for a
     /// contiguous cache. K/V are then [num_pages, page_size, Hkv, D] and the
     /// `batch` strides of `k_strides`/`v_strides` step from page to page.
     pub block_table: u64,
@@ -79,6 +79,9 @@ pub struct AttnParams {
     /// Varlen: i32 [B + 1] starts of each sequence in the packed Q/O and K/V
     /// rows; 0 = the dense [B, S, ...] layout. Q/O are then [total_q, H, D]
     /// (batch strides unused), K/V [total_k, Hkv, D], the LSE [H, total_q].
+    /// With a `block_table`, K/V are a paged cache instead and `cu_seqlens_k`
+    /// holds i32 [B] key counts, clamped to `total_k` = the capacity per
+    /// sequence (chunked prefill).
     pub cu_seqlens_q: u64,
     pub cu_seqlens_k: u64,
     /// Packed rows of Q and of K/V: the bounds the kernel clamps every

@@ -59,6 +59,24 @@ fn packed_range(cu_seqlens: u64, b: u32, total: u32) -> (u32, u32) {
     index::clamp_range(start, end, total)
 }
 
+/// (start, length) of sequence `b`'s keys. Packed K/V: rows
+/// `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`. A paged cache (a block table is
+/// set): `cu_seqlens_k` holds i32 [B] key counts and every sequence starts at
+/// its own page 0. Either way the range is clamped by [`packed_range`]'s
+/// rule to `[0, total_k]` (for a paged cache, its capacity per sequence).
+/// Both entries are loaded and the start selected afterwards: a branch
+/// around the load made the D=128 forward kernel spill on sm_90 (253 -> 255
+/// registers and 4-16 bytes of stack); `b` < B, so entry `b` is in bounds for
+/// either layout.
+#[inline(always)]
+fn key_range(p: &AttnParams, b: u32) -> (u32, u32) {
+    let counts = (p.block_table != 0) as u64;
+    let at = |i: u64| global::ld_nc_s32(p.cu_seqlens_k + i * 4);
+    let (first, end) = (at(b as u64), at(b as u64 + 1 - counts));
+    let start = if counts != 0 { 0 } else { first };
+    index::clamp_range(start, end, p.total_k)
+}
+
 impl BlockInfo {
     /// `heaviest_first` visits query blocks in reverse: with a causal mask the
     /// last blocks see the most keys, and starting them first shortens the tail
@@ -89,16 +107,17 @@ impl BlockInfo {
         let varlen = L::RAGGED && p.cu_seqlens_q != 0;
         let (addr_batch, q_start, seqlen_q, k_start, mut seqlen_k) = if varlen {
             let (q_start, seqlen_q) = packed_range(p.cu_seqlens_q, batch, p.total_q);
-            let (k_start, seqlen_k) = packed_range(p.cu_seqlens_k, batch, p.total_k);
+            let (k_start, seqlen_k) = key_range(p, batch);
             (0, q_start, seqlen_q, k_start, seqlen_k)
         } else {
             (batch, 0, p.seqlen_q, 0, p.seqlen_k)
         };
         // Device-side lengths are clamped to the cache capacity so a bad entry
         // cannot make the kernel read outside the cache. Only decode reads a
-        // KV cache (`packed` is true exactly for it); compiling the load out of
-        // the forward kernel keeps seqlen_k a launch parameter (uniform
-        // register) instead of a per-thread register live through the loop.
+        // KV cache this way (`packed` is true exactly for it); compiling the
+        // load out of the forward kernel keeps seqlen_k a launch parameter
+        // (uniform register) instead of a per-thread register live through
+        // the loop.
         if packed && p.cache_seqlens != 0 {
             let n = global::ld_nc_s32(p.cache_seqlens + batch as u64 * 4);
             seqlen_k = (n.max(0) as u32)
