@@ -214,7 +214,10 @@ fn policy_args<'a>(
         Some(v) => v.device_ptr(stream),
         None => (0, SyncOnDrop::Record(None)),
     };
-    let (softcap_pre, softcap_post) = opts.softcap.map_or((0.0, 0.0), |c| (scale / c, c / scale));
+    // With a softcap the kernel's S is tanh(scale · q·k / c), which c turns
+    // into logits: c takes the softmax scale's place as the logit factor.
+    let softcap_pre = opts.softcap.map_or(0.0, |c| scale / c);
+    let logit_factor = opts.softcap.unwrap_or(scale);
     let modified = opts.softcap.is_some() || alibi != 0 || sinks != 0;
     PolicyArgs {
         need: Policies {
@@ -230,12 +233,11 @@ fn policy_args<'a>(
             window_left: window_bound(mask.left),
             window_right: window_bound(mask.right),
             softcap_pre,
-            softcap_post,
             alibi,
             alibi_batch_stride,
-            inv_scale: 1.0 / scale,
+            inv_scale: 1.0 / logit_factor,
             sinks,
-            scale_log2: scale * std::f32::consts::LOG2_E,
+            scale_log2: logit_factor * std::f32::consts::LOG2_E,
             ..Default::default()
         },
         _guards: [alibi_guard, sinks_guard],

@@ -47,7 +47,9 @@ pub struct AttnParams {
     pub seqlen_k: u32,
     pub pack: u32,
     pub num_splits: u32,
-    /// softmax_scale * log2(e): the kernels work in the exp2 domain.
+    /// log2(e) times the factor that turns S into logits: softmax_scale, or
+    /// the softcap c when a softcap is set (S is then tanh(scale * q·k / c)).
+    /// The kernels work in the exp2 domain.
     pub scale_log2: f32,
     /// Tokens appended to the cache just before this launch: sequence `b`
     /// attends to `cache_seqlens[b] + seqlen_new` keys (decode).
@@ -63,16 +65,16 @@ pub struct AttnParams {
     /// bottom-right-aligned diagonal; negative = unbounded on that side.
     pub window_left: i32,
     pub window_right: i32,
-    /// Softcap in raw q·k units: S <- softcap_post * tanh(S * softcap_pre),
-    /// with pre = scale / c and post = c / scale, so that scale * S is
-    /// c * tanh(scale * q·k / c). 0 = off.
+    /// Softcap: S <- tanh(S * softcap_pre) with pre = scale / c, so that S
+    /// times the logit factor c (in `scale_log2`) is c * tanh(scale * q·k /
+    /// c). Folding c into `scale_log2` saves a multiply per score. 0 = off.
     pub softcap_pre: f32,
-    pub softcap_post: f32,
     /// f32 ALiBi slopes: slope (b, h) at `alibi + (b * alibi_batch_stride + h) * 4`
     /// ([heads]: stride 0; [batch, heads]: stride heads). 0 = off.
     pub alibi: u64,
     pub alibi_batch_stride: u32,
-    /// 1 / softmax_scale: the ALiBi bias enters S in raw q·k units.
+    /// 1 / the logit factor of `scale_log2` (softmax_scale, or c): the
+    /// ALiBi bias enters S in S's own units.
     pub inv_scale: f32,
     /// f32 [heads] attention-sink logits (natural log); 0 = none.
     pub sinks: u64,

@@ -88,9 +88,9 @@ impl Seq for Ragged {
 }
 
 /// The score modifiers of a CTA, read once from the launch parameters.
-/// Scores stay in raw q·k units (the softmax multiplies by scale·log2(e)), so
-/// the softcap is `post · tanh(pre · S)` with pre = scale / c, post = c /
-/// scale, and the ALiBi bias is divided by the scale.
+/// Scores stay in S units, which the softmax turns into logits by the factor
+/// in `scale_log2` (softmax_scale, or the softcap c): the softcap is `tanh(pre
+/// · S)` with pre = scale / c, and the ALiBi bias is divided by that factor.
 #[derive(Clone, Copy)]
 pub struct Modifiers {
     pub softcap: bool,
@@ -106,7 +106,7 @@ impl Modifiers {
         }
     }
 
-    /// ALiBi slope of (batch, head) over the softmax scale (raw q·k units).
+    /// ALiBi slope of (batch, head) over the logit factor (S units).
     #[inline(always)]
     pub fn slope(p: &AttnParams, batch: u32, head: u32) -> f32 {
         let index = batch as u64 * p.alibi_batch_stride as u64 + head as u64;
@@ -128,7 +128,7 @@ impl Modifiers {
     ) {
         if self.softcap {
             unroll::<ST>(|j| {
-                unroll::<4>(|e| s[j][e] = p.softcap_post * math::tanh(s[j][e] * p.softcap_pre));
+                unroll::<4>(|e| s[j][e] = math::tanh(s[j][e] * p.softcap_pre));
             });
         }
         if self.alibi {
