@@ -492,7 +492,7 @@ impl FlashAttention {
             stream,
         );
         let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
-        let tile = AttnTile::of(KernelKind::Forward, shape.head_dim);
+        let tile = kernel.entry.tile();
         let packed = packed.unwrap_or_default();
         let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {

@@ -1768,16 +1768,23 @@ mod config {
                             .unwrap_or_else(|| panic!("{kind:?} {dtype:?} hd{hd} {need:?}"));
                         assert_eq!((e.kind, e.dtype, e.head_dim), (kind, dtype, hd));
                         assert!(e.policies.covers(need), "{e:?} for {need:?}");
-                        // No other entry that covers the need is more specialised.
+                        // No other entry that covers the need is more
+                        // specialised (covered by the chosen one).
                         for other in ENTRIES
                             .iter()
                             .filter(|o| o.kind == kind && o.dtype == dtype && o.head_dim == hd)
                         {
-                            if other.policies.covers(need) {
-                                assert!(
-                                    e.policies.mask <= other.policies.mask,
-                                    "{e:?} vs {other:?}"
-                                );
+                            if other.policies.covers(need) && e.policies.covers(other.policies) {
+                                assert_eq!(other.policies, e.policies, "{e:?} vs {other:?}");
+                            }
+                        }
+                        // Forward problems that the specialised lines cover get them.
+                        if kind == KernelKind::Forward && need.seq == SeqKind::Dense {
+                            if need.mask == MaskKind::Causal {
+                                assert_eq!(e.policies.mask, MaskKind::Causal, "{e:?}");
+                            }
+                            if need.score == ScoreKind::Plain {
+                                assert_eq!(e.policies.score, ScoreKind::Plain, "{e:?}");
                             }
                         }
                         // Plain full and causal problems get their plain kernels.
@@ -1802,13 +1809,22 @@ mod config {
 
     #[test]
     fn tiles_satisfy_the_kernels_assumptions() {
-        for (hd, kind) in SUPPORTED_HEAD_DIMS
-            .into_iter()
-            .flat_map(|hd| [(hd, KernelKind::Forward), (hd, KernelKind::Decode)])
-        {
-            let t = AttnTile::for_kernel(kind, hd).expect("supported head dim has a tile");
+        // Every table line's tile: its head dim's, or a variant of it that
+        // differs only in block_n.
+        let attention = ENTRIES
+            .iter()
+            .filter(|e| matches!(e.kind, KernelKind::Forward | KernelKind::Decode));
+        for (hd, kind, t) in attention.map(|e| (e.head_dim, e.kind, e.tile())) {
+            let base = AttnTile::for_kernel(kind, hd).expect("supported head dim has a tile");
             assert!(AttnTile::supports(hd));
-            assert_eq!(t, AttnTile::of(kind, hd));
+            assert_eq!(base, AttnTile::of(kind, hd));
+            assert_eq!(
+                AttnTile {
+                    block_n: base.block_n,
+                    ..t
+                },
+                base
+            );
             assert_eq!(t.head_dim, hd);
             assert_eq!(hd % MMA_K, 0, "hd{hd}");
             assert_eq!(hd % CHUNK_ELEMS, 0, "hd{hd}");
@@ -1908,7 +1924,8 @@ mod config {
                     assert_eq!(e.min_ctas_per_sm(), None);
                 }
                 _ => {
-                    let t = AttnTile::of(e.kind, e.head_dim);
+                    let t = AttnTile::of_variant(e.kind, e.head_dim, e.policies);
+                    assert_eq!(e.tile(), t);
                     assert_eq!(e.threads(), t.threads());
                     assert_eq!(e.smem_bytes(), t.smem_bytes());
                 }

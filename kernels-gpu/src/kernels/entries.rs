@@ -7,7 +7,7 @@ use super::decode::decode;
 use super::element::{Bf16, F16};
 use super::mainloop::attention;
 use super::merge::merge;
-use super::policy::{Causal, Dense, Full, Local, Modified, Plain, Ragged};
+use super::policy::{policies, Causal, Dense, Full, Local, Modified, Plain, Ragged};
 use crate::config::{attention_variants, AttnTile, KernelKind};
 use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
 
@@ -42,6 +42,17 @@ macro_rules! ty {
     };
 }
 
+/// The forward tile of a table line.
+macro_rules! forward_tile {
+    ($d:literal, $mask:ident, $score:ident, $seq:ident) => {
+        AttnTile::of_variant(
+            KernelKind::Forward,
+            $d,
+            policies::<ty!($mask), ty!($score), ty!($seq)>(),
+        )
+    };
+}
+
 /// The body of one entry of each kind.
 macro_rules! entry_body {
     (fwd, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
@@ -51,10 +62,10 @@ macro_rules! entry_body {
             ty!($score),
             ty!($seq),
             $d,
-            { AttnTile::of(KernelKind::Forward, $d).m_tiles },
+            { forward_tile!($d, $mask, $score, $seq).m_tiles },
             { $d / 16 },
             { $d / 8 },
-            { AttnTile::of(KernelKind::Forward, $d).block_n / 8 },
+            { forward_tile!($d, $mask, $score, $seq).block_n / 8 },
         >(&$p)
     };
     (decode, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {

@@ -11,7 +11,7 @@ use super::epilogue;
 use super::kv_ring::{self, KvRing};
 use super::lane::Lane;
 use super::mask;
-use super::policy::{Mask, Modifiers, Scores, Seq};
+use super::policy::{policies, Mask, Modifiers, Scores, Seq};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
@@ -47,9 +47,9 @@ pub fn attention<
 >(
     p: &AttnParams,
 ) {
-    let tile = const { AttnTile::of(KernelKind::Forward, D) };
+    let tile = const { AttnTile::of_variant(KernelKind::Forward, D, policies::<M, S, L>()) };
     const {
-        let t = AttnTile::of(KernelKind::Forward, D);
+        let t = AttnTile::of_variant(KernelKind::Forward, D, policies::<M, S, L>());
         assert!(MT == t.m_tiles && QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == t.block_n);
         assert!(t.kv_stages >= 2, "the ring needs a stage in flight");
     }
@@ -116,15 +116,15 @@ pub fn attention<
         // Both choices were measured (docs/perf-notes.md, v3/v4).
         let masked = info.block_needs_mask(n, tile.block_n as u32);
         if !matches!(M::KIND, MaskKind::Full) || S::MODIFIED {
-            kv_block::<T, M, S, D, MT, QK, OT, ST>(
+            kv_block::<T, M, S, L, D, MT, QK, OT, ST>(
                 p, &info, base, lane, &mut w, n, slot, masked, mods, slope,
             );
         } else if masked {
-            kv_block::<T, M, S, D, MT, QK, OT, ST>(
+            kv_block::<T, M, S, L, D, MT, QK, OT, ST>(
                 p, &info, base, lane, &mut w, n, slot, true, mods, slope,
             );
         } else {
-            kv_block::<T, M, S, D, MT, QK, OT, ST>(
+            kv_block::<T, M, S, L, D, MT, QK, OT, ST>(
                 p, &info, base, lane, &mut w, n, slot, false, mods, slope,
             );
         }
@@ -157,6 +157,7 @@ fn kv_block<
     T: Element,
     M: Mask,
     S: Scores,
+    L: Seq,
     const D: usize,
     const MT: usize,
     const QK: usize,
@@ -174,7 +175,7 @@ fn kv_block<
     mods: Modifiers,
     slope: f32,
 ) {
-    let tile = const { AttnTile::of(KernelKind::Forward, D) };
+    let tile = const { AttnTile::of_variant(KernelKind::Forward, D, policies::<M, S, L>()) };
     let bn = tile.block_n as u32;
 
     // S = Q·K(n)ᵀ. Per k-step: one A fragment per m-tile, and one ldmatrix.x4

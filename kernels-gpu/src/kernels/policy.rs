@@ -7,7 +7,7 @@
 //! their settings from the launch parameters (uniform branches).
 use super::unroll::unroll;
 use crate::arch::{global, math};
-use crate::config::{MaskKind, ScoreKind, SeqKind};
+use crate::config::{MaskKind, Policies, ScoreKind, SeqKind};
 use crate::params::AttnParams;
 
 pub trait Mask {
@@ -85,6 +85,15 @@ impl Seq for Dense {
 }
 impl Seq for Ragged {
     const KIND: SeqKind = SeqKind::Ragged;
+}
+
+/// The config table's description of a policy triple (it selects the tile).
+pub const fn policies<M: Mask, S: Scores, L: Seq>() -> Policies {
+    Policies {
+        mask: M::KIND,
+        score: S::KIND,
+        seq: L::KIND,
+    }
 }
 
 /// The score modifiers of a CTA, read once from the launch parameters.
