@@ -2,12 +2,26 @@
 //! table, and writes one JSON object per line to `target/flash-attn-bench.jsonl`
 //! (or `--json PATH`).
 //!
-//! Each sample is a batch of back-to-back launches between two events, divided
-//! by the batch size, so the GPU stays busy and host-side validation and launch
-//! overlap the previous launch (as in a real model); the reported time is the
-//! median sample. Inputs are rotated over enough copies to defeat the L2 cache.
-//! Inputs are uniform in [-1, 1): one random tile of up to 1M values per
-//! buffer, repeated on the device, and the rotated copies are device copies.
+//! Two timing methods; each JSON line says which in `"timing"`:
+//!
+//! - `events` (the default): each sample is a batch of back-to-back launches
+//!   between two events, divided by the batch size, so the GPU stays busy and
+//!   host-side validation and launch overlap the previous launch (as in a real
+//!   model); the reported time is the median of 50 samples (10 with `--quick`).
+//! - `graph` (as servers run a decode step, with no host dispatch at all): `N`
+//!   launches captured in one CUDA graph on a non-default stream, launch `i`
+//!   reading rotated copy `i % copies`; `N` is enough for about 0.5 ms (from 3
+//!   uncaptured launches) and at least the number of copies, within 16..=1024.
+//!   After 2 warm-up replays, 20 replays (5 with `--quick`) run back to back
+//!   with an event between consecutive ones; a sample is one replay's time / `N`,
+//!   and the median sample is reported. Decode rows use a preallocated
+//!   `DecodeWorkspace`, so nothing is allocated during capture.
+//!   `scripts/compare-torch.py --timer graph` times PyTorch the same way.
+//!
+//! Inputs are rotated over enough copies to exceed 256 MiB, which defeats the
+//! L2 cache (at most 64 copies for `events`, 1024 for `graph`; one for inputs
+//! above 256 MiB). Inputs are uniform in [-1, 1): one random tile of up to 1M
+//! values per buffer, repeated on the device, and the copies are device copies.
 //!
 //! The 16k-token sweep keeps hidden = heads * D at 2048 where D divides it
 //! (heads = 2048 / D, rounded down: D=96 runs 21 heads, hidden 2016), the same
@@ -26,15 +40,16 @@
 //!
 //! Options: `--filter SUBSTR` (matches the printed shape label, which ends with
 //! the policy name, e.g. `window4096`, `softcap50`, `alibi`, `sinks0.5`,
-//! `varlen`; a policy row's plain reference row runs with it), `--quick`
-//! (fewer repetitions), `--json PATH`, `--list` (print the selected rows'
-//! labels, FLOPs and bytes and exit; needs no GPU). Without a GPU it says so
-//! and exits 0.
+//! `varlen`; a policy row's plain reference row runs with it), `--timing
+//! events|graph` (every selected row timed that way), `--quick` (fewer
+//! repetitions), `--json PATH`, `--list` (print the selected rows' labels,
+//! FLOPs, bytes and timing and exit; needs no GPU). Without a GPU it says so
+//! and exits 0. Every JSON line carries `"timing"` and `"origin"`.
 use std::io::Write;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut, TensorRef,
     Varlen, Window,
@@ -54,6 +69,13 @@ const RANDOM_TILE: usize = 1 << 20;
 /// Launches per timed batch are chosen to fill about this much GPU time.
 const BATCH_TARGET_MS: f64 = 0.5;
 const MAX_BATCH: usize = 64;
+/// Graph timing: launches per captured graph (enough for about
+/// `BATCH_TARGET_MS` and for one launch per rotated copy, within these
+/// bounds; graph rows rotate over up to `GRAPH_MAX_LAUNCHES` copies).
+const GRAPH_MIN_LAUNCHES: usize = 16;
+const GRAPH_MAX_LAUNCHES: usize = 1024;
+/// Untimed replays before the timed ones.
+const GRAPH_WARMUP: usize = 2;
 /// The varlen rows: this many sequences of random lengths in `VARLEN_LENS`.
 const VARLEN_SEQS: usize = 16;
 const VARLEN_LENS: std::ops::RangeInclusive<usize> = 64..=2048;
@@ -118,6 +140,29 @@ impl Policy {
     }
 }
 
+/// How a row is timed (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Timing {
+    /// Batches of back-to-back launches between two events.
+    Events,
+    /// Replays of one CUDA graph of captured launches.
+    Graph,
+}
+
+impl Timing {
+    fn name(self) -> &'static str {
+        match self {
+            Timing::Events => "events",
+            Timing::Graph => "graph",
+        }
+    }
+    fn parse(text: &str) -> Option<Timing> {
+        [Timing::Events, Timing::Graph]
+            .into_iter()
+            .find(|t| t.name() == text)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Forward,
@@ -174,6 +219,10 @@ impl Shape {
         } else {
             format!(" {}", self.policy.name())
         }
+    }
+    /// Events unless `--timing` says otherwise.
+    fn timing(&self, forced: Option<Timing>) -> Timing {
+        forced.unwrap_or(Timing::Events)
     }
     /// A `policy-*` row: exact visible-pair FLOPs, its own JSON keys.
     fn is_policy_row(&self) -> bool {
@@ -381,10 +430,30 @@ fn shapes() -> Vec<Shape> {
     v
 }
 
-struct Bench {
+/// One row's timing method, with the stream it runs on (graph rows need a
+/// stream that can be captured, not the legacy default stream).
+struct Bench<'a> {
     stream: Arc<CudaStream>,
-    fa: FlashAttention,
+    fa: &'a FlashAttention,
     reps: usize,
+    timing: Timing,
+}
+
+impl Bench<'_> {
+    /// Rotated input copies at most: a graph touches each in one replay.
+    fn max_rotations(&self) -> usize {
+        match self.timing {
+            Timing::Events => MAX_ROTATIONS,
+            Timing::Graph => GRAPH_MAX_LAUNCHES,
+        }
+    }
+    /// Median milliseconds per launch; `launch(i)` reads copy `i % sets`.
+    fn time(&self, sets: usize, launch: impl FnMut(usize)) -> f64 {
+        match self.timing {
+            Timing::Events => time_median(&self.stream, self.reps, launch),
+            Timing::Graph => time_graph(&self.stream, self.reps, sets, launch),
+        }
+    }
 }
 
 /// `n` random values in [-1, 1): a tile of at most [`RANDOM_TILE`] drawn on
@@ -413,6 +482,19 @@ fn random_buffer<T: AttnElement>(
     buf
 }
 
+fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
+    stream
+        .context()
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event")
+}
+
+/// The upper median, as every timing here reports it.
+fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
 /// Milliseconds per launch over one batch of `n` back-to-back launches.
 fn time_batch(
     stream: &Arc<CudaStream>,
@@ -420,13 +502,7 @@ fn time_batch(
     next: &mut usize,
     launch: &mut impl FnMut(usize),
 ) -> f64 {
-    let ctx = stream.context();
-    let start = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("event");
-    let end = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("event");
+    let (start, end) = (timing_event(stream), timing_event(stream));
     start.record(stream).expect("record");
     for _ in 0..n {
         launch(*next);
@@ -442,11 +518,53 @@ fn time_median(stream: &Arc<CudaStream>, reps: usize, mut launch: impl FnMut(usi
     let mut next = 0;
     let estimate = time_batch(stream, 3, &mut next, &mut launch);
     let batch = ((BATCH_TARGET_MS / estimate).ceil() as usize).clamp(1, MAX_BATCH);
-    let mut samples: Vec<f64> = (0..reps)
-        .map(|_| time_batch(stream, batch, &mut next, &mut launch))
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    median(
+        (0..reps)
+            .map(|_| time_batch(stream, batch, &mut next, &mut launch))
+            .collect(),
+    )
+}
+
+/// Median milliseconds per launch as servers run a decode step: `n` launches
+/// captured in one CUDA graph (launch `i` reads copy `i % sets`; `n` covers
+/// every copy and about `BATCH_TARGET_MS`), [`GRAPH_WARMUP`] replays, then
+/// `reps` replays back to back with an event between consecutive ones, each
+/// sample divided by `n`. The launches must not allocate or synchronize.
+fn time_graph(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    sets: usize,
+    mut launch: impl FnMut(usize),
+) -> f64 {
+    let estimate = time_batch(stream, 3, &mut 0, &mut launch);
+    let n = ((BATCH_TARGET_MS / estimate).ceil() as usize)
+        .max(sets)
+        .clamp(GRAPH_MIN_LAUNCHES, GRAPH_MAX_LAUNCHES);
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    (0..n).for_each(&mut launch);
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("end capture")
+        .expect("a captured graph");
+    for _ in 0..GRAPH_WARMUP {
+        graph.launch().expect("replay");
+    }
+    // Queued behind the warm-up, so no replay waits for the host.
+    let events: Vec<CudaEvent> = (0..=reps).map(|_| timing_event(stream)).collect();
+    events[0].record(stream).expect("record");
+    for event in &events[1..] {
+        graph.launch().expect("replay");
+        event.record(stream).expect("record");
+    }
+    events[reps].synchronize().expect("sync");
+    median(
+        events
+            .windows(2)
+            .map(|w| w[0].elapsed_ms(&w[1]).expect("elapsed") as f64 / n as f64)
+            .collect(),
+    )
 }
 
 /// Random Q, K, V and enough device copies of them to defeat the L2 cache
@@ -454,7 +572,7 @@ fn time_median(stream: &Arc<CudaStream>, reps: usize, mut launch: impl FnMut(usi
 fn random_sets<T: AttnElement>(b: &Bench, q_len: usize, kv_len: usize) -> Vec<[CudaSlice<T>; 3]> {
     let mut rng = StdRng::seed_from_u64(0x5eed);
     let set_bytes = (2 * q_len + 2 * kv_len) * 2;
-    let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, MAX_ROTATIONS);
+    let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, b.max_rotations());
     let first = [q_len, kv_len, kv_len].map(|n| random_buffer::<T>(&b.stream, &mut rng, n));
     let copies: Vec<_> = (1..sets)
         .map(|_| {
@@ -526,8 +644,8 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
     if let Some(page) = s.page_size {
         return run_paged::<T>(b, s, page, inputs, o, seqlens, workspace, sets);
     }
-    let reps = b.reps;
-    time_median(&b.stream, reps, |i| {
+    // Decode rows pass a preallocated workspace: graph capture cannot allocate.
+    b.time(sets, |i| {
         let [q, k, v] = &inputs[i % sets];
         let q = TensorRef::new(q.as_view(), q_layout);
         let k = TensorRef::new(k.as_view(), kv_layout);
@@ -583,7 +701,7 @@ fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
         .stream
         .alloc_zeros::<T>(total * s.heads * s.head_dim)
         .expect("alloc");
-    time_median(&b.stream, b.reps, |i| {
+    b.time(sets, |i| {
         let [q, k, v] = &inputs[i % sets];
         b.fa.forward_varlen(
             &b.stream,
@@ -628,7 +746,7 @@ fn run_paged<T: AttnElement>(
         softmax_scale: None,
         ..Default::default()
     };
-    time_median(&b.stream, b.reps, |i| {
+    b.time(sets, |i| {
         let [q, k, v] = &mut inputs[i % sets];
         let mut cache = flash_attn::KvCache {
             k: TensorMut::new(k.as_view_mut(), pool),
@@ -663,6 +781,13 @@ fn main() {
     };
     let filter = value_of("--filter");
     let quick = args.iter().any(|a| a == "--quick");
+    let forced_timing = value_of("--timing").map(|t| {
+        Timing::parse(&t).unwrap_or_else(|| {
+            eprintln!("--timing wants events or graph, not {t:?}");
+            std::process::exit(2)
+        })
+    });
+    let timing_of = |s: &Shape| s.timing(forced_timing);
     let json_path = value_of("--json").unwrap_or_else(|| {
         let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
         format!("{dir}/flash-attn-bench.jsonl")
@@ -686,10 +811,11 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         for s in &selected {
             println!(
-                "{:<70} {:>12.3} GFLOP {:>10.1} MB",
+                "{:<70} {:>12.3} GFLOP {:>10.1} MB  {}",
                 s.label(),
                 s.flops() / 1e9,
-                s.bytes() / 1e6
+                s.bytes() / 1e6,
+                timing_of(s).name()
             );
         }
         println!("{} rows", selected.len());
@@ -703,18 +829,34 @@ fn main() {
         return;
     }
     let ctx = CudaContext::new(0).expect("CUDA context");
+    // SAFETY: every buffer is used only on the stream that allocated it (its
+    // row's), so no cross-stream events are needed; stream capture would
+    // reject waits on events recorded outside it.
+    unsafe { ctx.disable_event_tracking() };
     let fa = FlashAttention::new(&ctx).expect("load flash-attn kernels");
-    let bench = Bench {
-        stream: ctx.default_stream(),
-        fa,
-        reps: if quick { 10 } else { 50 },
+    // Events rows keep the legacy default stream; capture needs another one.
+    let (default_stream, graph_stream) =
+        (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
+    let bench_for = |timing| match timing {
+        Timing::Events => Bench {
+            stream: default_stream.clone(),
+            fa: &fa,
+            reps: if quick { 10 } else { 50 },
+            timing,
+        },
+        Timing::Graph => Bench {
+            stream: graph_stream.clone(),
+            fa: &fa,
+            reps: if quick { 5 } else { 20 },
+            timing,
+        },
     };
     println!(
         "device: {} (sm_{}{}, {} SMs), PTX from {}",
         ctx.name().unwrap_or_default(),
-        bench.fa.compute_capability().0,
-        bench.fa.compute_capability().1,
-        bench.fa.num_sms(),
+        fa.compute_capability().0,
+        fa.compute_capability().1,
+        fa.num_sms(),
         flash_attn::PTX_SOURCE
     );
     if let Some(dir) = std::path::Path::new(&json_path).parent() {
@@ -723,7 +865,7 @@ fn main() {
     let mut json = std::fs::File::create(&json_path).expect("create the JSON-lines file");
 
     println!(
-        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>8} {:>8}  origin",
+        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>6} {:>8} {:>8}  origin",
         "kernel",
         "dtype",
         "B",
@@ -734,6 +876,7 @@ fn main() {
         "D",
         "causal",
         "median_ms",
+        "timing",
         "TFLOP/s",
         "GB/s"
     );
@@ -741,6 +884,8 @@ fn main() {
     let mut plain_rows: Vec<(Shape, f64, f64)> = Vec::new();
     for s in selected {
         let is_reference = s.is_policy_row() && s.policy == Policy::None;
+        let timing = timing_of(&s);
+        let bench = bench_for(timing);
         let ms = match s.dtype {
             Dtype::F16 => run_shape::<f16>(&bench, &s),
             Dtype::Bf16 => run_shape::<bf16>(&bench, &s),
@@ -775,7 +920,7 @@ fn main() {
             "decode"
         };
         println!(
-            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>8.1} {:>8.0}  {}",
+            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>6} {:>8.1} {:>8.0}  {}",
             kernel,
             s.dtype.name(),
             s.batch,
@@ -786,6 +931,7 @@ fn main() {
             s.head_dim,
             s.causal,
             ms,
+            timing.name(),
             tflops,
             gbps,
             s.page_size
@@ -806,12 +952,13 @@ fn main() {
             "median_ms": ms,
             "tflops": tflops,
             "gbps": gbps,
+            "timing": timing.name(),
+            "origin": s.origin,
         });
         if s.is_policy_row() {
             // compare-torch.py skips lines with a "policy" key (no baseline).
             let extra = line.as_object_mut().expect("a JSON object");
             extra.insert("policy".into(), s.policy.name().into());
-            extra.insert("origin".into(), s.origin.into());
             extra.insert("flops".into(), s.flops().into());
             if let Some((key, value, plain_ms)) = versus {
                 extra.insert(key.into(), value.into());
