@@ -27,6 +27,14 @@
 //! (heads = 2048 / D, rounded down: D=96 runs 21 heads, hidden 2016), the same
 //! rule as `scripts/compare-torch.py`'s copy of the shape list.
 //!
+//! The `decode-graph` rows (issue 9: decode where it is launch-bound, timed as
+//! servers run it) are timed with `graph` unless `--timing events` is given:
+//! f16, causal (bottom-right, so new token `t` of `Sq` sees the cache up to
+//! `L - Sq + t`), `Sq` = 1 and 4 new tokens, B in {1, 4, 8, 32}, cache length L
+//! in {256, 1k, 4k, 16k, 64k}, heads GQA 32/8, MHA 32/32, Qwen 28/4 and SmolLM
+//! 9/3 at D=128 (SmolLM: D=64) plus GQA 32/8 at D=256; the two MHA cells at
+//! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
+//!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-scores` (softcap, ALiBi, sinks),
@@ -76,6 +84,23 @@ const GRAPH_MIN_LAUNCHES: usize = 16;
 const GRAPH_MAX_LAUNCHES: usize = 1024;
 /// Untimed replays before the timed ones.
 const GRAPH_WARMUP: usize = 2;
+/// The decode table of issue 9, timed with CUDA graphs by default: (heads,
+/// KV heads, head dim) for GQA 32/8, MHA 32/32, Qwen 28/4, GQA 32/8 at D=256
+/// and SmolLM 9/3, each at these new-token counts, batches and cache lengths.
+const DECODE_GRAPH: &str = "decode-graph";
+const DECODE_GRAPH_HEADS: [(usize, usize, usize); 5] = [
+    (32, 8, 128),
+    (32, 32, 128),
+    (28, 4, 128),
+    (32, 8, 256),
+    (9, 3, 64),
+];
+const DECODE_GRAPH_SEQLEN_Q: [usize; 2] = [1, 4];
+const DECODE_GRAPH_BATCHES: [usize; 4] = [1, 4, 8, 32];
+const DECODE_GRAPH_CACHES: [usize; 5] = [256, 1024, 4096, 16384, 65536];
+/// Cells whose K/V cache exceeds this are left out (caches this big have one
+/// copy, not rotated): MHA at B=32, L=64k (34 GB).
+const DECODE_GRAPH_MAX_BYTES: f64 = 20e9;
 /// The varlen rows: this many sequences of random lengths in `VARLEN_LENS`.
 const VARLEN_SEQS: usize = 16;
 const VARLEN_LENS: std::ops::RangeInclusive<usize> = 64..=2048;
@@ -220,9 +245,13 @@ impl Shape {
             format!(" {}", self.policy.name())
         }
     }
-    /// Events unless `--timing` says otherwise.
+    /// Graph for the `decode-graph` rows, else events, unless `--timing` says.
     fn timing(&self, forced: Option<Timing>) -> Timing {
-        forced.unwrap_or(Timing::Events)
+        forced.unwrap_or(if self.origin == DECODE_GRAPH {
+            Timing::Graph
+        } else {
+            Timing::Events
+        })
     }
     /// A `policy-*` row: exact visible-pair FLOPs, its own JSON keys.
     fn is_policy_row(&self) -> bool {
@@ -384,6 +413,21 @@ fn shapes() -> Vec<Shape> {
     }
     for cache in [256, 512, 1024, 2048, 4096] {
         v.push(dec(1, 9, 9, cache, 64, "seed-SmolLM"));
+    }
+    for (heads, kv_heads, head_dim) in DECODE_GRAPH_HEADS {
+        for seqlen_q in DECODE_GRAPH_SEQLEN_Q {
+            for batch in DECODE_GRAPH_BATCHES {
+                for cache in DECODE_GRAPH_CACHES {
+                    let s = Shape {
+                        seqlen_q,
+                        ..dec(batch, heads, kv_heads, cache, head_dim, DECODE_GRAPH)
+                    };
+                    if s.bytes() <= DECODE_GRAPH_MAX_BYTES {
+                        v.push(s);
+                    }
+                }
+            }
+        }
     }
     // Policies (f16, ours only), each right after its plain row.
     let with = |s: Shape, policy| Shape { policy, ..s };
