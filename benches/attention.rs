@@ -2,14 +2,38 @@
 //! table, and writes one JSON object per line to `target/flash-attn-bench.jsonl`
 //! (or `--json PATH`).
 //!
-//! Each sample is a batch of back-to-back launches between two events, divided
-//! by the batch size, so the GPU stays busy and host-side validation and launch
-//! overlap the previous launch (as in a real model); the reported time is the
-//! median sample. Inputs are rotated over enough copies to defeat the L2 cache.
+//! Two timing methods; each JSON line says which in `"timing"`:
+//!
+//! - `events` (the default): each sample is a batch of back-to-back launches
+//!   between two events, divided by the batch size, so the GPU stays busy and
+//!   host-side validation and launch overlap the previous launch (as in a real
+//!   model); the reported time is the median of 50 samples (10 with `--quick`).
+//! - `graph` (as servers run a decode step, with no host dispatch at all): `N`
+//!   launches captured in one CUDA graph on a non-default stream, launch `i`
+//!   reading rotated copy `i % copies`; `N` is enough for about 0.5 ms (from 3
+//!   uncaptured launches) and at least the number of copies, within 16..=1024.
+//!   After 2 warm-up replays, 20 replays (5 with `--quick`) run back to back
+//!   with an event between consecutive ones; a sample is one replay's time / `N`,
+//!   and the median sample is reported. Decode rows use a preallocated
+//!   `DecodeWorkspace`, so nothing is allocated during capture.
+//!   `scripts/compare-torch.py --timer graph` times PyTorch the same way.
+//!
+//! Inputs are rotated over enough copies to exceed 256 MiB, which defeats the
+//! L2 cache (at most 64 copies for `events`, 1024 for `graph`; one for inputs
+//! above 256 MiB). Inputs are uniform in [-1, 1): one random tile of up to 1M
+//! values per buffer, repeated on the device, and the copies are device copies.
 //!
 //! The 16k-token sweep keeps hidden = heads * D at 2048 where D divides it
 //! (heads = 2048 / D, rounded down: D=96 runs 21 heads, hidden 2016), the same
 //! rule as `scripts/compare-torch.py`'s copy of the shape list.
+//!
+//! The `decode-graph` rows (issue 9: decode where it is launch-bound, timed as
+//! servers run it) are timed with `graph` unless `--timing events` is given:
+//! f16, causal (bottom-right, so new token `t` of `Sq` sees the cache up to
+//! `L - Sq + t`), `Sq` = 1 and 4 new tokens, B in {1, 4, 8, 32}, cache length L
+//! in {256, 1k, 4k, 16k, 64k}, heads GQA 32/8, MHA 32/32, Qwen 28/4 and SmolLM
+//! 9/3 at D=128 (SmolLM: D=64) plus GQA 32/8 at D=256; the two MHA cells at
+//! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
 //!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
@@ -24,15 +48,16 @@
 //!
 //! Options: `--filter SUBSTR` (matches the printed shape label, which ends with
 //! the policy name, e.g. `window4096`, `softcap50`, `alibi`, `sinks0.5`,
-//! `varlen`; a policy row's plain reference row runs with it), `--quick`
-//! (fewer repetitions), `--json PATH`, `--list` (print the selected rows'
-//! labels, FLOPs and bytes and exit; needs no GPU). Without a GPU it says so
-//! and exits 0.
+//! `varlen`; a policy row's plain reference row runs with it), `--timing
+//! events|graph` (every selected row timed that way), `--quick` (fewer
+//! repetitions), `--json PATH`, `--list` (print the selected rows' labels,
+//! FLOPs, bytes and timing and exit; needs no GPU). Without a GPU it says so
+//! and exits 0. Every JSON line carries `"timing"` and `"origin"`.
 use std::io::Write;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut, TensorRef,
     Varlen, Window,
@@ -45,9 +70,37 @@ use rand::{Rng, SeedableRng};
 /// repeated launches do not read them out of the L2 cache (50-60 MB on H100/H200).
 const ROTATE_BYTES: usize = 256 << 20;
 const MAX_ROTATIONS: usize = 64;
+/// Values drawn on the host per input buffer; longer buffers repeat them
+/// (device copies): drawing gigabytes on the host takes minutes, and the
+/// kernels' speed does not depend on the values.
+const RANDOM_TILE: usize = 1 << 20;
 /// Launches per timed batch are chosen to fill about this much GPU time.
 const BATCH_TARGET_MS: f64 = 0.5;
 const MAX_BATCH: usize = 64;
+/// Graph timing: launches per captured graph (enough for about
+/// `BATCH_TARGET_MS` and for one launch per rotated copy, within these
+/// bounds; graph rows rotate over up to `GRAPH_MAX_LAUNCHES` copies).
+const GRAPH_MIN_LAUNCHES: usize = 16;
+const GRAPH_MAX_LAUNCHES: usize = 1024;
+/// Untimed replays before the timed ones.
+const GRAPH_WARMUP: usize = 2;
+/// The decode table of issue 9, timed with CUDA graphs by default: (heads,
+/// KV heads, head dim) for GQA 32/8, MHA 32/32, Qwen 28/4, GQA 32/8 at D=256
+/// and SmolLM 9/3, each at these new-token counts, batches and cache lengths.
+const DECODE_GRAPH: &str = "decode-graph";
+const DECODE_GRAPH_HEADS: [(usize, usize, usize); 5] = [
+    (32, 8, 128),
+    (32, 32, 128),
+    (28, 4, 128),
+    (32, 8, 256),
+    (9, 3, 64),
+];
+const DECODE_GRAPH_SEQLEN_Q: [usize; 2] = [1, 4];
+const DECODE_GRAPH_BATCHES: [usize; 4] = [1, 4, 8, 32];
+const DECODE_GRAPH_CACHES: [usize; 5] = [256, 1024, 4096, 16384, 65536];
+/// Cells whose K/V cache exceeds this are left out (caches this big have one
+/// copy, not rotated): MHA at B=32, L=64k (34 GB).
+const DECODE_GRAPH_MAX_BYTES: f64 = 20e9;
 /// The varlen rows: this many sequences of random lengths in `VARLEN_LENS`.
 const VARLEN_SEQS: usize = 16;
 const VARLEN_LENS: std::ops::RangeInclusive<usize> = 64..=2048;
@@ -112,6 +165,29 @@ impl Policy {
     }
 }
 
+/// How a row is timed (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Timing {
+    /// Batches of back-to-back launches between two events.
+    Events,
+    /// Replays of one CUDA graph of captured launches.
+    Graph,
+}
+
+impl Timing {
+    fn name(self) -> &'static str {
+        match self {
+            Timing::Events => "events",
+            Timing::Graph => "graph",
+        }
+    }
+    fn parse(text: &str) -> Option<Timing> {
+        [Timing::Events, Timing::Graph]
+            .into_iter()
+            .find(|t| t.name() == text)
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
     Forward,
@@ -168,6 +244,14 @@ impl Shape {
         } else {
             format!(" {}", self.policy.name())
         }
+    }
+    /// Graph for the `decode-graph` rows, else events, unless `--timing` says.
+    fn timing(&self, forced: Option<Timing>) -> Timing {
+        forced.unwrap_or(if self.origin == DECODE_GRAPH {
+            Timing::Graph
+        } else {
+            Timing::Events
+        })
     }
     /// A `policy-*` row: exact visible-pair FLOPs, its own JSON keys.
     fn is_policy_row(&self) -> bool {
@@ -330,6 +414,21 @@ fn shapes() -> Vec<Shape> {
     for cache in [256, 512, 1024, 2048, 4096] {
         v.push(dec(1, 9, 9, cache, 64, "seed-SmolLM"));
     }
+    for (heads, kv_heads, head_dim) in DECODE_GRAPH_HEADS {
+        for seqlen_q in DECODE_GRAPH_SEQLEN_Q {
+            for batch in DECODE_GRAPH_BATCHES {
+                for cache in DECODE_GRAPH_CACHES {
+                    let s = Shape {
+                        seqlen_q,
+                        ..dec(batch, heads, kv_heads, cache, head_dim, DECODE_GRAPH)
+                    };
+                    if s.bytes() <= DECODE_GRAPH_MAX_BYTES {
+                        v.push(s);
+                    }
+                }
+            }
+        }
+    }
     // Policies (f16, ours only), each right after its plain row.
     let with = |s: Shape, policy| Shape { policy, ..s };
     for (causal, window) in [
@@ -375,21 +474,69 @@ fn shapes() -> Vec<Shape> {
     v
 }
 
-struct Bench {
+/// One row's timing method, with the stream it runs on (graph rows need a
+/// stream that can be captured, not the legacy default stream).
+struct Bench<'a> {
     stream: Arc<CudaStream>,
-    fa: FlashAttention,
+    fa: &'a FlashAttention,
     reps: usize,
+    timing: Timing,
 }
 
+impl Bench<'_> {
+    /// Rotated input copies at most: a graph touches each in one replay.
+    fn max_rotations(&self) -> usize {
+        match self.timing {
+            Timing::Events => MAX_ROTATIONS,
+            Timing::Graph => GRAPH_MAX_LAUNCHES,
+        }
+    }
+    /// Median milliseconds per launch; `launch(i)` reads copy `i % sets`.
+    fn time(&self, sets: usize, launch: impl FnMut(usize)) -> f64 {
+        match self.timing {
+            Timing::Events => time_median(&self.stream, self.reps, launch),
+            Timing::Graph => time_graph(&self.stream, self.reps, sets, launch),
+        }
+    }
+}
+
+/// `n` random values in [-1, 1): a tile of at most [`RANDOM_TILE`] drawn on
+/// the host, repeated on the device by doubling copies.
 fn random_buffer<T: AttnElement>(
     stream: &Arc<CudaStream>,
     rng: &mut StdRng,
     n: usize,
 ) -> CudaSlice<T> {
-    let host: Vec<T> = (0..n)
+    let tile: Vec<T> = (0..n.min(RANDOM_TILE))
         .map(|_| T::from_f64(rng.random_range(-1.0..1.0)))
         .collect();
-    stream.clone_htod(&host).expect("upload")
+    let mut buf = stream.alloc_zeros::<T>(n).expect("alloc");
+    stream
+        .memcpy_htod(&tile, &mut buf.slice_mut(..tile.len()))
+        .expect("upload");
+    let mut filled = tile.len();
+    while filled < n {
+        let len = filled.min(n - filled);
+        let (src, mut dst) = buf.split_at_mut(filled);
+        stream
+            .memcpy_dtod(&src.slice(..len), &mut dst.slice_mut(..len))
+            .expect("copy");
+        filled += len;
+    }
+    buf
+}
+
+fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
+    stream
+        .context()
+        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .expect("event")
+}
+
+/// The upper median, as every timing here reports it.
+fn median(mut samples: Vec<f64>) -> f64 {
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
 }
 
 /// Milliseconds per launch over one batch of `n` back-to-back launches.
@@ -399,13 +546,7 @@ fn time_batch(
     next: &mut usize,
     launch: &mut impl FnMut(usize),
 ) -> f64 {
-    let ctx = stream.context();
-    let start = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("event");
-    let end = ctx
-        .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-        .expect("event");
+    let (start, end) = (timing_event(stream), timing_event(stream));
     start.record(stream).expect("record");
     for _ in 0..n {
         launch(*next);
@@ -421,27 +562,70 @@ fn time_median(stream: &Arc<CudaStream>, reps: usize, mut launch: impl FnMut(usi
     let mut next = 0;
     let estimate = time_batch(stream, 3, &mut next, &mut launch);
     let batch = ((BATCH_TARGET_MS / estimate).ceil() as usize).clamp(1, MAX_BATCH);
-    let mut samples: Vec<f64> = (0..reps)
-        .map(|_| time_batch(stream, batch, &mut next, &mut launch))
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
+    median(
+        (0..reps)
+            .map(|_| time_batch(stream, batch, &mut next, &mut launch))
+            .collect(),
+    )
 }
 
-/// Random Q, K, V copies, enough of them to defeat the L2 cache.
+/// Median milliseconds per launch as servers run a decode step: `n` launches
+/// captured in one CUDA graph (launch `i` reads copy `i % sets`; `n` covers
+/// every copy and about `BATCH_TARGET_MS`), [`GRAPH_WARMUP`] replays, then
+/// `reps` replays back to back with an event between consecutive ones, each
+/// sample divided by `n`. The launches must not allocate or synchronize.
+fn time_graph(
+    stream: &Arc<CudaStream>,
+    reps: usize,
+    sets: usize,
+    mut launch: impl FnMut(usize),
+) -> f64 {
+    let estimate = time_batch(stream, 3, &mut 0, &mut launch);
+    let n = ((BATCH_TARGET_MS / estimate).ceil() as usize)
+        .max(sets)
+        .clamp(GRAPH_MIN_LAUNCHES, GRAPH_MAX_LAUNCHES);
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        .expect("begin capture");
+    (0..n).for_each(&mut launch);
+    let graph = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .expect("end capture")
+        .expect("a captured graph");
+    for _ in 0..GRAPH_WARMUP {
+        graph.launch().expect("replay");
+    }
+    // Queued behind the warm-up, so no replay waits for the host.
+    let events: Vec<CudaEvent> = (0..=reps).map(|_| timing_event(stream)).collect();
+    events[0].record(stream).expect("record");
+    for event in &events[1..] {
+        graph.launch().expect("replay");
+        event.record(stream).expect("record");
+    }
+    events[reps].synchronize().expect("sync");
+    median(
+        events
+            .windows(2)
+            .map(|w| w[0].elapsed_ms(&w[1]).expect("elapsed") as f64 / n as f64)
+            .collect(),
+    )
+}
+
+/// Random Q, K, V and enough device copies of them to defeat the L2 cache
+/// (the copies hold the same values at other addresses).
 fn random_sets<T: AttnElement>(b: &Bench, q_len: usize, kv_len: usize) -> Vec<[CudaSlice<T>; 3]> {
     let mut rng = StdRng::seed_from_u64(0x5eed);
     let set_bytes = (2 * q_len + 2 * kv_len) * 2;
-    let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, MAX_ROTATIONS);
-    (0..sets)
+    let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, b.max_rotations());
+    let first = [q_len, kv_len, kv_len].map(|n| random_buffer::<T>(&b.stream, &mut rng, n));
+    let copies: Vec<_> = (1..sets)
         .map(|_| {
-            [
-                random_buffer::<T>(&b.stream, &mut rng, q_len),
-                random_buffer::<T>(&b.stream, &mut rng, kv_len),
-                random_buffer::<T>(&b.stream, &mut rng, kv_len),
-            ]
+            first
+                .each_ref()
+                .map(|x| b.stream.clone_dtod(x).expect("copy"))
         })
-        .collect()
+        .collect();
+    std::iter::once(first).chain(copies).collect()
 }
 
 fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
@@ -504,8 +688,8 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
     if let Some(page) = s.page_size {
         return run_paged::<T>(b, s, page, inputs, o, seqlens, workspace, sets);
     }
-    let reps = b.reps;
-    time_median(&b.stream, reps, |i| {
+    // Decode rows pass a preallocated workspace: graph capture cannot allocate.
+    b.time(sets, |i| {
         let [q, k, v] = &inputs[i % sets];
         let q = TensorRef::new(q.as_view(), q_layout);
         let k = TensorRef::new(k.as_view(), kv_layout);
@@ -561,7 +745,7 @@ fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
         .stream
         .alloc_zeros::<T>(total * s.heads * s.head_dim)
         .expect("alloc");
-    time_median(&b.stream, b.reps, |i| {
+    b.time(sets, |i| {
         let [q, k, v] = &inputs[i % sets];
         b.fa.forward_varlen(
             &b.stream,
@@ -606,7 +790,7 @@ fn run_paged<T: AttnElement>(
         softmax_scale: None,
         ..Default::default()
     };
-    time_median(&b.stream, b.reps, |i| {
+    b.time(sets, |i| {
         let [q, k, v] = &mut inputs[i % sets];
         let mut cache = flash_attn::KvCache {
             k: TensorMut::new(k.as_view_mut(), pool),
@@ -641,6 +825,13 @@ fn main() {
     };
     let filter = value_of("--filter");
     let quick = args.iter().any(|a| a == "--quick");
+    let forced_timing = value_of("--timing").map(|t| {
+        Timing::parse(&t).unwrap_or_else(|| {
+            eprintln!("--timing wants events or graph, not {t:?}");
+            std::process::exit(2)
+        })
+    });
+    let timing_of = |s: &Shape| s.timing(forced_timing);
     let json_path = value_of("--json").unwrap_or_else(|| {
         let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
         format!("{dir}/flash-attn-bench.jsonl")
@@ -664,10 +855,11 @@ fn main() {
     if args.iter().any(|a| a == "--list") {
         for s in &selected {
             println!(
-                "{:<70} {:>12.3} GFLOP {:>10.1} MB",
+                "{:<70} {:>12.3} GFLOP {:>10.1} MB  {}",
                 s.label(),
                 s.flops() / 1e9,
-                s.bytes() / 1e6
+                s.bytes() / 1e6,
+                timing_of(s).name()
             );
         }
         println!("{} rows", selected.len());
@@ -681,18 +873,34 @@ fn main() {
         return;
     }
     let ctx = CudaContext::new(0).expect("CUDA context");
+    // SAFETY: every buffer is used only on the stream that allocated it (its
+    // row's), so no cross-stream events are needed; stream capture would
+    // reject waits on events recorded outside it.
+    unsafe { ctx.disable_event_tracking() };
     let fa = FlashAttention::new(&ctx).expect("load flash-attn kernels");
-    let bench = Bench {
-        stream: ctx.default_stream(),
-        fa,
-        reps: if quick { 10 } else { 50 },
+    // Events rows keep the legacy default stream; capture needs another one.
+    let (default_stream, graph_stream) =
+        (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
+    let bench_for = |timing| match timing {
+        Timing::Events => Bench {
+            stream: default_stream.clone(),
+            fa: &fa,
+            reps: if quick { 10 } else { 50 },
+            timing,
+        },
+        Timing::Graph => Bench {
+            stream: graph_stream.clone(),
+            fa: &fa,
+            reps: if quick { 5 } else { 20 },
+            timing,
+        },
     };
     println!(
         "device: {} (sm_{}{}, {} SMs), PTX from {}",
         ctx.name().unwrap_or_default(),
-        bench.fa.compute_capability().0,
-        bench.fa.compute_capability().1,
-        bench.fa.num_sms(),
+        fa.compute_capability().0,
+        fa.compute_capability().1,
+        fa.num_sms(),
         flash_attn::PTX_SOURCE
     );
     if let Some(dir) = std::path::Path::new(&json_path).parent() {
@@ -701,7 +909,7 @@ fn main() {
     let mut json = std::fs::File::create(&json_path).expect("create the JSON-lines file");
 
     println!(
-        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>8} {:>8}  origin",
+        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>6} {:>8} {:>8}  origin",
         "kernel",
         "dtype",
         "B",
@@ -712,6 +920,7 @@ fn main() {
         "D",
         "causal",
         "median_ms",
+        "timing",
         "TFLOP/s",
         "GB/s"
     );
@@ -719,6 +928,8 @@ fn main() {
     let mut plain_rows: Vec<(Shape, f64, f64)> = Vec::new();
     for s in selected {
         let is_reference = s.is_policy_row() && s.policy == Policy::None;
+        let timing = timing_of(&s);
+        let bench = bench_for(timing);
         let ms = match s.dtype {
             Dtype::F16 => run_shape::<f16>(&bench, &s),
             Dtype::Bf16 => run_shape::<bf16>(&bench, &s),
@@ -753,7 +964,7 @@ fn main() {
             "decode"
         };
         println!(
-            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>8.1} {:>8.0}  {}",
+            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>6} {:>8.1} {:>8.0}  {}",
             kernel,
             s.dtype.name(),
             s.batch,
@@ -764,6 +975,7 @@ fn main() {
             s.head_dim,
             s.causal,
             ms,
+            timing.name(),
             tflops,
             gbps,
             s.page_size
@@ -784,12 +996,13 @@ fn main() {
             "median_ms": ms,
             "tflops": tflops,
             "gbps": gbps,
+            "timing": timing.name(),
+            "origin": s.origin,
         });
         if s.is_policy_row() {
             // compare-torch.py skips lines with a "policy" key (no baseline).
             let extra = line.as_object_mut().expect("a JSON object");
             extra.insert("policy".into(), s.policy.name().into());
-            extra.insert("origin".into(), s.origin.into());
             extra.insert("flops".into(), s.flops().into());
             if let Some((key, value, plain_ms)) = versus {
                 extra.insert(key.into(), value.into());

@@ -3,7 +3,8 @@
 
 Our numbers come from the Rust benchmark (benches/attention.rs), which writes one
 JSON object per shape with the keys kernel, dtype, batch, heads, kv_heads,
-seqlen_q, seqlen_k, head_dim, causal, median_ms, tflops, gbps. For every shape in
+seqlen_q, seqlen_k, head_dim, causal, median_ms, tflops, gbps, timing ("events"
+or "graph"; absent in older files: events) and origin. For every shape in
 those results this script times ``torch.nn.functional.scaled_dot_product_attention``
 with the FLASH_ATTENTION backend (PyTorch's bundled FlashAttention-2, "FA2" below)
 and the CUDNN_ATTENTION backend ("cuDNN"), measures a dense-matmul and a
@@ -12,7 +13,8 @@ device-to-device-copy ceiling in the same session, and writes:
     DIR/compare.md           markdown tables (also printed to stdout)
     DIR/compare.json         every raw number, the ceilings and the environment
     DIR/compare-forward.png  TFLOP/s vs sequence length, "16k tokens per batch" sweep
-    DIR/compare-decode.png   GB/s vs cache length, GQA 32/8 D=128 decode
+    DIR/compare-decode.png   GB/s vs cache length, GQA 32/8 D=128 decode, Sq=1
+    DIR/compare-*-graph.png  the same plots of our graph-timed rows (with graph-timed baselines)
 
 Usage (on the GPU host; no Rust and no network needed there):
 
@@ -21,6 +23,10 @@ Usage (on the GPU host; no Rust and no network needed there):
 
     # run the bundled bench first (its JSON lines go to cmp/ours-bench.jsonl)
     python3 scripts/compare-torch.py --run-bench bundle --bench-args "--quick" --out cmp
+
+    # issue 9's decode table, timed as servers run it: ours and PyTorch both in CUDA graphs
+    # (PyTorch also with do_bench, for reference: its do_bench times include Python dispatch)
+    python3 scripts/compare-torch.py --run-bench bundle --filter decode-graph --timer do_bench,graph --out cmp
 
     # several of our kernel versions side by side (extra ms and ratio columns)
     python3 scripts/compare-torch.py --ours new.jsonl --label v1=docs/bench/2026-11-21-h200-v1.jsonl --out cmp
@@ -32,11 +38,25 @@ Options: --filter SUBSTR keeps the shapes whose bench label contains SUBSTR (the
 label is the one the bench prints, e.g. "sweep forward f16 b4 h16/16 q4096 k4096
 d128 causal"; with --run-bench it is passed on to the bench as well). --reps N is
 the number of timed calls for the CUDA-event timers (--timer events|sync).
---timer picks how baselines are timed: do_bench (default; triton.testing.do_bench,
-median, L2 flushed before each call), events (the fallback when triton is missing:
-the same method done by hand), sync (mirrors benches/attention.rs exactly: 3
-warm-up calls, then per-call event pairs with a synchronize after each, no L2
-flush, at most 16 K/V copies rotated) for an apples-to-apples check of the harness.
+--timer picks how baselines are timed, one of the first three and/or graph,
+comma-separated (e.g. do_bench,graph): do_bench (triton.testing.do_bench, median,
+L2 flushed before each call), events (the fallback when triton is missing: the
+same method done by hand), sync (3 warm-up calls, then per-call event pairs with
+a synchronize after each, no L2 flush, at most 16 K/V copies rotated), graph
+(the bench's --timing graph, step for step: N calls, each on the next rotated
+K/V copy, captured in one torch.cuda.CUDAGraph, N at least 16, at least the
+bench's number of copies for the shape and about 0.5 ms of work, at most 1024;
+2 warm-up replays, then 20 replays back to back with a CUDA event between
+consecutive ones; the median replay / N; no Python dispatch is timed). Default:
+do_bench, plus graph when some of our rows are graph-timed. Baseline keys in
+compare.json: fa2, cudnn (do_bench|events|sync) and fa2_graph, cudnn_graph.
+
+Our rows are grouped by (shape, timing): a shape the bench timed both ways
+(decode-gqa with events, decode-graph with graphs) has two rows, with one set
+of baseline measurements. Every table shows all baseline columns, each naming
+its timer; the summary (and the plots) compare our graph rows with the graph
+timer's baselines and our events rows with the other timer's ("not run" when
+this run lacks it, never a mix).
 
 Ratios are baseline ms / our ms, so a value above 1 means ours is faster.
 The bench's policy rows (sliding windows, softcap, ALiBi, sinks, varlen; JSON
@@ -44,7 +64,8 @@ lines with a "policy" key, "none" on their plain reference rows) have no PyTorch
 baseline: they are counted and skipped when reading, never merged with the
 plain shapes.
 Exit status: 0 on success, 1 on a real error (no input rows, no CUDA device, the
-bench failed), 2 on bad arguments. A backend that rejects a shape is a table
+bench failed), 2 on bad arguments. A backend that rejects a shape, or that
+cannot be captured in a CUDA graph while the context stays usable, is a table
 entry, not an error.
 """
 
@@ -74,6 +95,26 @@ ROTATE_BYTES = 256 << 20
 # Other timers only cap at a large number so that tiny caches still exceed ROTATE_BYTES.
 OURS_MAX_ROTATIONS = 16
 MAX_ROTATIONS = 4096
+
+# Graph timing (--timer graph), the rule of benches/attention.rs's graph mode:
+# N calls captured in one CUDA graph, N >= the rotated copies and about
+# GRAPH_TARGET_MS of work (from 3 uncaptured calls), within the bounds; the
+# copies exceed ROTATE_BYTES (inputs of one call counted as Q, O, K, V) up to
+# GRAPH_MAX_LAUNCHES; GRAPH_WARMUP replays, then GRAPH_REPLAYS timed ones.
+GRAPH_TARGET_MS = 0.5
+GRAPH_MIN_LAUNCHES = 16
+GRAPH_MAX_LAUNCHES = 1024
+GRAPH_WARMUP = 2
+GRAPH_REPLAYS = 20
+# How our rows were timed (their "timing" key; rows without one are "events").
+TIMINGS = ("events", "graph")
+# --timer methods: one of the first three, and/or graph.
+TIMER_MODES = ("do_bench", "events", "sync", "graph")
+
+# The bench's decode-graph rows (issue 9's table): (heads, kv_heads, head_dim),
+# Sq 1 and 4, B 1..32, L 256..64k, K/V caches above 20 GB left out.
+DECODE_GRAPH_HEADS = ((32, 8, 128), (32, 32, 128), (28, 4, 128), (32, 8, 256), (9, 3, 64))
+DECODE_GRAPH_MAX_BYTES = 20e9
 
 MATMUL_N = 8192  # the matmul ceiling is an N x N x N product
 COPY_BYTES = 4 << 30  # the copy ceiling moves this many bytes (read) plus as many (write)
@@ -122,15 +163,16 @@ def bench_shapes() -> list[tuple[str, Shape]]:
     Shapes not found here (the bench changed) get origin "other"; nothing breaks.
     The sweep uses heads = 2048 // head_dim (D=96: 21 heads, hidden 2016), as the
     bench does. The bench's "policy-*" rows are not here: read_jsonl skips them.
+    The bench's JSON lines now carry their origin; this list serves older files.
     """
     out: list[tuple[str, Shape]] = []
 
     def fwd(dtype, batch, heads, seqlen, head_dim, causal, origin):
         out.append((origin, Shape("forward", dtype, batch, heads, heads, seqlen, seqlen, head_dim, causal)))
 
-    def dec(batch, heads, kv_heads, cache, head_dim, origin):
-        # The bench's decode shapes are f16, Sq=1, causal flag set.
-        out.append((origin, Shape("decode", "f16", batch, heads, kv_heads, 1, cache, head_dim, True)))
+    def dec(batch, heads, kv_heads, cache, head_dim, origin, seqlen_q=1):
+        # The bench's decode shapes are f16 with the causal flag set.
+        out.append((origin, Shape("decode", "f16", batch, heads, kv_heads, seqlen_q, cache, head_dim, True)))
 
     fwd("f16", 4, 16, 4096, 128, False, "floor")
     for dtype in ("f16", "bf16"):
@@ -152,6 +194,12 @@ def bench_shapes() -> list[tuple[str, Shape]]:
     # The bench's paged decode rows ("decode-paged") are not in its JSON.
     for cache in (256, 512, 1024, 2048, 4096):
         dec(1, 9, 9, cache, 64, "seed-SmolLM")
+    for heads, kv_heads, head_dim in DECODE_GRAPH_HEADS:
+        for seqlen_q in (1, 4):
+            for batch in (1, 4, 8, 32):
+                for cache in (256, 1024, 4096, 16384, 65536):
+                    if 4.0 * batch * cache * kv_heads * head_dim <= DECODE_GRAPH_MAX_BYTES:
+                        dec(batch, heads, kv_heads, cache, head_dim, "decode-graph", seqlen_q)
     return out
 
 
@@ -176,10 +224,10 @@ def shape_label(s: Shape, origin: str | None = None) -> str:
     return f"{origin} {body}" if origin else body
 
 
-def matches_filter(s: Shape, needle: str | None) -> bool:
+def matches_filter(e: dict, needle: str | None) -> bool:
     # A shape listed under two origins (the "floor" shape is also a sweep point)
     # matches if either label contains the substring, as either bench line would.
-    return needle is None or any(needle in shape_label(s, o) for o in origins_of(s))
+    return needle is None or any(needle in shape_label(e["shape"], o) for o in e["origins"])
 
 
 def flops(s: Shape) -> float:
@@ -210,6 +258,19 @@ def rate(s: Shape, ms: float | None) -> float | None:
 
 def rate_unit(kernel: str) -> str:
     return "TFLOP/s" if kernel == "forward" else "GB/s"
+
+
+def graph_copies(s: Shape) -> int:
+    """Rotated input copies of a graph-timed row (the bench's random_sets, graph cap)."""
+    q = s.batch * s.seqlen_q * s.heads * s.head_dim
+    kv = s.batch * s.seqlen_k * s.kv_heads * s.head_dim
+    return max(1, min(GRAPH_MAX_LAUNCHES, math.ceil(ROTATE_BYTES / ((2 * q + 2 * kv) * ELEM_BYTES))))
+
+
+def graph_launches(estimate_ms: float, copies: int) -> int:
+    """Calls per captured graph: about GRAPH_TARGET_MS of work and one per copy, within bounds."""
+    n = max(math.ceil(GRAPH_TARGET_MS / max(estimate_ms, 1e-6)), copies)
+    return max(GRAPH_MIN_LAUNCHES, min(GRAPH_MAX_LAUNCHES, n))
 
 
 # --------------------------------------------------------------------------
@@ -248,7 +309,7 @@ def _as_bool(v: Any, key: str) -> bool:
 
 
 def parse_row(obj: Any) -> dict:
-    """One bench JSON object -> {"shape", "median_ms", "tflops", "gbps"}; raises on bad rows."""
+    """One bench JSON object -> {"shape", "timing", "origin", "median_ms", "tflops", "gbps"}; raises on bad rows."""
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     kernel = obj["kernel"]
@@ -267,7 +328,12 @@ def parse_row(obj: Any) -> dict:
     ms = float(obj["median_ms"])
     if not math.isfinite(ms) or ms <= 0:
         raise ValueError(f"median_ms={ms} is not a positive number")
-    return {"shape": shape, "median_ms": ms, "tflops": obj.get("tflops"), "gbps": obj.get("gbps")}
+    timing = obj.get("timing", "events")
+    if timing not in TIMINGS:
+        raise ValueError(f"unknown timing {timing!r}")
+    origin = obj.get("origin")
+    return {"shape": shape, "timing": timing, "origin": origin if isinstance(origin, str) else None,
+            "median_ms": ms, "tflops": obj.get("tflops"), "gbps": obj.get("gbps")}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -315,18 +381,25 @@ def parse_label(text: str) -> tuple[str, str]:
 
 
 def merge(variants: dict[str, list[dict]]) -> list[dict]:
-    """Rows of all variants -> one entry per distinct shape, in first-seen order.
+    """Rows of all variants -> one entry per distinct (shape, timing), in first-seen order.
 
-    The bench measures two shapes twice (the "floor" shape and seed-A100 S=2048
-    are also sweep points), so duplicates are expected: the first measurement is
-    kept and later ones are recorded in dup_ms (and flagged in the table when they
-    disagree by more than 5%).
+    A shape timed both ways (decode-gqa rows with events, decode-graph rows with
+    graphs) gives two entries. The bench also measures two shapes twice with
+    one timing (the "floor" shape and seed-A100 S=2048 are also sweep points), so
+    duplicates are expected: the first measurement is kept and later ones are
+    recorded in dup_ms (and flagged in the table when they disagree by more
+    than 5%). Origins come from the rows, or from bench_shapes() for rows
+    without one (older bench files).
     """
-    entries: dict[Shape, dict] = {}
+    entries: dict[tuple[Shape, str], dict] = {}
     for name, rows in variants.items():
         for r in rows:
             s = r["shape"]
-            e = entries.setdefault(s, {"shape": s, "origins": origins_of(s), "results": {}, "baselines": {}})
+            e = entries.setdefault((s, r["timing"]), {"shape": s, "timing": r["timing"], "origins": [],
+                                                      "results": {}, "baselines": {}})
+            for o in [r["origin"]] if r.get("origin") else origins_of(s):
+                if o not in e["origins"]:
+                    e["origins"].append(o)
             res = e["results"].get(name)
             if res is None:
                 e["results"][name] = {
@@ -343,25 +416,69 @@ def merge(variants: dict[str, list[dict]]) -> list[dict]:
 # --------------------------------------------------------------------------
 
 
+def timer_suffix(mode: str) -> str:
+    """Baseline keys are "fa2"/"cudnn" under the do_bench|events|sync timer and
+    "fa2_graph"/"cudnn_graph" under the graph timer."""
+    return "_graph" if mode == "graph" else ""
+
+
+def baseline_columns(modes: list[str]) -> list[tuple[str, str, str]]:
+    """(key, display name, timer) of every baseline column, in table order."""
+    return [(key + timer_suffix(m), disp, m) for m in modes for key, disp in BASELINES.items()]
+
+
+def matched_key(timing: str, backend: str) -> str:
+    """The baseline column timed like our rows of this timing: graph rows with
+    the graph timer, events rows with the other (do_bench, events or sync)."""
+    return backend + ("_graph" if timing == "graph" else "")
+
+
+def matched_timer(timing: str, modes: list[str]) -> str | None:
+    """The timer of matched_key's columns, None when this run did not use it."""
+    return next((m for m in modes if timer_suffix(m) == matched_key(timing, "")), None)
+
+
+def parse_timers(text: str) -> list[str]:
+    """--timer do_bench,graph -> ["do_bench", "graph"]: at most one of do_bench,
+    events and sync (listed first), and/or graph."""
+    modes = [m.strip() for m in text.split(",") if m.strip()]
+    bad = [m for m in modes if m not in TIMER_MODES]
+    if bad or not modes or len(set(modes)) != len(modes) or sum(m != "graph" for m in modes) > 1:
+        raise argparse.ArgumentTypeError(
+            f"--timer wants one of do_bench, events, sync and/or graph, comma-separated; got {text!r}")
+    return sorted(modes, key=lambda m: m == "graph")
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip()
     return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
 
 
+class GraphCaptureError(RuntimeError):
+    """Capturing a baseline in a CUDA graph failed and the CUDA context still works:
+    a table entry for that shape, not a reason to stop (see TorchBench._note_fatal)."""
+
+
 class Timer:
-    """Median milliseconds of fn() on the GPU, by one of three methods (see --timer)."""
+    """Median milliseconds of fn() on the GPU, by one of four methods (see --timer)."""
 
     DESCRIPTIONS = {
         "do_bench": "triton.testing.do_bench(warmup=25, rep=100, return_mode='median'); L2 flushed before each call",
         "events": "CUDA events, median of {reps} calls after 3 warm-ups; 256 MiB memset (L2 flush) before each call",
         "sync": "CUDA events like benches/attention.rs: 3 warm-ups, median of {reps} calls, "
                 "synchronize after each, no L2 flush",
+        "graph": f"CUDA graphs like benches/attention.rs --timing graph: N calls (at least {GRAPH_MIN_LAUNCHES}, "
+                 f"one per rotated K/V copy and about {GRAPH_TARGET_MS} ms, at most {GRAPH_MAX_LAUNCHES}) captured "
+                 f"in one graph, {GRAPH_WARMUP} warm-up replays, median of {GRAPH_REPLAYS} back-to-back replays "
+                 "between events / N; no host dispatch timed",
     }
 
     def __init__(self, torch, mode: str, reps: int):
         self.torch = torch
         self.mode = mode
+        self.requested = mode
         self.reps = reps
+        self.last_launches: int | None = None  # calls per graph of the last graph timing
         self._flush = None
         if mode == "do_bench":
             try:
@@ -373,9 +490,14 @@ class Timer:
 
     @property
     def description(self) -> str:
-        return self.DESCRIPTIONS[self.mode].format(reps=self.reps)
+        text = self.DESCRIPTIONS[self.mode].format(reps=self.reps)
+        # do_bench can fall back to events mid-run (an old triton); say so.
+        return text if self.mode == self.requested else f"{text} ({self.requested} failed on first use)"
 
-    def __call__(self, fn: Callable[[], Any]) -> float:
+    def __call__(self, fn: Callable[[], Any], copies: int = 1) -> float:
+        """fn cycles over `copies` rotated inputs (only the graph method needs to know)."""
+        if self.mode == "graph":
+            return self._graph(fn, copies)
         if self.mode == "do_bench":
             try:
                 return float(self._do_bench(fn, warmup=25, rep=100, return_mode="median"))
@@ -410,9 +532,62 @@ class Timer:
         samples = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
         return samples[len(samples) // 2]  # the bench's median (upper middle)
 
+    def _batch_ms(self, fn: Callable[[], Any], n: int) -> float:
+        """Milliseconds per call of n back-to-back calls (dispatch included): sizes the graph."""
+        torch = self.torch
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    def _graph(self, fn: Callable[[], Any], copies: int) -> float:
+        """The bench's graph timing (see DESCRIPTIONS["graph"])."""
+        torch = self.torch
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the current stream, as torch.cuda.graph advises
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        n = graph_launches(self._batch_ms(fn, 3), copies)
+        graph = self._capture(fn, n)
+        for _ in range(GRAPH_WARMUP):
+            graph.replay()
+        # Queued behind the warm-up, so no replay waits for the host.
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(GRAPH_REPLAYS + 1)]
+        events[0].record()
+        for e in events[1:]:
+            graph.replay()
+            e.record()
+        torch.cuda.synchronize()
+        self.last_launches = n
+        samples = sorted(a.elapsed_time(b) / n for a, b in zip(events, events[1:]))
+        return samples[len(samples) // 2]
+
+    def _capture(self, fn: Callable[[], Any], n: int):
+        """n calls of fn in one CUDAGraph; a failure that leaves the context usable is a GraphCaptureError."""
+        torch = self.torch
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # The outer stream context restores the current stream even if the capture fails.
+            with torch.cuda.stream(torch.cuda.current_stream()):
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    for _ in range(n):
+                        fn()
+        except Exception as e:
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                raise  # the context is gone: the caller's fatal-error path
+            raise GraphCaptureError(f"graph capture failed: {first_line(e)}") from e
+        return graph
+
 
 class TorchBench:
-    def __init__(self, timer_mode: str, reps: int):
+    def __init__(self, timer_modes: list[str], reps: int):
         import torch  # lazy: see module docstring
         import torch.nn.functional as F
 
@@ -426,8 +601,9 @@ class TorchBench:
         # getattr: a torch without a backend records that as each row's error.
         self.backends = {k: getattr(SDPBackend, n, None)
                          for k, n in (("fa2", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"))}
-        self.timer = Timer(torch, timer_mode, reps)
-        self.max_rotations = OURS_MAX_ROTATIONS if timer_mode == "sync" else MAX_ROTATIONS
+        # Suffix of the baseline keys ("" or "_graph", see timer_suffix) -> timer.
+        self.timers = {timer_suffix(m): Timer(torch, m, reps) for m in timer_modes}
+        self.max_rotations = OURS_MAX_ROTATIONS if "sync" in timer_modes else MAX_ROTATIONS
         self.dtypes = {"f16": torch.float16, "bf16": torch.bfloat16}
         # After an error like an illegal address the CUDA context is unusable:
         # remember it and skip the remaining shapes instead of failing each one.
@@ -451,7 +627,7 @@ class TorchBench:
             "python": platform.python_version(),
             "host": platform.node(),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "timer": self.timer.description,
+            "timers": self.timer_descriptions(),
         }
         try:
             env["cudnn"] = torch.backends.cudnn.version()
@@ -477,9 +653,15 @@ class TorchBench:
             pass
         return env
 
+    def timer_descriptions(self) -> dict[str, str]:
+        """{timer as requested: how it timed} (call again after the run: do_bench can fall back)."""
+        return {t.requested: t.description for t in self.timers.values()}
+
     def ceilings(self) -> dict:
-        """Dense matmul TFLOP/s per dtype and device-to-device copy GB/s, same session."""
+        """Dense matmul TFLOP/s per dtype and device-to-device copy GB/s, same session,
+        timed with the first timer."""
         torch = self.torch
+        timer = next(iter(self.timers.values()))
         out: dict[str, Any] = {"matmul": {}, "copy": {}}
         n = MATMUL_N
         for name, dt in self.dtypes.items():
@@ -487,7 +669,7 @@ class TorchBench:
                 a = torch.randn(n, n, device="cuda", dtype=dt)
                 b = torch.randn(n, n, device="cuda", dtype=dt)
                 c = torch.empty(n, n, device="cuda", dtype=dt)
-                ms = self.timer(lambda: torch.matmul(a, b, out=c))
+                ms = timer(lambda: torch.matmul(a, b, out=c))
                 out["matmul"][name] = {"n": n, "ms": ms, "tflops": 2.0 * n**3 / (ms * 1e-3) / 1e12}
             except Exception as e:
                 out["matmul"][name] = {"n": n, "error": first_line(e)}
@@ -501,7 +683,7 @@ class TorchBench:
                 # float32 keeps the element count under 2**31 (int32 indexing) at 4 GiB.
                 src = torch.randn(nbytes // 4, device="cuda", dtype=torch.float32)
                 dst = torch.empty_like(src)
-                ms = self.timer(lambda: dst.copy_(src))
+                ms = timer(lambda: dst.copy_(src))
                 # Read + write both cross DRAM, the way a copy-bandwidth figure is usually quoted.
                 out["copy"] = {"bytes_each_way": nbytes, "ms": ms,
                                "gbps": 2.0 * nbytes / (ms * 1e-3) / 1e9}
@@ -519,13 +701,20 @@ class TorchBench:
     # ---- SDPA baselines ----
 
     def _note_fatal(self, e: BaseException) -> None:
+        if isinstance(e, GraphCaptureError):
+            return
         if "CUDA error:" in str(e) and not self.dead:
             self.dead = first_line(e)
             warn(f"CUDA error, remaining shapes are skipped: {self.dead}")
 
+    def _failed(self, sfx: str, error: str | None = None) -> dict:
+        """A baseline result without a time (yet), for the timer of key suffix sfx."""
+        return {"ms": None, "error": error, "notes": [], "timer": self.timers[sfx].requested}
+
     def baselines(self, s: Shape) -> dict:
+        """{baseline key (backend + timer suffix): result} for every backend and timer."""
         torch = self.torch
-        res = {k: {"ms": None, "error": None, "notes": []} for k in self.backends}
+        res = {k + sfx: self._failed(sfx) for sfx in self.timers for k in self.backends}
         if self.dead:
             for r in res.values():
                 r["error"] = f"skipped after an earlier CUDA error ({self.dead})"
@@ -535,10 +724,12 @@ class TorchBench:
             inputs = self._inputs(s)
             for key, backend in self.backends.items():
                 if backend is None:
-                    res[key]["error"] = f"this torch has no SDPBackend for {BASELINES[key]}"
+                    for sfx in self.timers:
+                        res[key + sfx]["error"] = f"this torch has no SDPBackend for {BASELINES[key]}"
                     continue
-                res[key] = self._time_backend(s, inputs, backend)
-                res[key]["notes"] = inputs["notes"] + res[key]["notes"]
+                for sfx, r in self._time_backend(s, inputs, backend).items():
+                    r["notes"] = inputs["notes"] + r["notes"]
+                    res[key + sfx] = r
         except Exception as e:  # input allocation (e.g. out of memory)
             for r in res.values():
                 if r["ms"] is None and r["error"] is None:
@@ -559,11 +750,14 @@ class TorchBench:
         # backend, consumes natively without a copy. A .contiguous() BHSD tensor
         # would be a different memory layout from the one our kernels are timed on.
         q = torch.randn(s.batch, s.seqlen_q, s.heads, s.head_dim, device="cuda", dtype=dt).transpose(1, 2)
-        # Forward inputs are not rotated (neither are ours); decode K/V are: enough
-        # copies that all of them exceed ROTATE_BYTES, cycled by a counter in fn.
+        # Decode K/V are rotated: enough copies that all of them exceed ROTATE_BYTES,
+        # cycled by a counter in fn. Forward K/V are rotated only for the graph
+        # timer, which rotates at least over the bench's graph copies (Q is not).
         sets = 1
         if s.kernel == "decode":
             sets = max(1, min(self.max_rotations, math.ceil(ROTATE_BYTES / kv_bytes(s))))
+        if "_graph" in self.timers:
+            sets = max(sets, graph_copies(s))
         kv = [(torch.randn(s.batch, s.seqlen_k, s.kv_heads, s.head_dim, device="cuda", dtype=dt),
                torch.randn(s.batch, s.seqlen_k, s.kv_heads, s.head_dim, device="cuda", dtype=dt))
               for _ in range(sets)]
@@ -599,9 +793,8 @@ class TorchBench:
 
         return fn
 
-    def _time_backend(self, s: Shape, inp: dict, backend) -> dict:
-        torch = self.torch
-        out = {"ms": None, "error": None, "notes": [], "kv_sets": inp["sets"]}
+    def _time_backend(self, s: Shape, inp: dict, backend) -> dict[str, dict]:
+        """{timer suffix: result}: the first way of calling the backend that runs, timed by every timer."""
         group = s.heads // s.kv_heads
         # GQA: first enable_gqa=True (reads each K/V head once, like ours); if the
         # backend rejects it, materialise repeated K/V and say so in the row, since
@@ -622,33 +815,19 @@ class TorchBench:
                     kwargs["enable_gqa"] = True
                 fn = self._make_fn(inp["q"], kv, kwargs)
                 with self.sdpa_kernel([backend]):
-                    failure = None
-                    # One checked call first: a backend that cannot run the shape raises
-                    # here ("No available kernel"), with its reasons given as warnings.
-                    # Only this call records warnings, so timing loops cannot pile them up.
-                    with warnings.catch_warnings(record=True) as caught:
-                        warnings.simplefilter("always")
-                        try:
-                            fn()
-                            torch.cuda.synchronize()
-                        except Exception as e:
-                            failure = e
-                            errors.append(f"{how}: {describe_failure(e, caught)}")
-                    if failure is not None:
-                        self._note_fatal(failure)
-                        if self.dead:
-                            break
-                        continue
-                    try:
-                        out["ms"] = self.timer(fn)
-                    except Exception as e:
-                        errors.append(f"{how}: timing failed: {first_line(e)}")
-                        self._note_fatal(e)
+                    failure = self._checked_call(fn)
+                    if failure is None:
+                        out = {sfx: self._timed(sfx, fn, s, how, inp["sets"]) for sfx in self.timers}
+                if failure is not None:
+                    errors.append(f"{how}: {failure}")
+                    if self.dead:
                         break
+                    continue
                 if how == "repeat_interleave":
-                    out["notes"].append(f"GQA via repeat_interleave (enable_gqa rejected; K/V materialised {group}x)")
-                    out["enable_gqa_error"] = errors[-1] if errors else None  # full reason, JSON only
-                break
+                    for r in out.values():
+                        r["notes"].append(f"GQA via repeat_interleave (enable_gqa rejected; K/V materialised {group}x)")
+                        r["enable_gqa_error"] = errors[-1] if errors else None  # full reason, JSON only
+                return out
             except Exception as e:  # e.g. out of memory while materialising K/V
                 errors.append(f"{how}: {first_line(e)}")
                 self._note_fatal(e)
@@ -656,8 +835,36 @@ class TorchBench:
                     break
             finally:
                 kv = None
-        if out["ms"] is None:
-            out["error"] = "; ".join(errors) or "unknown failure"
+        return {sfx: self._failed(sfx, "; ".join(errors) or "unknown failure") for sfx in self.timers}
+
+    def _checked_call(self, fn: Callable[[], Any]) -> str | None:
+        """One call first: a backend that cannot run the shape raises here ("No
+        available kernel"), with its reasons given as warnings; None if it ran.
+        Only this call records warnings, so timing loops cannot pile them up."""
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                fn()
+                self.torch.cuda.synchronize()
+                return None
+            except Exception as e:
+                self._note_fatal(e)
+                return describe_failure(e, caught)
+
+    def _timed(self, sfx: str, fn: Callable[[], Any], s: Shape, how: str, sets: int) -> dict:
+        """fn timed by the timer of key suffix sfx; a failure is this result's error."""
+        out = {**self._failed(sfx), "kv_sets": sets}
+        if self.dead:
+            out["error"] = f"{how}: skipped after an earlier CUDA error ({self.dead})"
+            return out
+        timer = self.timers[sfx]
+        try:
+            out["ms"] = timer(fn, graph_copies(s))
+            if timer.mode == "graph":
+                out["graph_launches"] = timer.last_launches
+        except Exception as e:
+            out["error"] = f"{how}: timing failed: {first_line(e)}"
+            self._note_fatal(e)
         return out
 
 
@@ -725,8 +932,15 @@ def run_bench(bundle: str, bench_args: str | None, filt: str | None, out: Path) 
 # --------------------------------------------------------------------------
 
 
+def _ratio(e: dict, key: str, ms: float | None) -> float | None:
+    bms = e["baselines"].get(key, {}).get("ms")
+    return bms / ms if bms and ms else None
+
+
 def derive(entries: list[dict], ceilings: dict) -> None:
-    """Adds rates, ratios and % of ceiling to every entry, in place."""
+    """Adds rates, ratios and % of ceiling to every entry, in place: vs_KEY for
+    every baseline column KEY, and vs_matched {backend: ratio} against the
+    baseline timed like the entry (matched_key)."""
     matmul = {k: v.get("tflops") for k, v in ceilings.get("matmul", {}).items()}
     copy_gbps = ceilings.get("copy", {}).get("gbps")
     for e in entries:
@@ -738,9 +952,9 @@ def derive(entries: list[dict], ceilings: dict) -> None:
             ms = res["median_ms"]
             res["rate"] = rate(s, ms)
             res["pct_ceiling"] = 100.0 * res["rate"] / ceiling if ceiling and res["rate"] else None
-            for key in BASELINES:
-                bms = e["baselines"].get(key, {}).get("ms")
-                res[f"vs_{key}"] = bms / ms if bms and ms else None
+            for key in e["baselines"]:
+                res[f"vs_{key}"] = _ratio(e, key, ms)
+            res["vs_matched"] = {k: _ratio(e, matched_key(e["timing"], k), ms) for k in BASELINES}
             if res["dup_ms"]:
                 all_ms = [ms, *res["dup_ms"]]
                 res["dup_spread"] = max(all_ms) / min(all_ms) - 1.0
@@ -753,22 +967,29 @@ def _stats(values: list[float]) -> dict | None:
     return {"n": len(v), "min": min(v), "median": statistics.median(v), "max": max(v)}
 
 
-def summarize(entries: list[dict], names: list[str]) -> dict:
+def summarize(entries: list[dict], names: list[str], modes: list[str]) -> dict:
+    """Per variant, kernel and our timing: the ratios against the baselines timed
+    the same way (vs_matched; baseline_timer None when this run had no such timer)."""
     out: dict[str, Any] = {}
     for name in names:
         for kernel in ("forward", "decode"):
-            rows = [e for e in entries if e["shape"].kernel == kernel and name in e["results"]]
-            if not rows:
-                continue
-            d = {f"vs_{k}": _stats([e["results"][name][f"vs_{k}"] for e in rows]) for k in BASELINES}
-            slower = [e for e in rows if (e["results"][name]["vs_fa2"] or math.inf) < 1.0]
-            d["rows"] = len(rows)
-            d["slower_than_fa2"] = [
-                {"label": shape_label(e["shape"], e["origins"][0]), "vs_fa2": e["results"][name]["vs_fa2"]}
-                for e in slower]
-            out.setdefault(name, {})[kernel] = d
+            for timing in TIMINGS:
+                rows = [e for e in entries if e["shape"].kernel == kernel and e["timing"] == timing
+                        and name in e["results"]]
+                if not rows:
+                    continue
+                d = {f"vs_{k}": _stats([e["results"][name]["vs_matched"][k] for e in rows]) for k in BASELINES}
+                slower = [e for e in rows if (e["results"][name]["vs_matched"]["fa2"] or math.inf) < 1.0]
+                d["rows"] = len(rows)
+                d["baseline_timer"] = matched_timer(timing, modes)
+                d["slower_than_fa2"] = [
+                    {"label": shape_label(e["shape"], e["origins"][0]),
+                     "vs_fa2": e["results"][name]["vs_matched"]["fa2"]}
+                    for e in slower]
+                out.setdefault(name, {}).setdefault(kernel, {})[timing] = d
     out["baseline_failures"] = {
-        k: sum(1 for e in entries if e["baselines"].get(k, {}).get("ms") is None) for k in BASELINES}
+        k: sum(1 for e in entries if e["baselines"].get(k, {}).get("ms") is None)
+        for k, _, _ in baseline_columns(modes)}
     return out
 
 
@@ -808,14 +1029,14 @@ def md_table(headers: list[str], rows: list[list[str]], right: set[int]) -> str:
     return "\n".join(lines)
 
 
-def row_notes(e: dict, names: list[str]) -> str:
+def row_notes(e: dict, names: list[str], columns: list[tuple[str, str, str]]) -> str:
     notes: list[str] = []
-    for key, disp in BASELINES.items():
+    for key, disp, mode in columns:
         b = e["baselines"].get(key, {})
         if b.get("error"):
             # Keep the cell readable; the full message is in compare.json.
             msg = b["error"]
-            notes.append(f"{disp} failed: {msg[:160]}{'…' if len(msg) > 160 else ''}")
+            notes.append(f"{disp} ({mode}) failed: {msg[:160]}{'…' if len(msg) > 160 else ''}")
         for n in b.get("notes", []):
             notes.append(f"{disp}: {n[:160]}")
     for name in names:
@@ -836,7 +1057,9 @@ def row_notes(e: dict, names: list[str]) -> str:
 
 def render_markdown(env: dict, ceilings: dict, entries: list[dict], names: list[str],
                     sources: dict, bench: dict | None, summary: dict) -> str:
-    primary, labels = names[0], names[1:]
+    primary = names[0]
+    modes = list(env.get("timers", {}))
+    columns = baseline_columns(modes)
     mm = ceilings.get("matmul", {})
     cp = ceilings.get("copy", {})
 
@@ -844,6 +1067,7 @@ def render_markdown(env: dict, ceilings: dict, entries: list[dict], names: list[
         return f"{d[key]:.1f} {unit}" if d.get(key) else f"failed ({d.get('error', 'not measured')})"
 
     l2 = f", {env['l2_mib']:g} MiB L2" if env.get("l2_mib") else ""
+    other = next((m for m in modes if m != "graph"), None)
     out = [
         "# Ours vs PyTorch SDPA",
         "",
@@ -853,71 +1077,86 @@ def render_markdown(env: dict, ceilings: dict, entries: list[dict], names: list[
         f"- Date: {env.get('date')}, host {env.get('host')}",
         "- Ours: " + "; ".join(f"{n} = `{p}`" for n, p in sources.items())
         + (f" (bench printed: `{bench['device_line']}`)" if bench and bench.get("device_line") else ""),
+        "- Our timing (the bench's `\"timing\"`, one table per kind): events = median of batches of back-to-back "
+        "launches between CUDA events (host dispatch overlapped, not removed); graph = launches captured in one "
+        "CUDA graph, median replay / launches (no host dispatch, as servers run a decode step)",
         f"- Baselines: `F.scaled_dot_product_attention` under `sdpa_kernel([FLASH_ATTENTION])` = FA2 "
         f"({env.get('flash_attention_impl')}) and `sdpa_kernel([CUDNN_ATTENTION])` = cuDNN; random normal "
-        f"inputs, transposed BSHD views, default scale; timed with {env.get('timer')}",
-        f"- Ceilings: matmul {MATMUL_N}³ f16 {ceil_txt(mm.get('f16', {}), 'tflops', 'TFLOP/s')}, "
+        "inputs, transposed BSHD views, default scale. Each baseline column names its timer: "
+        + "; ".join(f"({m}) = {d}" for m, d in env.get("timers", {}).items()),
+        f"- Ceilings (timed with {modes[0] if modes else '?'}): matmul {MATMUL_N}³ f16 "
+        f"{ceil_txt(mm.get('f16', {}), 'tflops', 'TFLOP/s')}, "
         f"bf16 {ceil_txt(mm.get('bf16', {}), 'tflops', 'TFLOP/s')}; device-to-device copy "
         f"({cp.get('bytes_each_way', COPY_BYTES) / 2**30:g} GiB, read + write counted) {ceil_txt(cp, 'gbps', 'GB/s')}",
-        f"- Ratios are baseline ms / {primary} ms: above 1 means {primary} is faster (below 1 in bold).",
+        f"- Ratios are baseline ms / {primary} ms: above 1 means {primary} is faster (below 1 in bold). "
+        f"The summary compares our graph rows with the (graph) columns and our events rows with the "
+        f"({other or 'do_bench|events|sync'}) columns; a row with no such column counts as missing there.",
     ]
     for kernel, title in (("forward", "Forward"), ("decode", "Decode")):
-        rows = [e for e in entries if e["shape"].kernel == kernel]
-        if not rows:
-            continue
-        unit = rate_unit(kernel)
-        headers = ["kernel", "dtype", "B", "H", "Hkv", "Sq", "Skv", "D", "causal",
-                   f"{primary} ms", "FA2 ms", "cuDNN ms", f"{primary}/FA2", f"{primary}/cuDNN",
-                   f"{primary} {unit}", "% matmul" if kernel == "forward" else "% copy"]
-        for name in labels:
-            headers += [f"{name} ms", f"{name}/FA2"]
-        headers += ["origin", "notes"]
-        right = set(range(2, len(headers) - 2)) - {8}
-        body = []
-        for e in rows:
-            s: Shape = e["shape"]
-            res = e["results"].get(primary, {})
-            r = [s.kernel, s.dtype, str(s.batch), str(s.heads), str(s.kv_heads), str(s.seqlen_q),
-                 str(s.seqlen_k), str(s.head_dim), "yes" if s.causal else "no",
-                 fmt_ms(res.get("median_ms")),
-                 fmt_ms(e["baselines"].get("fa2", {}).get("ms")),
-                 fmt_ms(e["baselines"].get("cudnn", {}).get("ms")),
-                 fmt_ratio(res.get("vs_fa2")), fmt_ratio(res.get("vs_cudnn")),
-                 fmt_rate(res.get("rate"), kernel), fmt_pct(res.get("pct_ceiling"))]
-            for name in labels:
-                lr = e["results"].get(name, {})
-                r += [fmt_ms(lr.get("median_ms")), fmt_ratio(lr.get("vs_fa2"))]
-            r += ["/".join(e["origins"]), row_notes(e, names)]
-            body.append(r)
-        out += ["", f"## {title} ({len(rows)} shapes; {unit})", "", md_table(headers, body, right)]
+        for timing in TIMINGS:
+            rows = [e for e in entries if e["shape"].kernel == kernel and e["timing"] == timing]
+            if rows:
+                out += ["", f"## {title}, ours timed with {timing} ({len(rows)} shapes; {rate_unit(kernel)})", "",
+                        _shape_table(rows, kernel, timing, names, columns, modes)]
 
-    # Summary: distribution of the ratios per variant and kernel, then the losses.
-    out += ["", "## Summary", ""]
+    # Summary: distribution of the ratios per variant, kernel and timing, then the losses.
+    out += ["", "## Summary (each of our rows against the baselines timed the same way)", ""]
     srows = []
     for name in names:
         for kernel in ("forward", "decode"):
-            d = summary.get(name, {}).get(kernel)
-            if not d:
-                continue
-            cells = [name, kernel, str(d["rows"])]
-            for key in BASELINES:
-                st = d[f"vs_{key}"]
-                cells.append("—" if not st else f"{st['min']:.2f} / {st['median']:.2f} / {st['max']:.2f} (n={st['n']})")
-            cells.append(str(len(d["slower_than_fa2"])))
-            srows.append(cells)
-    out.append(md_table(["variant", "kernel", "rows", "vs FA2 min / median / max", "vs cuDNN min / median / max",
-                         "rows slower than FA2"], srows, {2, 5}))
+            for timing, d in summary.get(name, {}).get(kernel, {}).items():
+                cells = [name, kernel, timing, d["baseline_timer"] or "not run", str(d["rows"])]
+                for key in BASELINES:
+                    st = d[f"vs_{key}"]
+                    cells.append("—" if not st else
+                                 f"{st['min']:.2f} / {st['median']:.2f} / {st['max']:.2f} (n={st['n']})")
+                cells.append(str(len(d["slower_than_fa2"])))
+                srows.append(cells)
+    out.append(md_table(["variant", "kernel", "our timing", "baseline timer", "rows", "vs FA2 min / median / max",
+                         "vs cuDNN min / median / max", "rows slower than FA2"], srows, {4, 7}))
     # The shapes where the primary variant loses to FA2 (the labels' lists are in compare.json).
     for kernel in ("forward", "decode"):
-        d = summary.get(primary, {}).get(kernel)
-        if d and d["slower_than_fa2"]:
-            out += ["", f"{primary} slower than FA2 ({primary}/FA2 < 1.0), {kernel}: {len(d['slower_than_fa2'])} rows"]
-            out += [f"- {x['label']}: {x['vs_fa2']:.3f}" for x in d["slower_than_fa2"]]
+        for timing, d in summary.get(primary, {}).get(kernel, {}).items():
+            if d["slower_than_fa2"]:
+                out += ["", f"{primary} slower than FA2 ({primary}/FA2 < 1.0, both timed with {timing} "
+                            f"/ {d['baseline_timer']}), {kernel}: {len(d['slower_than_fa2'])} rows"]
+                out += [f"- {x['label']}: {x['vs_fa2']:.3f}" for x in d["slower_than_fa2"]]
     fails = summary.get("baseline_failures", {})
     if any(fails.values()):
         out += ["", "Baseline failures (no time; see the notes column and compare.json): "
-                + ", ".join(f"{BASELINES[k]} {v}" for k, v in fails.items())]
+                + ", ".join(f"{disp} ({m}) {fails.get(k, 0)}" for k, disp, m in columns)]
     return "\n".join(out) + "\n"
+
+
+def _shape_table(rows: list[dict], kernel: str, timing: str, names: list[str],
+                 columns: list[tuple[str, str, str]], modes: list[str]) -> str:
+    """One markdown table: our times, every baseline column and our ratio to each."""
+    primary, labels = names[0], names[1:]
+    unit = rate_unit(kernel)
+    fa2_mode = matched_timer(timing, modes) or "not run"
+    headers = ["kernel", "dtype", "B", "H", "Hkv", "Sq", "Skv", "D", "causal", f"{primary} ms ({timing})"]
+    headers += [f"{disp} ms ({m})" for _, disp, m in columns]
+    headers += [f"{primary}/{disp} ({m})" for _, disp, m in columns]
+    headers += [f"{primary} {unit}", "% matmul" if kernel == "forward" else "% copy"]
+    for name in labels:
+        headers += [f"{name} ms", f"{name}/FA2 ({fa2_mode})"]
+    headers += ["origin", "notes"]
+    right = set(range(2, len(headers) - 2)) - {8}
+    body = []
+    for e in rows:
+        s: Shape = e["shape"]
+        res = e["results"].get(primary, {})
+        r = [s.kernel, s.dtype, str(s.batch), str(s.heads), str(s.kv_heads), str(s.seqlen_q),
+             str(s.seqlen_k), str(s.head_dim), "yes" if s.causal else "no", fmt_ms(res.get("median_ms"))]
+        r += [fmt_ms(e["baselines"].get(k, {}).get("ms")) for k, _, _ in columns]
+        r += [fmt_ratio(res.get(f"vs_{k}")) for k, _, _ in columns]
+        r += [fmt_rate(res.get("rate"), kernel), fmt_pct(res.get("pct_ceiling"))]
+        for name in labels:
+            lr = e["results"].get(name, {})
+            r += [fmt_ms(lr.get("median_ms")), fmt_ratio(lr.get("vs_matched", {}).get("fa2"))]
+        r += ["/".join(e["origins"]), row_notes(e, names, columns)]
+        body.append(r)
+    return md_table(headers, body, right)
 
 
 # --------------------------------------------------------------------------
@@ -933,9 +1172,10 @@ def _pyplot():
 
 
 def impl_ms(e: dict, impl: str) -> float | None:
+    """An implementation's time in one entry; the baselines timed like the entry."""
     for key, disp in BASELINES.items():
         if impl == disp:
-            return e["baselines"].get(key, {}).get("ms")
+            return e["baselines"].get(matched_key(e["timing"], key), {}).get("ms")
     return e["results"].get(impl, {}).get("median_ms")
 
 
@@ -983,11 +1223,13 @@ def _lines(ax, sel: list[dict], xkey: str, names: list[str], dtypes: list[str], 
     return ymax
 
 
-def plot_forward(entries: list[dict], names: list[str], env: dict, ceilings: dict, path: Path) -> bool:
+def plot_forward(entries: list[dict], names: list[str], env: dict, ceilings: dict, path: Path,
+                 timing: str) -> bool:
     # The "16k tokens per batch" sweep: B*S = 16384, square. Where two shapes land on
     # one point, the hidden-2048 one (the sweep's) wins.
     sel = [e for e in entries if e["shape"].kernel == "forward" and e["shape"].seqlen_q == e["shape"].seqlen_k
-           and e["shape"].batch * e["shape"].seqlen_q == 16384 and e["shape"].head_dim in SWEEP_HEAD_DIMS]
+           and e["shape"].batch * e["shape"].seqlen_q == 16384 and e["shape"].head_dim in SWEEP_HEAD_DIMS
+           and e["timing"] == timing]
     sel.sort(key=lambda e: e["shape"].heads != 2048 // e["shape"].head_dim)
     if not sel:
         return False
@@ -1011,7 +1253,7 @@ def plot_forward(entries: list[dict], names: list[str], env: dict, ceilings: dic
             ax.legend(fontsize=8, loc="lower right")
     mm = ceilings.get("matmul", {})
     ceil = ", ".join(f"{k} {v['tflops']:.0f}" for k, v in mm.items() if v.get("tflops"))
-    fig.suptitle(f"Forward attention, 16k tokens per batch — {env.get('gpu')}"
+    fig.suptitle(f"Forward attention, 16k tokens per batch, timed with {timing} — {env.get('gpu')}"
                  + (f"\n(matmul {MATMUL_N}³ ceiling: {ceil} TFLOP/s)" if ceil else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -1019,9 +1261,11 @@ def plot_forward(entries: list[dict], names: list[str], env: dict, ceilings: dic
     return True
 
 
-def plot_decode(entries: list[dict], names: list[str], env: dict, ceilings: dict, path: Path) -> bool:
+def plot_decode(entries: list[dict], names: list[str], env: dict, ceilings: dict, path: Path,
+                timing: str) -> bool:
     sel = [e for e in entries if e["shape"].kernel == "decode" and e["shape"].heads == 32
-           and e["shape"].kv_heads == 8 and e["shape"].head_dim == 128]
+           and e["shape"].kv_heads == 8 and e["shape"].head_dim == 128 and e["shape"].seqlen_q == 1
+           and e["timing"] == timing]
     if not sel:
         return False
     plt = _pyplot()
@@ -1041,7 +1285,7 @@ def plot_decode(entries: list[dict], names: list[str], env: dict, ceilings: dict
         ax.set_xlabel("cache length")
         ax.set_ylabel("GB/s (K+V bytes / time)")
         ax.legend(fontsize=8, loc="upper left")
-    fig.suptitle(f"Decode, Sq=1, GQA 32/8, D=128 — {env.get('gpu')}")
+    fig.suptitle(f"Decode, Sq=1, GQA 32/8, D=128, timed with {timing} — {env.get('gpu')}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -1069,29 +1313,32 @@ def _json_safe(x: Any) -> Any:
 def write_outputs(out: Path, env: dict, ceilings: dict, entries: list[dict], names: list[str],
                   sources: dict, bench: dict | None, self_test: bool = False) -> dict:
     derive(entries, ceilings)
-    summary = summarize(entries, names)
+    summary = summarize(entries, names, list(env.get("timers", {})))
     md = render_markdown(env, ceilings, entries, names, sources, bench, summary)
     print(md)
     files = {"markdown": out / "compare.md", "json": out / "compare.json"}
     files["markdown"].write_text(md, encoding="utf-8")
     rows = []
     for e in entries:
-        r = {**e["shape"]._asdict(), "origins": e["origins"], "label": shape_label(e["shape"]),
+        r = {**e["shape"]._asdict(), "timing": e["timing"], "origins": e["origins"], "label": shape_label(e["shape"]),
              "flops": flops(e["shape"]), "kv_bytes": kv_bytes(e["shape"]), "io_bytes": io_bytes(e["shape"]),
              "rate_unit": rate_unit(e["shape"].kernel), "results": e["results"], "baselines": e["baselines"]}
         rows.append(r)
     doc = {"tool": "scripts/compare-torch.py", "self_test": self_test, "environment": env,
            "ceilings": ceilings, "sources": sources, "bench": bench, "variants": names,
-           "ratio_definition": "baseline_ms / variant_ms (> 1: variant faster)",
+           "ratio_definition": "baseline_ms / variant_ms (> 1: variant faster); vs_KEY per baseline key, "
+                               "vs_matched against the baseline timed like the row (graph with *_graph)",
            "rows": rows, "summary": summary}
     files["json"].write_text(json.dumps(_json_safe(doc), indent=1) + "\n", encoding="utf-8")
     try:
-        for key, fn in (("forward_png", plot_forward), ("decode_png", plot_decode)):
-            p = out / f"compare-{key.split('_')[0]}.png"
-            if fn(entries, names, env, ceilings, p):
-                files[key] = p
-            else:
-                info(f"no rows for {p.name}; plot skipped")
+        for kernel, fn in (("forward", plot_forward), ("decode", plot_decode)):
+            for timing in TIMINGS:
+                tail = "" if timing == "events" else f"-{timing}"
+                p = out / f"compare-{kernel}{tail}.png"
+                if fn(entries, names, env, ceilings, p, timing):
+                    files[f"{kernel}{tail.replace('-', '_')}_png"] = p
+                else:
+                    info(f"no rows for {p.name}; plot skipped")
     except ImportError as e:
         warn(f"matplotlib unavailable ({e}); plots skipped")
     except Exception as e:  # a plot must not cost the tables that are already written
@@ -1106,32 +1353,174 @@ def write_outputs(out: Path, env: dict, ceilings: dict, entries: list[dict], nam
 # --------------------------------------------------------------------------
 
 
-def _fake_ms(s: Shape, rng: random.Random) -> float:
-    """A crude performance model, only so that plots and tables look plausible."""
+def _fake_ms(s: Shape, rng: random.Random, timing: str = "events") -> float:
+    """A crude performance model, only so that plots and tables look plausible
+    (graph timing: less fixed cost per launch)."""
+    fixed = 0.004 if timing == "graph" else 0.009
     if s.kernel == "forward":
         work = flops(s)
         eff = 280e12 * min(1.0, work / 4e11) ** 0.15  # small problems run less efficiently
-        return work / eff * 1e3 + 0.006 + rng.uniform(0, 0.002)
-    return kv_bytes(s) / 3.9e12 * 1e3 + 0.009 + rng.uniform(0, 0.002)
+        return work / eff * 1e3 + fixed - 0.003 + rng.uniform(0, 0.002)
+    return kv_bytes(s) / 3.9e12 * 1e3 + fixed + rng.uniform(0, 0.002)
+
+
+def _fake_baselines(s: Shape, base: float, mode: str, rng: random.Random) -> dict:
+    """{backend: result} under one timer, with the failures a real run records."""
+    speed = 1.0 if mode != "graph" else rng.uniform(0.7, 1.0)  # graphs time no dispatch
+    fa2 = {"ms": base * speed * rng.uniform(0.85, 1.25), "error": None, "notes": [], "kv_sets": 1, "timer": mode}
+    cudnn = {"ms": base * speed * rng.uniform(0.6, 1.15), "error": None, "notes": [], "kv_sets": 1, "timer": mode}
+    if mode == "graph":
+        fa2["graph_launches"] = cudnn["graph_launches"] = graph_copies(s)
+    if s.kernel == "decode" and s.heads != s.kv_heads:
+        cudnn["notes"].append("GQA via repeat_interleave (enable_gqa rejected; K/V materialised 4x)")
+        cudnn["enable_gqa_error"] = "enable_gqa: RuntimeError: No available kernel. Aborting execution."
+    if s.kernel == "decode" and s.head_dim == 64:
+        cudnn = {"ms": None, "notes": [], "kv_sets": 1, "timer": mode,
+                 "error": "plain: RuntimeError: No available kernel. Aborting execution. "
+                          "[fabricated by --self-test: a backend rejecting a shape]"}
+    elif mode == "graph" and s.kernel == "decode" and s.seqlen_q == 4:
+        cudnn = {"ms": None, "notes": [], "kv_sets": 1, "timer": mode,
+                 "error": "plain: timing failed: GraphCaptureError: graph capture failed: RuntimeError: "
+                          "[fabricated by --self-test: a backend that cannot be captured]"}
+    if s == Shape("forward", "f16", 1, 1, 1, 128, 128, 64, True):
+        fa2 = {"ms": None, "notes": [], "kv_sets": 1, "timer": mode, "error": "plain: RuntimeError: fabricated failure"}
+    return {"fa2": fa2, "cudnn": cudnn}
+
+
+def _fake_torch(call_ms: float, dispatch_ms: float, replay_ms: float):
+    """Just enough of torch.cuda for Timer's graph method, on a simulated GPU clock:
+    an eager call costs dispatch_ms + call_ms, a replay replay_ms + call_ms per
+    captured call. Returns (torch, fn); fn raises while capturing if fail_capture."""
+    import contextlib
+    import types
+
+    state = types.SimpleNamespace(clock=0.0, capturing=None, fail_capture=False, sync_fails=False)
+
+    class Event:
+        def __init__(self, enable_timing: bool):
+            assert enable_timing
+            self.t = None
+
+        def record(self):
+            self.t = state.clock
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end: "Event") -> float:
+            return end.t - self.t
+
+    class Graph:
+        calls = 0
+
+        def replay(self):
+            state.clock += replay_ms + self.calls * call_ms
+
+    @contextlib.contextmanager
+    def graph(g: Graph, capture_error_mode: str):
+        assert capture_error_mode == "thread_local"
+        state.capturing = g
+        try:
+            yield
+        finally:
+            state.capturing = None
+
+    def synchronize():
+        if state.sync_fails:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    stream = types.SimpleNamespace(wait_stream=lambda other: None)
+    cuda = types.SimpleNamespace(Event=Event, CUDAGraph=Graph, graph=graph, synchronize=synchronize,
+                                 Stream=lambda: stream, current_stream=lambda: stream,
+                                 stream=lambda s: contextlib.nullcontext())
+
+    def fn():
+        if state.capturing is None:
+            state.clock += dispatch_ms + call_ms
+        elif state.fail_capture:
+            raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+        else:
+            state.capturing.calls += 1
+
+    return types.SimpleNamespace(cuda=cuda, state=state), fn
+
+
+def _graph_timer_checks() -> None:
+    # Launch-bound (5 us calls, 20 us dispatch): N covers every copy; the replay
+    # overhead is spread over N and no dispatch is timed.
+    torch, fn = _fake_torch(call_ms=0.005, dispatch_ms=0.020, replay_ms=0.008)
+    timer = Timer(torch, "graph", reps=50)
+    ms = timer(fn, copies=300)
+    assert timer.last_launches == 300 and abs(ms - (0.005 + 0.008 / 300)) < 1e-9, (timer.last_launches, ms)
+    timer(fn, copies=5000)
+    assert timer.last_launches == GRAPH_MAX_LAUNCHES
+    # Few copies: about GRAPH_TARGET_MS of work (estimated with dispatch), at least the minimum.
+    timer(fn, copies=1)
+    assert timer.last_launches == math.ceil(GRAPH_TARGET_MS / 0.025)
+    torch, fn = _fake_torch(call_ms=2.0, dispatch_ms=0.02, replay_ms=0.008)
+    assert abs(Timer(torch, "graph", reps=5)(fn, copies=1) - (2.0 + 0.008 / GRAPH_MIN_LAUNCHES)) < 1e-9
+    # A capture that fails with the context intact is a GraphCaptureError (a table
+    # entry), one that leaves the context broken re-raises the context's error.
+    torch.state.fail_capture = True
+    for sync_fails, want in ((False, GraphCaptureError), (True, RuntimeError)):
+        torch.state.sync_fails = sync_fails
+        try:
+            Timer(torch, "graph", reps=5)(fn, copies=1)
+        except Exception as e:
+            assert type(e) is want and ("illegal memory" in str(e)) == sync_fails, e
+        else:
+            raise AssertionError("a failed capture was not reported")
+    tb = object.__new__(TorchBench)  # only _note_fatal, which needs no torch
+    tb.dead = None
+    tb._note_fatal(GraphCaptureError("graph capture failed: RuntimeError: CUDA error: not permitted"))
+    assert tb.dead is None
+    info("(the 'CUDA error' warning below is expected: the self-test feeds one on purpose)")
+    tb._note_fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    assert tb.dead is not None
 
 
 def _unit_checks(tmp: Path) -> None:
-    # Shape list replica: 142 bench lines, 140 distinct shapes (the floor shape and
-    # seed-A100 S=2048 are also sweep points).
+    # Shape list replica: 340 bench lines (`--list` without the 28 policy and paged
+    # rows), 315 distinct shapes (the floor shape and seed-A100 S=2048 are also
+    # sweep points; 23 decode-graph cells are also decode-gqa/mha cells); 198
+    # decode-graph cells (200 less the two MHA B=32 L=64k ones).
     shapes = bench_shapes()
-    assert len(shapes) == 142 and len({s for _, s in shapes}) == 140, len(shapes)
+    assert len(shapes) == 340 and len({s for _, s in shapes}) == 315, len(shapes)
+    assert sum(o == "decode-graph" for o, _ in shapes) == 198
     assert Shape("forward", "bf16", 4, 21, 21, 4096, 4096, 96, True) in {s for _, s in shapes}
     assert Shape("forward", "f16", 1, 8, 8, 16384, 16384, 256, False) in {s for _, s in shapes}
+    assert Shape("decode", "f16", 32, 32, 8, 4, 65536, 256, True) in {s for _, s in shapes}
+    assert Shape("decode", "f16", 32, 32, 32, 1, 65536, 128, True) not in {s for o, s in shapes if o == "decode-graph"}
     floor = Shape("forward", "f16", 4, 16, 16, 4096, 4096, 128, False)
     assert origins_of(floor) == ["floor", "sweep"]
-    assert matches_filter(floor, "floor") and matches_filter(floor, "sweep forward f16 b4")
-    assert not matches_filter(floor, "seed-L4") and not matches_filter(floor, "causal")
+    fe = {"shape": floor, "origins": origins_of(floor)}
+    assert matches_filter(fe, "floor") and matches_filter(fe, "sweep forward f16 b4")
+    assert not matches_filter(fe, "seed-L4") and not matches_filter(fe, "causal")
     assert shape_label(floor, "sweep") == "sweep forward f16 b4 h16/16 q4096 k4096 d128"
     assert abs(flops(floor) - 549.76e9) < 1e8  # docs/perf-notes.md: 550 G
     dec = Shape("decode", "f16", 8, 32, 8, 1, 16384, 128, True)
     assert kv_bytes(dec) == 536870912  # perf notes: 537 MB
     assert flops(dec) == 4.0 * 8 * 32 * 16384 * 128  # causal does not halve decode
     assert abs(rate(floor, 2.0) - 274.88) < 0.01
+    # The bench's graph copies (random_sets with the graph cap) and launches per graph.
+    assert graph_copies(Shape("decode", "f16", 1, 9, 3, 1, 256, 64, True)) == GRAPH_MAX_LAUNCHES  # 1350 capped
+    assert graph_copies(Shape("decode", "f16", 1, 32, 8, 1, 4096, 128, True)) == 16
+    assert graph_copies(dec) == 1
+    assert graph_launches(0.1, 1) == 16 and graph_launches(0.004, 1) == 125 and graph_launches(0.0, 1) == 1024
+    assert graph_launches(0.004, 700) == 700 and graph_launches(5.0, 1) == GRAPH_MIN_LAUNCHES
+
+    # --timer parsing: non-graph timer first.
+    assert parse_timers("graph,do_bench") == ["do_bench", "graph"] and parse_timers("graph") == ["graph"]
+    assert parse_timers(" sync , graph ") == ["sync", "graph"]
+    for bad in ("", ",", "do_bench,events", "graph,graph", "cudagraph"):
+        try:
+            parse_timers(bad)
+        except argparse.ArgumentTypeError:
+            continue
+        raise AssertionError(f"parse_timers accepted {bad!r}")
+    assert matched_timer("graph", ["do_bench"]) is None and matched_timer("events", ["sync", "graph"]) == "sync"
+    assert matched_key("graph", "fa2") == "fa2_graph" and matched_key("events", "cudnn") == "cudnn"
+    _graph_timer_checks()
 
     # --label parsing.
     assert parse_label("v1=a/b=c.jsonl") == ("v1", "a/b=c.jsonl")
@@ -1152,23 +1541,56 @@ def _unit_checks(tmp: Path) -> None:
              json.dumps({**good, "dtype": "bfloat16", "causal": "true", "median_ms": 1.5}),
              # Policy rows (same shape keys as `good`) are skipped, not merged.
              json.dumps({**good, "policy": "softcap50", "origin": "policy-scores", "median_ms": 2.2}),
-             json.dumps({**good, "policy": "none", "origin": "policy-scores", "median_ms": 2.1})]
+             json.dumps({**good, "policy": "none", "origin": "policy-scores", "median_ms": 2.1}),
+             # Timing: graph rows are kept apart from the events rows of the same shape.
+             json.dumps({**good, "timing": "graph", "origin": "floor", "median_ms": 1.8}),
+             json.dumps({**good, "timing": "cudagraph"})]
     p = tmp / "unit.jsonl"
     p.write_text("\n".join(lines) + "\n")
     info("(the 'line skipped' warnings below are expected: the self-test feeds bad lines on purpose)")
     rows = read_jsonl(p)
-    assert len(rows) == 2, rows
+    assert len(rows) == 3, rows
     assert rows[1]["shape"].dtype == "bf16" and rows[1]["shape"].causal is True
+    assert rows[0]["timing"] == "events" and rows[0]["origin"] is None
+    assert rows[2]["timing"] == "graph" and rows[2]["origin"] == "floor"
 
-    # Merge: duplicates keep the first time; ratios are baseline / ours.
-    entries = merge({"ours": [rows[0], {**rows[0], "median_ms": 2.5}], "v0": [rows[0]]})
-    assert len(entries) == 1 and entries[0]["results"]["ours"]["dup_ms"] == [2.5]
-    entries[0]["baselines"] = {"fa2": {"ms": 4.0, "notes": []}, "cudnn": {"ms": 1.0, "notes": []}}
-    derive(entries, {"matmul": {"f16": {"tflops": 800.0}}, "copy": {"gbps": 4000.0}})
+    # Merge: one entry per (shape, timing); duplicates keep the first time;
+    # ratios are baseline / ours, vs_matched against the baseline timed the same way.
+    entries = merge({"ours": [rows[0], {**rows[0], "median_ms": 2.5}, rows[2]], "v0": [rows[0]]})
+    assert [e["timing"] for e in entries] == ["events", "graph"]
+    assert entries[0]["results"]["ours"]["dup_ms"] == [2.5] and entries[1]["results"]["ours"]["dup_ms"] == []
+    assert entries[0]["origins"] == ["floor", "sweep"] and entries[1]["origins"] == ["floor"]
+    baselines = {"fa2": {"ms": 4.0, "notes": []}, "cudnn": {"ms": 1.0, "notes": []},
+                 "fa2_graph": {"ms": 3.6, "notes": []}, "cudnn_graph": {"ms": None, "notes": [], "error": "x"}}
+    for e in entries:
+        e["baselines"] = baselines  # shared, as main() shares one shape's baselines
+    ceilings = {"matmul": {"f16": {"tflops": 800.0}}, "copy": {"gbps": 4000.0}}
+    derive(entries, ceilings)
     res = entries[0]["results"]["ours"]
-    assert res["vs_fa2"] == 2.0 and res["vs_cudnn"] == 0.5
+    assert res["vs_fa2"] == 2.0 and res["vs_cudnn"] == 0.5 and res["vs_matched"] == {"fa2": 2.0, "cudnn": 0.5}
     assert abs(res["pct_ceiling"] - 100 * 274.88 / 800) < 0.01
-    assert "repeated shape disagrees" in row_notes(entries[0], ["ours"])
+    graph_res = entries[1]["results"]["ours"]
+    assert graph_res["vs_matched"] == {"fa2": 2.0, "cudnn": None} and graph_res["vs_fa2"] == 4.0 / 1.8
+    modes = ["do_bench", "graph"]
+    assert "repeated shape disagrees" in row_notes(entries[0], ["ours"], baseline_columns(modes))
+    assert "cuDNN (graph) failed: x" in row_notes(entries[1], ["ours"], baseline_columns(modes))
+    summary = summarize(entries, ["ours", "v0"], modes)
+    assert summary["ours"]["forward"]["graph"]["baseline_timer"] == "graph"
+    assert summary["ours"]["forward"]["graph"]["vs_fa2"]["median"] == 2.0
+    assert summary["ours"]["forward"]["events"]["vs_fa2"]["median"] == 2.0
+    assert "graph" not in summary["v0"]["forward"] and summary["baseline_failures"]["cudnn_graph"] == 2
+    env = {"timers": {m: Timer.DESCRIPTIONS[m] for m in modes}}
+    md = render_markdown(env, ceilings, entries, ["ours", "v0"], {}, None, summary)
+    assert "## Forward, ours timed with graph" in md and "| FA2 ms (graph) |" in md and "ours/FA2 (do_bench)" in md
+    # Without a graph timer, graph rows have no matched baseline ("not run"), never a do_bench one.
+    only = {"fa2": baselines["fa2"], "cudnn": baselines["cudnn"]}
+    for e in entries:
+        e["baselines"] = only
+    derive(entries, ceilings)
+    summary = summarize(entries, ["ours"], ["do_bench"])
+    assert summary["ours"]["forward"]["graph"]["vs_fa2"] is None
+    assert "| ours | forward | graph | not run | 1 | — |" in render_markdown(
+        {"timers": {"do_bench": "x"}}, ceilings, entries, ["ours"], {}, None, summary)
     table = md_table(["a", "b"], [["1", "x\\|y"]], {0})
     assert table.splitlines()[1] == "| ---: | --- |"
     assert _json_safe({"x": math.nan, "s": floor})["x"] is None
@@ -1197,10 +1619,12 @@ def self_test(args: argparse.Namespace) -> int:
         # Fabricate a bench file and read it back, so the JSONL path is exercised too.
         fake = out / "fake-ours.jsonl"
         with open(fake, "w") as f:
-            for _, s in bench_shapes():
-                ms = _fake_ms(s, rng)
+            for origin, s in bench_shapes():
+                timing = "graph" if origin == "decode-graph" else "events"
+                ms = _fake_ms(s, rng, timing)
                 f.write(json.dumps({**s._asdict(), "median_ms": ms, "tflops": flops(s) / (ms * 1e-3) / 1e12,
-                                    "gbps": io_bytes(s) / (ms * 1e-3) / 1e9}) + "\n")
+                                    "gbps": io_bytes(s) / (ms * 1e-3) / 1e9, "timing": timing,
+                                    "origin": origin}) + "\n")
         ours = read_jsonl(fake)
         sources["ours"] = str(fake)
     variants = {"ours": ours}
@@ -1208,42 +1632,37 @@ def self_test(args: argparse.Namespace) -> int:
     v0 = out / "fake-v0.jsonl"
     with open(v0, "w") as f:
         for r in ours:
-            f.write(json.dumps({**r["shape"]._asdict(), "median_ms": r["median_ms"] * rng.uniform(1.0, 1.2)}) + "\n")
+            f.write(json.dumps({**r["shape"]._asdict(), "median_ms": r["median_ms"] * rng.uniform(1.0, 1.2),
+                                "timing": r["timing"], "origin": r["origin"]}) + "\n")
     for name, path in [parse_label(f"v0={v0}"), *(args.label or [])]:
         variants[name] = read_jsonl(path)
         sources[name] = str(path)
 
-    entries = [e for e in merge(variants) if matches_filter(e["shape"], args.filter)]
+    entries = [e for e in merge(variants) if matches_filter(e, args.filter)]
     if not entries:
         warn("no shapes left after --filter")
         return 1
+    modes = ["do_bench", "graph"]
+    fabricated: dict[Shape, dict] = {}  # one shape's baselines serve both of its timings, as in main()
     for e in entries:
-        s: Shape = e["shape"]
-        base = e["results"].get("ours", next(iter(e["results"].values())))["median_ms"]
-        fa2 = {"ms": base * rng.uniform(0.85, 1.25), "error": None, "notes": [], "kv_sets": 1}
-        cudnn = {"ms": base * rng.uniform(0.6, 1.15), "error": None, "notes": [], "kv_sets": 1}
-        if s.kernel == "decode" and s.heads != s.kv_heads:
-            cudnn["notes"].append("GQA via repeat_interleave (enable_gqa rejected; K/V materialised 4x)")
-            cudnn["enable_gqa_error"] = "enable_gqa: RuntimeError: No available kernel. Aborting execution."
-        if s.kernel == "decode" and s.head_dim == 64:
-            cudnn = {"ms": None, "notes": [], "kv_sets": 1,
-                     "error": "plain: RuntimeError: No available kernel. Aborting execution. "
-                              "[fabricated by --self-test: a backend rejecting a shape]"}
-        if s == Shape("forward", "f16", 1, 1, 1, 128, 128, 64, True):
-            fa2 = {"ms": None, "notes": [], "kv_sets": 1, "error": "plain: RuntimeError: fabricated failure"}
-        e["baselines"] = {"fa2": fa2, "cudnn": cudnn}
+        if e["shape"] not in fabricated:
+            base = e["results"].get("ours", next(iter(e["results"].values())))["median_ms"]
+            fabricated[e["shape"]] = {k + timer_suffix(m): r for m in modes
+                                      for k, r in _fake_baselines(e["shape"], base, m, rng).items()}
+        e["baselines"] = fabricated[e["shape"]]
     env = {"gpu": "FAKE GPU (--self-test, fabricated numbers)", "compute_capability": "9.0", "sms": 132,
            "memory_gib": 139.8, "l2_mib": 60, "driver": "0.0", "cuda": "13.0", "torch": "not imported",
            "cudnn": None, "triton": None, "python": platform.python_version(), "host": platform.node(),
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "flash_attention_impl": "bundled FA2", "timer": Timer.DESCRIPTIONS["do_bench"]}
+           "flash_attention_impl": "bundled FA2", "timers": {m: Timer.DESCRIPTIONS[m] for m in modes}}
     ceilings = {"matmul": {"f16": {"n": MATMUL_N, "ms": 1.40, "tflops": 2 * MATMUL_N**3 / 1.40e-3 / 1e12},
                            "bf16": {"n": MATMUL_N, "ms": 1.41, "tflops": 2 * MATMUL_N**3 / 1.41e-3 / 1e12}},
                 "copy": {"bytes_each_way": COPY_BYTES, "ms": 2.0, "gbps": 2 * COPY_BYTES / 2e-3 / 1e9}}
     files = write_outputs(out, env, ceilings, entries, list(variants), sources, None, self_test=True)
     doc = json.loads(files["json"].read_text())
     assert len(doc["rows"]) == len(entries) and doc["self_test"] is True
-    for key in ("forward_png", "decode_png"):
+    assert {r["timing"] for r in doc["rows"]} == ({"events", "graph"} & {e["timing"] for e in entries})
+    for key in ("forward_png", "decode_png", "decode_graph_png"):
         if key in files:
             assert files[key].stat().st_size > 10_000, files[key]
     info(f"self-test passed; outputs in {out}")
@@ -1270,8 +1689,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="only shapes whose bench label contains SUBSTR, e.g. 'sweep', 'decode', 'd128 causal'")
     ap.add_argument("--reps", type=int, default=50,
                     help="timed calls per measurement for --timer events|sync (default 50, as the bench)")
-    ap.add_argument("--timer", choices=("do_bench", "events", "sync"), default="do_bench",
-                    help="baseline timing method (default do_bench; see the module docstring)")
+    ap.add_argument("--timer", metavar="MODE[,graph]", type=parse_timers,
+                    help="baseline timing methods: do_bench, events or sync, and/or graph, comma-separated "
+                         "(default do_bench, plus graph when some of our rows are graph-timed; see the module "
+                         "docstring)")
     ap.add_argument("--label", metavar="NAME=PATH.jsonl", type=parse_label, action="append",
                     help="another of our result files, shown as extra columns (repeatable)")
     ap.add_argument("--self-test", action="store_true",
@@ -1345,7 +1766,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, rows in variants.items():
         if not rows:
             warn(f"{name}: no usable rows in {sources[name]}")
-    entries = [e for e in merge(variants) if matches_filter(e["shape"], args.filter)]
+    entries = [e for e in merge(variants) if matches_filter(e, args.filter)]
     if not entries:
         print(f"error: no shapes match --filter {args.filter!r}", file=sys.stderr)
         return 1
@@ -1354,24 +1775,29 @@ def main(argv: list[str] | None = None) -> int:
         warn(f"{len(unknown)} shapes are not in this script's copy of the bench's shape list "
              "(origin 'other'); update bench_shapes() if the bench changed")
 
+    modes = args.timer or ["do_bench"] + (["graph"] if any(e["timing"] == "graph" for e in entries) else [])
     try:
-        tb = TorchBench(args.timer, args.reps)
+        tb = TorchBench(modes, args.reps)
     except Exception as e:
         print(f"error: cannot set up PyTorch/CUDA: {first_line(e)}", file=sys.stderr)
         return 1
     env = tb.environment()
-    info(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; timing: {env['timer']}")
+    info(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; timers: "
+         + "; ".join(f"{m}: {d}" for m, d in env["timers"].items()))
     info("measuring ceilings (matmul f16/bf16, device-to-device copy)")
     ceilings = tb.ceilings()
+    # A shape timed both ways by us (two entries) has its baselines timed once.
+    measured: dict[Shape, dict] = {}
     for i, e in enumerate(entries, 1):
         s = e["shape"]
-        e["baselines"] = tb.baselines(s)
-        got = ", ".join(f"{disp} " + (fmt_ms(e['baselines'][k]['ms']) + " ms" if e["baselines"][k]["ms"]
-                                      else "failed") for k, disp in BASELINES.items())
-        info(f"[{i}/{len(entries)}] {shape_label(s, e['origins'][0])}: {got}")
-    # The timer can fall back from do_bench mid-run (an old triton); report the one used.
-    if tb.timer.description != env["timer"]:
-        env["timer"] = f"{tb.timer.description} (do_bench failed on first use)"
+        if s not in measured:
+            measured[s] = tb.baselines(s)
+        e["baselines"] = measured[s]
+        got = ", ".join(f"{disp} ({m}) " + (fmt_ms(e['baselines'][k]['ms']) + " ms" if e["baselines"][k]["ms"]
+                                            else "failed") for k, disp, m in baseline_columns(modes))
+        info(f"[{i}/{len(entries)}] {shape_label(s, e['origins'][0])} ({e['timing']}): {got}")
+    # A timer can fall back from do_bench mid-run (an old triton); report the one used.
+    env["timers"] = tb.timer_descriptions()
     write_outputs(out, env, ceilings, entries, list(variants), sources, bench)
     if tb.dead:
         warn(f"a CUDA error stopped the baselines early: {tb.dead}")
