@@ -1845,7 +1845,13 @@ fn main() {
     trials.push(Trial::test("decode_long_cache_uses_splits", move || {
         let gpu = g.as_ref().as_ref().unwrap();
         for (batch, cache_len, heads, kv_heads) in
-            [(1, 16384, 32, 8), (2, 5000, 9, 9), (3, 4096, 8, 1)]
+            // 3 KV heads of one sequence: dozens of splits, several combine groups.
+            [
+                (1, 16384, 32, 8),
+                (2, 5000, 9, 9),
+                (3, 4096, 8, 1),
+                (1, 16384, 9, 3),
+            ]
         {
             let c = DecodeCase {
                 batch,
