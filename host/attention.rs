@@ -10,10 +10,12 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    find_entry, AttnTile, Dtype, Entry, KernelKind, MaskKind, Policies, ScoreKind, SeqKind,
-    APPEND_THREADS, CHUNK_ELEMS, ENTRIES, MAX_SPLITS, MERGE_THREADS,
+    combine_rows_per_cta, find_entry, AttnTile, Dtype, Entry, KernelKind, MaskKind, Policies,
+    ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS, ENTRIES, MAX_SPLITS, MERGE_THREADS,
 };
-use flash_attn_kernels::params::{AppendParams, AttnParams, BshStrides, MergeParams};
+use flash_attn_kernels::params::{
+    AppendParams, AttnParams, BshStrides, CombineParams, MergeParams,
+};
 
 use crate::error::FlashAttnError;
 use crate::kernels::ptx_for_arch;
@@ -30,6 +32,7 @@ struct ByValue<T>(T);
 // SAFETY: both parameter structs are #[repr(C)] plain data that the kernels
 // declare as their single by-value parameter.
 unsafe impl DeviceRepr for ByValue<AttnParams> {}
+unsafe impl DeviceRepr for ByValue<CombineParams> {}
 unsafe impl DeviceRepr for ByValue<AppendParams> {}
 unsafe impl DeviceRepr for ByValue<MergeParams> {}
 
@@ -138,9 +141,6 @@ struct DecodeCall {
 pub struct DecodeWorkspace {
     o_accum: CudaSlice<f32>,
     lse_accum: CudaSlice<f32>,
-    /// Arrival counters of the splits of each (batch, KV head, row block);
-    /// zero between launches (the decode kernel resets what it counts).
-    counters: CudaSlice<u32>,
 }
 
 fn strides(l: &Layout) -> BshStrides {
@@ -629,7 +629,6 @@ impl FlashAttention {
         Ok(DecodeWorkspace {
             o_accum: stream.alloc_zeros::<f32>((rows * shape.head_dim).max(1))?,
             lse_accum: stream.alloc_zeros::<f32>(rows.max(1))?,
-            counters: stream.alloc_zeros::<u32>(decode_row_blocks(shape).max(1))?,
         })
     }
 
@@ -787,8 +786,8 @@ impl FlashAttention {
         self.run_decode::<T>(stream, &call, lse, opts, workspace)
     }
 
-    /// Launches the split-KV decode kernel (whose last CTA per row block
-    /// combines the splits) for validated arguments.
+    /// Launches the split-KV decode kernel, and the combine kernel when the
+    /// keys are split, for validated arguments.
     fn run_decode<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,
@@ -813,8 +812,7 @@ impl FlashAttention {
             Some(w) => {
                 if splits > 1
                     && (w.lse_accum.len() < partial_rows
-                        || w.o_accum.len() < partial_rows * shape.head_dim
-                        || w.counters.len() < decode_row_blocks(shape))
+                        || w.o_accum.len() < partial_rows * shape.head_dim)
                 {
                     return Err(FlashAttnError::WorkspaceTooSmall {
                         needed: partial_rows * shape.head_dim,
@@ -831,7 +829,6 @@ impl FlashAttention {
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
-        let (counters_ptr, _c_sync) = workspace.counters.device_ptr_mut(stream);
 
         let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
         let pack = shape.heads / shape.kv_heads;
@@ -869,7 +866,6 @@ impl FlashAttention {
             max_pages: paging.max_pages as u32,
             page_size: paging.page_size as u32,
             num_pages: paging.num_pages as u32,
-            split_counters: counters_ptr,
             ..policy.params
         };
         let grid = (
@@ -883,6 +879,37 @@ impl FlashAttention {
             grid,
             ByValue(params),
         )?;
+        if splits > 1 {
+            let combine = CombineParams {
+                o_accum: oacc_ptr,
+                lse_accum: lacc_ptr,
+                o: call.o.0,
+                lse: lse_ptr,
+                o_strides: call.o.1,
+                batch: shape.batch as u32,
+                heads: shape.heads as u32,
+                seqlen_q: shape.seqlen_q as u32,
+                num_splits: splits as u32,
+                sinks: policy.params.sinks,
+            };
+            let rows = shape.batch * shape.heads * shape.seqlen_q;
+            let grid = (
+                rows.div_ceil(combine_rows_per_cta(shape.head_dim)) as u32,
+                1,
+                1,
+            );
+            self.launch(
+                stream,
+                self.kernel(
+                    KernelKind::Combine,
+                    T::DTYPE,
+                    shape.head_dim,
+                    Policies::PLAIN,
+                ),
+                grid,
+                ByValue(combine),
+            )?;
+        }
         Ok(())
     }
 
@@ -913,14 +940,6 @@ impl FlashAttention {
 /// Smallest split count whose last wave is nearly as full as the best one's
 /// (FlashAttention-2's `num_splits_heuristic`); 1 when the grid already fills
 /// the GPU.
-/// Row blocks of a decode launch (its grid's x·y·z without the splits): one
-/// arrival counter each.
-fn decode_row_blocks(shape: &DecodeShape) -> usize {
-    let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
-    let rows = shape.seqlen_q * (shape.heads / shape.kv_heads.max(1));
-    shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m)
-}
-
 pub(crate) fn choose_splits(ctas: usize, slots: usize, max_splits: usize) -> usize {
     if ctas * 10 >= slots * 8 {
         return 1;

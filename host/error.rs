@@ -87,7 +87,7 @@ pub enum FlashAttnError {
     #[error("block table has {got} entries, expected batch x max_pages = {expected}")]
     BlockTableLength { expected: usize, got: usize },
 
-    #[error("decode workspace too small: {len} elements where the problem needs {needed}")]
+    #[error("decode workspace holds {len} f32 partials, the problem needs {needed}")]
     WorkspaceTooSmall { needed: usize, len: usize },
 
     #[error("GPU compute capability {major}.{minor} is below the required 8.0 (Ampere or newer)")]

@@ -1669,7 +1669,7 @@ mod config {
     use flash_attn_kernels::config::*;
     use std::collections::HashSet;
 
-    const KINDS: [KernelKind; 2] = [KernelKind::Forward, KernelKind::Decode];
+    const KINDS: [KernelKind; 3] = [KernelKind::Forward, KernelKind::Decode, KernelKind::Combine];
     const DTYPES: [Dtype; 2] = [Dtype::F16, Dtype::Bf16];
     const MASKS: [MaskKind; 3] = [MaskKind::Full, MaskKind::Causal, MaskKind::Local];
     const SCORES: [ScoreKind; 2] = [ScoreKind::Plain, ScoreKind::Modified];
@@ -1683,6 +1683,7 @@ mod config {
         let kind = match e.kind {
             KernelKind::Forward => "fwd",
             KernelKind::Decode => "decode",
+            KernelKind::Combine => "combine",
             KernelKind::Append => return "flash_append_kv".into(),
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
         };
@@ -1712,6 +1713,10 @@ mod config {
                 // Move bytes or merge rows: one entry per dtype for every head dim.
                 KernelKind::Append | KernelKind::Merge => {
                     assert_eq!((e.head_dim, e.policies), (0, Policies::PLAIN), "{e:?}")
+                }
+                KernelKind::Combine => {
+                    assert_eq!(e.policies, Policies::PLAIN, "{e:?}");
+                    assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
                 }
                 _ => assert!(SUPPORTED_HEAD_DIMS.contains(&e.head_dim), "{e:?}"),
             }
@@ -1754,6 +1759,11 @@ mod config {
                             assert!(find_entry(kind, dtype, hd, need).is_none());
                             continue;
                         }
+                        let need = if kind == KernelKind::Combine {
+                            Policies::PLAIN
+                        } else {
+                            need
+                        };
                         let e = find_entry(kind, dtype, hd, need)
                             .unwrap_or_else(|| panic!("{kind:?} {dtype:?} hd{hd} {need:?}"));
                         assert_eq!((e.kind, e.dtype, e.head_dim), (kind, dtype, hd));
@@ -1778,7 +1788,8 @@ mod config {
                             }
                         }
                         // Plain full and causal problems get their plain kernels.
-                        if need.score == ScoreKind::Plain
+                        if kind != KernelKind::Combine
+                            && need.score == ScoreKind::Plain
                             && need.mask != MaskKind::Local
                             && need.seq == SeqKind::Dense
                         {
@@ -1877,10 +1888,16 @@ mod config {
             assert_eq!(t.k_smem_offset() % CHUNK_BYTES, 0);
             assert_eq!(t.v_smem_offset() % CHUNK_BYTES, 0);
 
-            // The last decode CTA combines at least one whole row per pass.
-            if kind == KernelKind::Decode {
-                assert!(hd / COMBINE_ELEMS_PER_THREAD <= t.threads(), "hd{hd}");
-            }
+            // Whole rows per combine CTA; the threads past them idle.
+            let per_row = hd / COMBINE_ELEMS_PER_THREAD;
+            assert!(
+                combine_rows_per_cta(hd) * per_row <= COMBINE_THREADS,
+                "hd{hd}"
+            );
+            assert!(
+                (combine_rows_per_cta(hd) + 1) * per_row > COMBINE_THREADS,
+                "hd{hd}"
+            );
             assert_eq!(hd % COMBINE_ELEMS_PER_THREAD, 0);
         }
         assert!(!AttnTile::supports(80));
@@ -1892,6 +1909,10 @@ mod config {
     fn entries_report_their_tiles() {
         for e in ENTRIES {
             match e.kind {
+                KernelKind::Combine => {
+                    assert_eq!(e.threads(), COMBINE_THREADS);
+                    assert_eq!(e.smem_bytes(), 0);
+                }
                 KernelKind::Append => {
                     assert_eq!(e.threads(), APPEND_THREADS);
                     assert_eq!(e.smem_bytes(), 0);

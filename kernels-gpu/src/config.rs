@@ -102,17 +102,19 @@ impl AttnTile {
                 // all warps wastes the least MMA work, and the ring keeps blocks in
                 // flight while one is consumed. Two 32 KB stages measured
                 // faster than three (docs/perf-notes.md, v6).
-                (KernelKind::Decode, 32 | 64) => {
+                (KernelKind::Decode | KernelKind::Combine, 32 | 64) => {
                     (4, WarpSplit::Keys, 1, true, 64, 3, 2)
                 }
-                (KernelKind::Decode, 96 | 128) => {
+                (KernelKind::Decode | KernelKind::Combine, 96 | 128) => {
                     (4, WarpSplit::Keys, 1, true, 64, 2, 2)
                 }
                 // Two warps (32-key blocks) keep two 32 KB stages and the f32
-                // merge tile under the 99 KB of sm_86/89. Q's 48-64 fragment
-                // registers would crowd O's 96-128 (D = 192 spilled once the
-                // kernel also combines its splits), so Q is re-read.
-                (KernelKind::Decode, 192 | 256) => {
+                // merge tile under the 99 KB of sm_86/89; at D = 256 Q's 64
+                // fragment registers would crowd O's 128, so Q is re-read.
+                (KernelKind::Decode | KernelKind::Combine, 192) => {
+                    (2, WarpSplit::Keys, 1, true, 32, 2, 2)
+                }
+                (KernelKind::Decode | KernelKind::Combine, 256) => {
                     (2, WarpSplit::Keys, 1, false, 32, 2, 2)
                 }
                 (KernelKind::Forward, 32) => (4, WarpSplit::Rows, 2, true, 64, 2, 2),
@@ -261,16 +263,22 @@ impl AttnTile {
     }
 }
 
-/// Output columns each thread owns when the last decode CTA of a row block
-/// combines the splits (one 8-byte store of f16/bf16).
+/// Threads of one split-KV combine CTA.
+pub const COMBINE_THREADS: usize = 128;
+/// Output elements each combine thread owns (one 8-byte store of f16/bf16).
 pub const COMBINE_ELEMS_PER_THREAD: usize = 4;
-/// Upper bound on KV splits; the combine reads every split's LSE per row.
+/// Upper bound on KV splits; the combine kernel reads every split's LSE per row.
 pub const MAX_SPLITS: usize = 128;
 /// Threads of one KV-append CTA (one per 16-byte chunk).
 pub const APPEND_THREADS: usize = 128;
 /// Pages of a paged KV cache hold a multiple of this many tokens.
 pub const PAGE_SIZE_MULTIPLE: usize = 16;
 
+/// Query rows one combine CTA finishes for a head dimension; the threads
+/// past the last whole row (D = 96, 192) idle.
+pub const fn combine_rows_per_cta(head_dim: usize) -> usize {
+    COMBINE_THREADS / (head_dim / COMBINE_ELEMS_PER_THREAD)
+}
 /// Threads of one merge-states CTA (one per 16-byte chunk of a row).
 pub const MERGE_THREADS: usize = 128;
 
@@ -298,6 +306,8 @@ pub enum KernelKind {
     /// Decode against a KV cache: query heads of one KV head packed into the
     /// CTA's rows, the keys split across CTAs (flash-decoding).
     Decode,
+    /// Merges the split-KV partial outputs of `Decode`.
+    Combine,
     /// Copies new K/V tokens into the cache before a decode step; moves bytes,
     /// so one entry serves every dtype and head dim.
     Append,
@@ -372,7 +382,7 @@ pub struct Entry {
     pub dtype: Dtype,
     /// 0 for `Append` and `Merge`, which take any head dim.
     pub head_dim: usize,
-    /// `Policies::PLAIN` for `Append` and `Merge`.
+    /// `Policies::PLAIN` for `Combine`, `Append` and `Merge`.
     pub policies: Policies,
 }
 
@@ -384,6 +394,7 @@ impl Entry {
     /// Threads per CTA, the value the PTX build writes into `.maxntid`.
     pub const fn threads(&self) -> usize {
         match self.kind {
+            KernelKind::Combine => COMBINE_THREADS,
             KernelKind::Append => APPEND_THREADS,
             KernelKind::Merge => MERGE_THREADS,
             _ => self.tile().threads(),
@@ -392,14 +403,14 @@ impl Entry {
     /// Dynamic shared memory per CTA.
     pub const fn smem_bytes(&self) -> usize {
         match self.kind {
-            KernelKind::Append | KernelKind::Merge => 0,
+            KernelKind::Combine | KernelKind::Append | KernelKind::Merge => 0,
             _ => self.tile().smem_bytes(),
         }
     }
     /// Occupancy the PTX build requests with `.minnctapersm`, if any.
     pub const fn min_ctas_per_sm(&self) -> Option<usize> {
         match self.kind {
-            KernelKind::Append | KernelKind::Merge => None,
+            KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
             _ => Some(self.tile().min_ctas_per_sm),
         }
     }
@@ -519,6 +530,18 @@ macro_rules! attention_variants {
             decode bf16 256 full plain dense;
             decode bf16 256 causal plain dense;
             decode bf16 256 local modified dense;
+            combine f16 32 full plain dense;
+            combine f16 64 full plain dense;
+            combine f16 96 full plain dense;
+            combine f16 128 full plain dense;
+            combine f16 192 full plain dense;
+            combine f16 256 full plain dense;
+            combine bf16 32 full plain dense;
+            combine bf16 64 full plain dense;
+            combine bf16 96 full plain dense;
+            combine bf16 128 full plain dense;
+            combine bf16 192 full plain dense;
+            combine bf16 256 full plain dense;
         }
     };
 }
@@ -532,6 +555,9 @@ macro_rules! table_word {
     };
     (kind decode) => {
         KernelKind::Decode
+    };
+    (kind combine) => {
+        KernelKind::Combine
     };
     (dtype f16) => {
         Dtype::F16

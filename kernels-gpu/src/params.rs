@@ -90,10 +90,6 @@ pub struct AttnParams {
     /// `cu_seqlens` entry to.
     pub total_q: u32,
     pub total_k: u32,
-    /// Split-KV decode: u32 [B, Hkv, row blocks] arrival counters, all 0
-    /// between launches; the CTA that brings a counter to `num_splits`
-    /// combines the splits' partials of its rows and resets it.
-    pub split_counters: u64,
 }
 
 /// Parameters of the KV-cache append kernel: copies K/V_new [B, Snew, Hkv, D]
@@ -124,6 +120,24 @@ pub struct AppendParams {
     pub max_pages: u32,
     pub page_size: u32,
     pub num_pages: u32,
+}
+
+/// Parameters of the split-KV combine kernel. One thread group per (b, h, token)
+/// row of O merges `num_splits` partial rows from [`AttnParams::o_accum`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CombineParams {
+    pub o_accum: u64,
+    pub lse_accum: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub o_strides: BshStrides,
+    pub batch: u32,
+    pub heads: u32,
+    pub seqlen_q: u32,
+    pub num_splits: u32,
+    /// As in [`AttnParams::sinks`]: added once here, not in the partials.
+    pub sinks: u64,
 }
 
 /// Parameters of the merge-states kernel: (O, LSE) = merge((O_a, LSE_a),

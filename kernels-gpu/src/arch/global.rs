@@ -54,33 +54,6 @@ pub fn ld_nc_v4_f32(p: u64) -> [f32; 4] {
     [a, b, c, d]
 }
 
-/// `ld.global.cg.f32 d, [p];` cached in L2 only: data that other CTAs of the
-/// running kernel wrote (after an acquire), which the non-coherent and L1
-/// paths may not see.
-#[inline(always)]
-pub fn ld_cg_f32(p: u64) -> f32 {
-    let r: f32;
-    unsafe {
-        asm!("ld.global.cg.f32 {r}, [{p}];", r = out(reg32) r, p = in(reg64) p, options(nostack, readonly));
-    }
-    r
-}
-
-/// `ld.global.cg.v4.f32 {a,b,c,d}, [p];` 16 bytes, cached in L2 only (see
-/// [`ld_cg_f32`]).
-#[inline(always)]
-pub fn ld_cg_v4_f32(p: u64) -> [f32; 4] {
-    let (a, b, c, d): (f32, f32, f32, f32);
-    unsafe {
-        asm!(
-            "ld.global.cg.v4.f32 {{{a}, {b}, {c}, {d}}}, [{p}];",
-            a = out(reg32) a, b = out(reg32) b, c = out(reg32) c, d = out(reg32) d, p = in(reg64) p,
-            options(nostack, readonly),
-        );
-    }
-    [a, b, c, d]
-}
-
 /// `ld.global.nc.v4.b32 {a,b,c,d}, [p];` 16 bytes of read-only data.
 #[inline(always)]
 pub fn ld_nc_v4_b32(p: u64) -> [u32; 4] {

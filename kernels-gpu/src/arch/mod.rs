@@ -6,7 +6,6 @@
 //! `cvta.to.shared` yields), which is what `ldmatrix`, `cp.async` and
 //! `ld/st.shared` take.
 
-pub mod atomic;
 pub mod barrier;
 pub mod cp_async;
 pub mod global;

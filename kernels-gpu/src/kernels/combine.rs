@@ -1,10 +1,11 @@
 //! Flash-decoding combine: O = Σ_s exp(lse_s - lse) · O_s with
 //! lse = log Σ_s exp(lse_s) (+ exp(sink_h) with sinks, which carry no
-//! value), for every (b, h, token) row, run by the last decode CTA of a row
-//! block to finish (`decode::combine_if_last`).
+//! value), for every (b, h, token) row.
+use super::element::Element;
 use super::unroll::unroll;
-use crate::arch::{global, math};
-use crate::config::COMBINE_ELEMS_PER_THREAD;
+use crate::arch::{global, math, special};
+use crate::config::{combine_rows_per_cta, COMBINE_ELEMS_PER_THREAD};
+use crate::params::CombineParams;
 
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
 const LN_2: f32 = core::f32::consts::LN_2;
@@ -13,53 +14,34 @@ const LN_2: f32 = core::f32::consts::LN_2;
 /// (SmolLM-135M decode, B=1, 16k keys), more than the decode kernel itself.
 const SPLIT_GROUP: usize = 8;
 
-/// The split partials of one decode launch: f32 O [splits, rows, D] and f32
-/// LSE [splits, rows] (natural log), row = (b · H + h) · Sq + token.
-pub struct Partials {
-    pub o: u64,
-    pub lse: u64,
-    pub rows: u64,
-    pub splits: u64,
-}
-
-/// One thread's `COMBINE_ELEMS_PER_THREAD` columns from `col` of the combined
-/// O of `row` (normalised), and the row's LSE. `sink` is the row's sink logit
-/// (natural log; -inf without sinks). With `from_peers` the partials were
-/// written by other CTAs of the running kernel, so they are read through L2
-/// (`ld.global.cg`) rather than the non-coherent path.
 #[inline(always)]
-pub fn combine_row<const D: usize>(
-    src: &Partials,
-    row: u64,
-    col: u64,
-    sink: f32,
-    from_peers: bool,
-) -> ([f32; COMBINE_ELEMS_PER_THREAD], f32) {
-    let ld = |a: u64| {
-        if from_peers {
-            global::ld_cg_f32(a)
-        } else {
-            global::ld_nc_f32(a)
-        }
-    };
-    let ld4 = |a: u64| {
-        if from_peers {
-            global::ld_cg_v4_f32(a)
-        } else {
-            global::ld_nc_v4_f32(a)
-        }
-    };
+pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
+    let threads_per_row = (D / COMBINE_ELEMS_PER_THREAD) as u32;
+    let tid = special::thread_idx_x();
+    let rows = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
+    let row_in_cta = tid / threads_per_row;
+    let row = special::block_idx_x() as u64 * combine_rows_per_cta(D) as u64 + row_in_cta as u64;
+    if row_in_cta as usize >= combine_rows_per_cta(D) || row >= rows {
+        return;
+    }
+    // 32-bit: the host keeps B·H·Sq rows below 2^32, and a 64-bit division
+    // would be a ptxas subroutine with a stack frame.
+    let (seqlen_q, heads) = (p.seqlen_q.max(1), p.heads.max(1));
+    let (bh, token) = (row as u32 / seqlen_q, row as u32 % seqlen_q);
+    let (b, h) = (bh / heads, bh % heads);
+    let col = ((tid % threads_per_row) as usize * COMBINE_ELEMS_PER_THREAD) as u64;
+    let splits = p.num_splits as u64;
+
     // Splits are visited in groups whose loads are all issued before any is
     // used (clamped to the last split, so every address is valid, and masked
     // after): one memory latency per group instead of one per split.
-    let splits = src.splits;
     let last = splits.max(1) - 1;
-    let lse_at = |s: u64| src.lse + (s.min(last) * src.rows + row) * 4;
+    let lse_at = |s: u64| p.lse_accum + (s.min(last) * rows + row) * 4;
     let mut lse_max = f32::NEG_INFINITY;
     let mut s0 = 0;
     while s0 < splits {
         let mut lse = [0f32; SPLIT_GROUP];
-        unroll::<SPLIT_GROUP>(|i| lse[i] = ld(lse_at(s0 + i as u64)));
+        unroll::<SPLIT_GROUP>(|i| lse[i] = global::ld_nc_f32(lse_at(s0 + i as u64)));
         unroll::<SPLIT_GROUP>(|i| {
             if s0 + (i as u64) < splits {
                 lse_max = lse_max.max(lse[i]);
@@ -67,6 +49,11 @@ pub fn combine_row<const D: usize>(
         });
         s0 += SPLIT_GROUP as u64;
     }
+    let sink = if p.sinks != 0 {
+        global::ld_nc_f32(p.sinks + h as u64 * 4)
+    } else {
+        f32::NEG_INFINITY
+    };
     lse_max = lse_max.max(sink);
     let mut acc = [0f32; COMBINE_ELEMS_PER_THREAD];
     let mut sum = 0.0;
@@ -77,28 +64,37 @@ pub fn combine_row<const D: usize>(
             let mut part = [[0f32; COMBINE_ELEMS_PER_THREAD]; SPLIT_GROUP];
             unroll::<SPLIT_GROUP>(|i| {
                 let s = (s0 + i as u64).min(last);
-                lse[i] = ld(lse_at(s));
-                part[i] = ld4(src.o + ((s * src.rows + row) * D as u64 + col) * 4);
+                lse[i] = global::ld_nc_f32(lse_at(s));
+                part[i] = global::ld_nc_v4_f32(p.o_accum + ((s * rows + row) * D as u64 + col) * 4);
             });
             unroll::<SPLIT_GROUP>(|i| {
                 if s0 + (i as u64) < splits {
                     let w = math::ex2((lse[i] - lse_max) * LOG2_E);
                     sum += w;
-                    unroll::<COMBINE_ELEMS_PER_THREAD>(|e| {
-                        acc[e] = math::fma(w, part[i][e], acc[e])
-                    });
+                    unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] = math::fma(w, part[i][e], acc[e]));
                 }
             });
             s0 += SPLIT_GROUP as u64;
         }
-        // A sink carries no value: it only joins the denominator.
+    }
+    if p.sinks != 0 && lse_max != f32::NEG_INFINITY {
         sum += math::ex2((sink - lse_max) * LOG2_E);
     }
-    if sum > 0.0 {
-        let inv = math::rcp(sum);
-        unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] *= inv);
-        (acc, lse_max + math::lg2(sum) * LN_2)
+    let (inv, lse) = if sum > 0.0 {
+        (math::rcp(sum), lse_max + math::lg2(sum) * LN_2)
     } else {
-        (acc, f32::NEG_INFINITY)
+        (0.0, f32::NEG_INFINITY)
+    };
+
+    let s = &p.o_strides;
+    let off = b as i64 * s.batch + token as i64 * s.row + h as i64 * s.head + col as i64;
+    let dst = p.o.wrapping_add((off * 2) as u64);
+    global::st_v2_b32(
+        dst,
+        T::pack(acc[0] * inv, acc[1] * inv),
+        T::pack(acc[2] * inv, acc[3] * inv),
+    );
+    if p.lse != 0 && col == 0 {
+        global::st_f32(p.lse + row * 4, lse);
     }
 }

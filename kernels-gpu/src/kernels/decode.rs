@@ -17,11 +17,9 @@ use super::policy::{Dense, Mask, Modifiers, Scores};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
-use super::combine::{combine_row, Partials};
-use crate::arch::{atomic, barrier, cp_async, global, ldmatrix, math, smem, special};
+use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
 use crate::config::{
-    AttnTile, KernelKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, COMBINE_ELEMS_PER_THREAD, MMA_K,
-    MMA_N, WARP_KEYS,
+    AttnTile, KernelKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
 use crate::params::AttnParams;
 
@@ -124,70 +122,10 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     }
 
     // Sinks join the final normalisation only; split partials leave them to
-    // the combine (`combine_if_last`), which adds each row's once.
+    // the combine kernel, which adds each row's once.
     let sinks = S::MODIFIED && p.sinks != 0 && p.num_splits <= 1;
     merge_warps::<D, OT>(p, &info, tile, lane, base, &softmax, &o, sinks);
     write_rows::<T, D>(p, &info, tile, lane, base, sinks);
-    if p.num_splits > 1 {
-        combine_if_last::<T, M, D>(p, tile, base);
-    }
-}
-
-/// Split-KV decode in one launch: the CTA that finishes a (batch, KV head,
-/// row block) last combines all splits' partials of its rows, which saves
-/// a second kernel's launch and ramp in every split decode step. Each thread publishes its partial stores with a gpu-scope
-/// fence; one thread counts the CTA's arrival with an acq_rel atomic; the
-/// last arrival resets the counter for the next launch (or graph replay) and
-/// acquires every other split's partials before reading them through L2.
-#[inline(always)]
-fn combine_if_last<T: Element, M: Mask, const D: usize>(p: &AttnParams, tile: AttnTile, base: u32) {
-    atomic::fence_acq_rel_gpu();
-    // Rebuilt from the CTA coordinates rather than kept live through the
-    // main loop, whose registers are scarce at D = 192/256.
-    let (info, lane) = (BlockInfo::new::<M, Dense>(p, tile, true, false), Lane::current());
-    // Also: every thread is done with the merge tile, whose first word
-    // carries the verdict.
-    barrier::sync_cta();
-    let block = (info.batch * p.kv_heads + info.kv_head) * special::grid_dim_x()
-        + special::block_idx_x();
-    let counter = p.split_counters + block as u64 * 4;
-    if lane.tid == 0 {
-        let last = atomic::add_acq_rel_gpu_u32(counter, 1) + 1 == p.num_splits;
-        if last {
-            atomic::st_relaxed_gpu_u32(counter, 0);
-        }
-        smem::st_b32(base, last as u32);
-    }
-    barrier::sync_cta();
-    if smem::ld_b32(base) == 0 {
-        return;
-    }
-    atomic::fence_acq_rel_gpu();
-    let src = Partials {
-        o: p.o_accum,
-        lse: p.lse_accum,
-        rows: p.batch as u64 * p.heads as u64 * p.seqlen_q as u64,
-        splits: p.num_splits as u64,
-    };
-    let per_row = (D / COMBINE_ELEMS_PER_THREAD) as u32;
-    let rows_per_pass = tile.threads() as u32 / per_row;
-    let (mut row, col) = (lane.tid / per_row, lane.tid % per_row * COMBINE_ELEMS_PER_THREAD as u32);
-    while row < tile.block_m as u32 && lane.tid < rows_per_pass * per_row {
-        if let (Some(token), Some(dst)) = (info.token(row), info.q_row_ptr(p.o, &p.o_strides, row)) {
-            let sink = if p.sinks != 0 {
-                global::ld_nc_f32(p.sinks + info.head(row) as u64 * 4)
-            } else {
-                f32::NEG_INFINITY
-            };
-            let index = info.lse_index(row, token);
-            let (o, lse) = combine_row::<D>(&src, index, col as u64, sink, true);
-            global::st_v2_b32(dst + col as u64 * 2, T::pack(o[0], o[1]), T::pack(o[2], o[3]));
-            if p.lse != 0 && col == 0 {
-                global::st_f32(p.lse + index * 4, lse);
-            }
-        }
-        row += rows_per_pass;
-    }
 }
 
 /// Shared-memory address of warp `w`'s statistic `stat` (0: m, 1: l) of row `row`.
@@ -291,7 +229,7 @@ fn merge_warps<const D: usize, const OT: usize>(
 
 /// Sums the warps' merged O tiles and writes each valid row: the final O in
 /// the output dtype (and its LSE if requested), or this split's f32 partial
-/// and LSE for the combine. 16-byte stores.
+/// and LSE for the combine kernel. 16-byte stores.
 #[inline(always)]
 fn write_rows<T: Element, const D: usize>(
     p: &AttnParams,

@@ -2,13 +2,14 @@
 //! names match `config::ENTRIES` by construction), plus the append and
 //! merge kernels.
 use super::append::append_kv;
+use super::combine::combine;
 use super::decode::decode;
 use super::element::{Bf16, F16};
 use super::mainloop::attention;
 use super::merge::merge;
 use super::policy::{policies, Causal, Dense, Full, Local, Modified, Plain, Ragged};
 use crate::config::{attention_variants, AttnTile, KernelKind};
-use crate::params::{AppendParams, AttnParams, MergeParams};
+use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
 
 /// Maps the table's words to the policy and element types.
 macro_rules! ty {
@@ -70,6 +71,9 @@ macro_rules! entry_body {
     (decode, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
         decode::<ty!($t), ty!($mask), ty!($score), $d, { $d / 16 }, { $d / 8 }>(&$p)
     };
+    (combine, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+        combine::<ty!($t), $d>(&$p)
+    };
 }
 
 macro_rules! entry_params {
@@ -78,6 +82,9 @@ macro_rules! entry_params {
     };
     (decode) => {
         AttnParams
+    };
+    (combine) => {
+        CombineParams
     };
 }
 
