@@ -167,6 +167,37 @@ fn info(layout: Layout, len: usize, addr: u64) -> TensorInfo {
     TensorInfo { layout, len, addr }
 }
 
+/// Q, K, V and O of a forward call as the checks and the launch see them,
+/// with the guards that order their buffers on the stream.
+struct Bound<'a> {
+    q: TensorInfo,
+    k: TensorInfo,
+    v: TensorInfo,
+    o: TensorInfo,
+    _guards: [SyncOnDrop<'a>; 4],
+}
+
+fn bind<'a, T: AttnElement>(
+    stream: &'a CudaStream,
+    q: &'a TensorRef<'_, T>,
+    k: &'a TensorRef<'_, T>,
+    v: &'a TensorRef<'_, T>,
+    o: &'a mut TensorMut<'_, T>,
+) -> Bound<'a> {
+    let (q_ptr, q_sync) = q.data.device_ptr(stream);
+    let (k_ptr, k_sync) = k.data.device_ptr(stream);
+    let (v_ptr, v_sync) = v.data.device_ptr(stream);
+    let (o_len, o_layout) = (o.data.len(), o.layout);
+    let (o_ptr, o_sync) = o.data.device_ptr_mut(stream);
+    Bound {
+        q: info(q.layout, q.data.len(), q_ptr),
+        k: info(k.layout, k.data.len(), k_ptr),
+        v: info(v.layout, v.data.len(), v_ptr),
+        o: info(o_layout, o_len, o_ptr),
+        _guards: [q_sync, k_sync, v_sync, o_sync],
+    }
+}
+
 /// A window bound as the kernels take it: negative = unbounded; bounds past
 /// any sequence length are equivalent to i32::MAX.
 fn window_bound(bound: Option<usize>) -> i32 {
@@ -326,28 +357,10 @@ impl FlashAttention {
         lse: Option<&mut CudaViewMut<'_, f32>>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
-        let (k_ptr, _k_sync) = k.data.device_ptr(stream);
-        let (v_ptr, _v_sync) = v.data.device_ptr(stream);
-        let o_len = o.data.len();
-        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
-        let lse_len = lse.as_ref().map(|l| l.len());
-        let shape = check_forward(
-            &info(q.layout, q.data.len(), q_ptr),
-            &info(k.layout, k.data.len(), k_ptr),
-            &info(v.layout, v.data.len(), v_ptr),
-            &info(o.layout, o_len, o_ptr),
-            lse_len,
-            opts,
-        )?;
+        let t = bind(stream, q, k, v, o);
+        let shape = check_forward(&t.q, &t.k, &t.v, &t.o, lse.as_ref().map(|l| l.len()), opts)?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
-        let tensors = [
-            (q_ptr, &q.layout),
-            (k_ptr, &k.layout),
-            (v_ptr, &v.layout),
-            (o_ptr, &o.layout),
-        ];
-        self.launch_forward::<T>(stream, tensors, lse_ptr, &shape, None, opts)
+        self.launch_forward::<T>(stream, &t, lse_ptr, &shape, None, opts)
     }
 
     /// Attention over variable-length sequences packed without padding
@@ -371,18 +384,14 @@ impl FlashAttention {
         seqlens: &Varlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
-        let (k_ptr, _k_sync) = k.data.device_ptr(stream);
-        let (v_ptr, _v_sync) = v.data.device_ptr(stream);
         let (cu_q, _cq_sync) = seqlens.cu_seqlens_q.device_ptr(stream);
         let (cu_k, _ck_sync) = seqlens.cu_seqlens_k.device_ptr(stream);
-        let o_len = o.data.len();
-        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let t = bind(stream, q, k, v, o);
         let shape: VarlenShape = check_varlen(
-            &info(q.layout, q.data.len(), q_ptr),
-            &info(k.layout, k.data.len(), k_ptr),
-            &info(v.layout, v.data.len(), v_ptr),
-            &info(o.layout, o_len, o_ptr),
+            &t.q,
+            &t.k,
+            &t.v,
+            &t.o,
             seqlens.cu_seqlens_q.len(),
             seqlens.cu_seqlens_k.len(),
             seqlens.max_seqlen_q,
@@ -391,12 +400,6 @@ impl FlashAttention {
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
-        let tensors = [
-            (q_ptr, &q.layout),
-            (k_ptr, &k.layout),
-            (v_ptr, &v.layout),
-            (o_ptr, &o.layout),
-        ];
         let packed = Packed {
             cu_seqlens_q: cu_q,
             cu_seqlens_k: cu_k,
@@ -404,7 +407,7 @@ impl FlashAttention {
             total_k: shape.total_k,
             paged: None,
         };
-        self.launch_forward::<T>(stream, tensors, lse_ptr, &shape.grid(), Some(packed), opts)
+        self.launch_forward::<T>(stream, &t, lse_ptr, &shape.grid(), Some(packed), opts)
     }
 
     /// Packed queries against a paged KV cache ([`PagedVarlen`]; chunked
@@ -428,19 +431,15 @@ impl FlashAttention {
         seqs: &PagedVarlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
-        let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
-        let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
         let (cu_q, _cq_sync) = seqs.cu_seqlens_q.device_ptr(stream);
         let (seqlens_k, _sk_sync) = seqs.seqlens_k.device_ptr(stream);
         let (table, _t_sync) = seqs.block_table.table.device_ptr(stream);
-        let o_len = o.data.len();
-        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
+        let t = bind(stream, q, k_cache, v_cache, o);
         let (shape, paging) = check_varlen_paged(
-            &info(q.layout, q.data.len(), q_ptr),
-            &info(k_cache.layout, k_cache.data.len(), k_ptr),
-            &info(v_cache.layout, v_cache.data.len(), v_ptr),
-            &info(o.layout, o_len, o_ptr),
+            &t.q,
+            &t.k,
+            &t.v,
+            &t.o,
             seqs.cu_seqlens_q.len(),
             seqs.seqlens_k.len(),
             (seqs.block_table.table.len(), seqs.block_table.max_pages),
@@ -449,12 +448,6 @@ impl FlashAttention {
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
-        let tensors = [
-            (q_ptr, &q.layout),
-            (k_ptr, &k_cache.layout),
-            (v_ptr, &v_cache.layout),
-            (o_ptr, &o.layout),
-        ];
         // The kernel reads a paged call's key counts where a packed call's
         // cu_seqlens_k go, and clamps them to total_k = the capacity.
         let packed = Packed {
@@ -464,7 +457,7 @@ impl FlashAttention {
             total_k: shape.total_k,
             paged: Some((table, paging)),
         };
-        self.launch_forward::<T>(stream, tensors, lse_ptr, &shape.grid(), Some(packed), opts)
+        self.launch_forward::<T>(stream, &t, lse_ptr, &shape.grid(), Some(packed), opts)
     }
 
     /// Launches the forward kernel for a validated problem: dense, or packed
@@ -472,7 +465,7 @@ impl FlashAttention {
     fn launch_forward<T: AttnElement>(
         &self,
         stream: &CudaStream,
-        [q, k, v, o]: [(u64, &Layout); 4],
+        t: &Bound,
         lse: u64,
         shape: &ForwardShape,
         packed: Option<Packed>,
@@ -496,15 +489,15 @@ impl FlashAttention {
         let packed = packed.unwrap_or_default();
         let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {
-            q: q.0,
-            k: k.0,
-            v: v.0,
-            o: o.0,
+            q: t.q.addr,
+            k: t.k.addr,
+            v: t.v.addr,
+            o: t.o.addr,
             lse,
-            q_strides: strides(q.1),
-            k_strides: strides(k.1),
-            v_strides: strides(v.1),
-            o_strides: strides(o.1),
+            q_strides: strides(&t.q.layout),
+            k_strides: strides(&t.k.layout),
+            v_strides: strides(&t.v.layout),
+            o_strides: strides(&t.o.layout),
             batch: shape.batch as u32,
             heads: shape.heads as u32,
             kv_heads: shape.kv_heads as u32,

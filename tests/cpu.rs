@@ -2054,7 +2054,8 @@ mod kvcache_validation {
     const PAGES: usize = 10;
     const MAX_PAGES: usize = 4;
 
-    fn t(shape: [usize; 4], addr: u64) -> TensorInfo {
+    /// A contiguous tensor of `shape` at `addr`.
+    pub(super) fn t(shape: [usize; 4], addr: u64) -> TensorInfo {
         let layout = Layout::contiguous(shape);
         TensorInfo {
             layout,
@@ -2365,8 +2366,9 @@ mod index {
 }
 
 mod varlen_paged_validation {
+    use super::kvcache_validation::t;
     use flash_attn::validate::{check_varlen_paged, AttnOptions, TensorInfo};
-    use flash_attn::{FlashAttnError, Layout, VarlenShape};
+    use flash_attn::{FlashAttnError, VarlenShape};
 
     const B: usize = 3;
     const H: usize = 8;
@@ -2376,15 +2378,6 @@ mod varlen_paged_validation {
     const PAGES: usize = 12;
     const MAX_PAGES: usize = 4;
     const TOTAL_Q: usize = 50;
-
-    fn t(shape: [usize; 4], addr: u64) -> TensorInfo {
-        let layout = Layout::contiguous(shape);
-        TensorInfo {
-            layout,
-            len: layout.span().unwrap(),
-            addr,
-        }
-    }
 
     struct Case {
         q: TensorInfo,

@@ -1741,12 +1741,26 @@ fn main() {
     let have_gpu = gpu.is_some();
     let mut trials = Vec::new();
 
+    // A proptest trial per (label, dtype): `cases` random cases of `strategy`
+    // through `run`.
+    macro_rules! random_trial {
+        ($label:literal, $name:literal, $cases:expr, $strategy:expr, $run:expr) => {{
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!($label, $name), move || {
+                proptest_trial(&g, $cases, $strategy, $run)
+            }));
+        }};
+    }
+
     macro_rules! dtype_trials {
         ($t:ty, $name:literal) => {{
-            let g = gpu.clone();
-            trials.push(Trial::test(concat!("forward_random_", $name), move || {
-                proptest_trial(&g, case_count(), fwd_strategy(), run_forward::<$t>)
-            }));
+            random_trial!(
+                "forward_random_",
+                $name,
+                case_count(),
+                fwd_strategy(),
+                run_forward::<$t>
+            );
             let g = gpu.clone();
             trials.push(Trial::test(
                 concat!("forward_fixed_shapes_", $name),
@@ -1758,71 +1772,59 @@ fn main() {
                     Ok(())
                 },
             ));
-            let g = gpu.clone();
-            trials.push(Trial::test(concat!("decode_random_", $name), move || {
-                proptest_trial(&g, case_count(), decode_strategy(), run_decode::<$t>)
-            }));
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("kvcache_paged_append_random_", $name),
-                move || proptest_trial(&g, case_count(), kvcache_strategy(), run_kvcache::<$t>),
-            ));
+            random_trial!(
+                "decode_random_",
+                $name,
+                case_count(),
+                decode_strategy(),
+                run_decode::<$t>
+            );
+            random_trial!(
+                "kvcache_paged_append_random_",
+                $name,
+                case_count(),
+                kvcache_strategy(),
+                run_kvcache::<$t>
+            );
             trials.push(Trial::test(
                 concat!("kvcache_graph_replay_", $name),
                 move || graph_replay::<$t>().map_err(Failed::from),
             ));
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("forward_policies_random_", $name),
-                move || {
-                    proptest_trial(
-                        &g,
-                        case_count(),
-                        policy_fwd_strategy(),
-                        run_forward_policy::<$t>,
-                    )
-                },
-            ));
-            let g = gpu.clone();
-            trials.push(Trial::test(concat!("varlen_random_", $name), move || {
-                proptest_trial(&g, case_count(), varlen_strategy(), run_varlen::<$t>)
-            }));
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("varlen_paged_random_", $name),
-                move || {
-                    proptest_trial(
-                        &g,
-                        case_count(),
-                        varlen_paged_strategy(),
-                        run_varlen_paged::<$t>,
-                    )
-                },
-            ));
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("decode_policies_random_", $name),
-                move || {
-                    proptest_trial(
-                        &g,
-                        case_count(),
-                        policy_decode_strategy(),
-                        run_decode_policy::<$t>,
-                    )
-                },
-            ));
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("merge_states_random_", $name),
-                move || {
-                    proptest_trial(
-                        &g,
-                        case_count().div_ceil(2),
-                        policy_fwd_strategy(),
-                        run_merge::<$t>,
-                    )
-                },
-            ));
+            random_trial!(
+                "forward_policies_random_",
+                $name,
+                case_count(),
+                policy_fwd_strategy(),
+                run_forward_policy::<$t>
+            );
+            random_trial!(
+                "varlen_random_",
+                $name,
+                case_count(),
+                varlen_strategy(),
+                run_varlen::<$t>
+            );
+            random_trial!(
+                "varlen_paged_random_",
+                $name,
+                case_count(),
+                varlen_paged_strategy(),
+                run_varlen_paged::<$t>
+            );
+            random_trial!(
+                "decode_policies_random_",
+                $name,
+                case_count(),
+                policy_decode_strategy(),
+                run_decode_policy::<$t>
+            );
+            random_trial!(
+                "merge_states_random_",
+                $name,
+                case_count().div_ceil(2),
+                policy_fwd_strategy(),
+                run_merge::<$t>
+            );
             let g = gpu.clone();
             trials.push(Trial::test(
                 concat!("lazy_rescale_past_slack_", $name),

@@ -71,7 +71,9 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
                 if s0 + (i as u64) < splits {
                     let w = math::ex2((lse[i] - lse_max) * LOG2_E);
                     sum += w;
-                    unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] = math::fma(w, part[i][e], acc[e]));
+                    unroll::<COMBINE_ELEMS_PER_THREAD>(|e| {
+                        acc[e] = math::fma(w, part[i][e], acc[e])
+                    });
                 }
             });
             s0 += SPLIT_GROUP as u64;
