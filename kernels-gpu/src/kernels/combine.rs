@@ -32,55 +32,58 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     let col = ((tid % threads_per_row) as usize * COMBINE_ELEMS_PER_THREAD) as u64;
     let splits = p.num_splits as u64;
 
-    // Splits are visited in groups whose loads are all issued before any is
-    // used (clamped to the last split, so every address is valid, and masked
-    // after): one memory latency per group instead of one per split.
+    // One pass over the splits in groups whose loads are all issued before
+    // any is used (clamped to the last split, so every address is valid, and
+    // masked after): one memory latency per group instead of two per split.
+    // The running max moves per group (online softmax): acc and sum are
+    // rescaled when it grows.
     let last = splits.max(1) - 1;
-    let lse_at = |s: u64| p.lse_accum + (s.min(last) * rows + row) * 4;
     let mut lse_max = f32::NEG_INFINITY;
+    let mut acc = [0f32; COMBINE_ELEMS_PER_THREAD];
+    let mut sum = 0.0;
     let mut s0 = 0;
     while s0 < splits {
         let mut lse = [0f32; SPLIT_GROUP];
-        unroll::<SPLIT_GROUP>(|i| lse[i] = global::ld_nc_f32(lse_at(s0 + i as u64)));
+        let mut part = [[0f32; COMBINE_ELEMS_PER_THREAD]; SPLIT_GROUP];
+        unroll::<SPLIT_GROUP>(|i| {
+            let s = (s0 + i as u64).min(last);
+            lse[i] = global::ld_nc_f32(p.lse_accum + (s * rows + row) * 4);
+            part[i] = global::ld_nc_v4_f32(p.o_accum + ((s * rows + row) * D as u64 + col) * 4);
+        });
+        let mut m = lse_max;
         unroll::<SPLIT_GROUP>(|i| {
             if s0 + (i as u64) < splits {
-                lse_max = lse_max.max(lse[i]);
+                m = m.max(lse[i]);
             }
         });
-        s0 += SPLIT_GROUP as u64;
-    }
-    let sink = if p.sinks != 0 {
-        global::ld_nc_f32(p.sinks + h as u64 * 4)
-    } else {
-        f32::NEG_INFINITY
-    };
-    lse_max = lse_max.max(sink);
-    let mut acc = [0f32; COMBINE_ELEMS_PER_THREAD];
-    let mut sum = 0.0;
-    if lse_max != f32::NEG_INFINITY {
-        let mut s0 = 0;
-        while s0 < splits {
-            let mut lse = [0f32; SPLIT_GROUP];
-            let mut part = [[0f32; COMBINE_ELEMS_PER_THREAD]; SPLIT_GROUP];
-            unroll::<SPLIT_GROUP>(|i| {
-                let s = (s0 + i as u64).min(last);
-                lse[i] = global::ld_nc_f32(lse_at(s));
-                part[i] = global::ld_nc_v4_f32(p.o_accum + ((s * rows + row) * D as u64 + col) * 4);
-            });
+        // Until some split has seen a key every weight is 0: nothing to add.
+        if m != f32::NEG_INFINITY {
+            let scale = math::ex2((lse_max - m) * LOG2_E);
+            sum *= scale;
+            unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] *= scale);
             unroll::<SPLIT_GROUP>(|i| {
                 if s0 + (i as u64) < splits {
-                    let w = math::ex2((lse[i] - lse_max) * LOG2_E);
+                    let w = math::ex2((lse[i] - m) * LOG2_E);
                     sum += w;
                     unroll::<COMBINE_ELEMS_PER_THREAD>(|e| {
                         acc[e] = math::fma(w, part[i][e], acc[e])
                     });
                 }
             });
-            s0 += SPLIT_GROUP as u64;
+            lse_max = m;
         }
+        s0 += SPLIT_GROUP as u64;
     }
-    if p.sinks != 0 && lse_max != f32::NEG_INFINITY {
-        sum += math::ex2((sink - lse_max) * LOG2_E);
+    // A sink carries no value: it joins the denominator only.
+    if p.sinks != 0 {
+        let sink = global::ld_nc_f32(p.sinks + h as u64 * 4);
+        let m = lse_max.max(sink);
+        if m != f32::NEG_INFINITY {
+            let scale = math::ex2((lse_max - m) * LOG2_E);
+            sum = math::fma(sum, scale, math::ex2((sink - m) * LOG2_E));
+            unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] *= scale);
+            lse_max = m;
+        }
     }
     let (inv, lse) = if sum > 0.0 {
         (math::rcp(sum), lse_max + math::lg2(sum) * LN_2)
