@@ -25,7 +25,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use flash_attn_kernels::config::{Entry, ENTRIES, PTX_ARCHS};
+use flash_attn_kernels::config::{Entry, PtxArch, ENTRIES};
 use sha2::{Digest, Sha256};
 
 const MODE_VAR: &str = "FLASH_ATTN_PTX";
@@ -228,9 +228,11 @@ fn build_from_source(root: &Path, out_dir: &Path, rustc: &Path, source_hash: &st
     // The architectures build in parallel: each nested build is mostly one
     // single-threaded compilation of `core` and of the (fat-LTO) kernel crate.
     let results: Vec<(&str, Result<String, String>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = PTX_ARCHS
+        let handles: Vec<_> = PtxArch::ALL
             .iter()
-            .map(|&arch| s.spawn(move || (arch, build_arch(root, out_dir, rustc, arch))))
+            .map(|&arch| {
+                s.spawn(move || (arch.target_cpu(), build_arch(root, out_dir, rustc, arch)))
+            })
             .collect();
         handles
             .into_iter()
@@ -273,7 +275,13 @@ fn build_from_source(root: &Path, out_dir: &Path, rustc: &Path, source_hash: &st
 
 /// Compiles the kernel crate to PTX for one architecture and post-processes it.
 /// On failure, returns the nested cargo's output and command line.
-fn build_arch(root: &Path, out_dir: &Path, rustc: &Path, arch: &str) -> Result<String, String> {
+fn build_arch(
+    root: &Path,
+    out_dir: &Path,
+    rustc: &Path,
+    ptx_arch: PtxArch,
+) -> Result<String, String> {
+    let arch = ptx_arch.target_cpu();
     // One target dir per architecture inside OUT_DIR: the nested cargo never
     // waits on the outer build's target-dir lock nor on the other
     // architecture's build (only, briefly, on CARGO_HOME's package cache lock).
@@ -342,7 +350,7 @@ fn build_arch(root: &Path, out_dir: &Path, rustc: &Path, arch: &str) -> Result<S
         "{} is not PTX for {arch} (no `{target_line}` line)",
         asm.display()
     );
-    Ok(add_launch_bounds(&ptx, arch))
+    Ok(add_launch_bounds(&ptx, ptx_arch))
 }
 
 /// Variables of the outer build that must not leak into the nested cargo: its
@@ -390,7 +398,8 @@ fn sanitize_env(cmd: &mut Command) {
 /// threads and limits every kernel to 64 registers per thread; without an
 /// occupancy target it picks its own and may spill to reach it.
 /// Everything else is kept byte for byte.
-fn add_launch_bounds(ptx: &str, arch: &str) -> String {
+fn add_launch_bounds(ptx: &str, ptx_arch: PtxArch) -> String {
+    let arch = ptx_arch.target_cpu();
     let mut out = String::with_capacity(ptx.len() + 32 * ENTRIES.len());
     let mut found: Vec<&str> = Vec::new();
     // The entry whose body has not started yet.
@@ -417,8 +426,8 @@ fn add_launch_bounds(ptx: &str, arch: &str) -> String {
                 "{arch} PTX: entry `{name}` already declares its thread count"
             );
             if trimmed == "{" {
-                out.push_str(&format!(".maxntid {}, 1, 1\n", entry.threads()));
-                if let Some(n) = entry.min_ctas_per_sm() {
+                out.push_str(&format!(".maxntid {}, 1, 1\n", entry.threads(ptx_arch)));
+                if let Some(n) = entry.min_ctas_per_sm(ptx_arch) {
                     out.push_str(&format!(".minnctapersm {n}\n"));
                 }
                 pending = None;
@@ -474,8 +483,8 @@ fn use_committed(root: &Path, out_dir: &Path, source_hash: &str) {
             manifest.source_hash
         );
     }
-    for arch in PTX_ARCHS {
-        let name = ptx_file_name(arch);
+    for arch in PtxArch::ALL {
+        let name = ptx_file_name(arch.target_cpu());
         let bytes = fs::read(dir.join(&name)).unwrap_or_else(|e| {
             panic!("committed PTX {COMMITTED_DIR}/{name} is missing ({e}); {SETUP_HINT}")
         });

@@ -50,7 +50,9 @@
 //! the policy name, e.g. `window4096`, `softcap50`, `alibi`, `sinks0.5`,
 //! `varlen`; a policy row's plain reference row runs with it), `--timing
 //! events|graph` (every selected row timed that way), `--quick` (fewer
-//! repetitions), `--json PATH`, `--list` (print the selected rows' labels,
+//! repetitions), `--splits N` (decode rows split their keys N ways, lowered
+//! to what the cache allows, instead of the heuristic's count; every decode
+//! JSON line records the count used as `"splits"`), `--json PATH`, `--list` (print the selected rows' labels,
 //! FLOPs, bytes and timing and exit; needs no GPU). Without a GPU it says so
 //! and exits 0. Every JSON line carries `"timing"` and `"origin"`.
 use std::io::Write;
@@ -481,6 +483,8 @@ struct Bench<'a> {
     fa: &'a FlashAttention,
     reps: usize,
     timing: Timing,
+    /// `--splits N`: the decode rows' `num_splits`.
+    splits: Option<usize>,
 }
 
 impl Bench<'_> {
@@ -628,6 +632,26 @@ fn random_sets<T: AttnElement>(b: &Bench, q_len: usize, kv_len: usize) -> Vec<[C
     std::iter::once(first).chain(copies).collect()
 }
 
+/// The validated decode problem of a decode row, as the library sees it.
+fn decode_shape(s: &Shape, num_splits: Option<usize>) -> flash_attn::DecodeShape {
+    flash_attn::DecodeShape {
+        batch: s.batch,
+        seqlen_q: s.seqlen_q,
+        cache_len: s.seqlen_k,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        causal: s.causal,
+        softmax_scale: 1.0 / (s.head_dim as f32).sqrt(),
+        window: s.window(),
+        softcap: match s.policy {
+            Policy::Softcap(c) => Some(c),
+            _ => None,
+        },
+        num_splits,
+    }
+}
+
 fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
     let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
     let kv_layout = Layout::contiguous([s.batch, s.seqlen_k, s.kv_heads, s.head_dim]);
@@ -655,6 +679,11 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
         },
         alibi_slopes: (s.policy == Policy::Alibi).then_some(AlibiSlopes::PerHead(&slopes)),
         sinks: matches!(s.policy, Policy::Sinks(_)).then_some(&sinks),
+        num_splits: if s.kind == Kind::Decode {
+            b.splits
+        } else {
+            None
+        },
     };
     if s.policy == Policy::Varlen {
         return run_varlen::<T>(b, s, &opts);
@@ -668,20 +697,8 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
         .expect("upload");
     let mut workspace = None;
     if s.kind == Kind::Decode {
-        let shape = flash_attn::DecodeShape {
-            batch: s.batch,
-            seqlen_q: s.seqlen_q,
-            cache_len: s.seqlen_k,
-            heads: s.heads,
-            kv_heads: s.kv_heads,
-            head_dim: s.head_dim,
-            causal: s.causal,
-            softmax_scale: 1.0 / (s.head_dim as f32).sqrt(),
-            window: opts.window,
-            softcap: opts.softcap,
-        };
         workspace = Some(
-            b.fa.decode_workspace::<T>(&b.stream, &shape)
+            b.fa.decode_workspace::<T>(&b.stream, &decode_shape(s, b.splits))
                 .expect("workspace"),
         );
     }
@@ -788,6 +805,7 @@ fn run_paged<T: AttnElement>(
     let opts = AttnOptions {
         causal: s.causal,
         softmax_scale: None,
+        num_splits: b.splits,
         ..Default::default()
     };
     b.time(sets, |i| {
@@ -825,6 +843,13 @@ fn main() {
     };
     let filter = value_of("--filter");
     let quick = args.iter().any(|a| a == "--quick");
+    let splits = value_of("--splits").map(|n| match n.parse::<usize>() {
+        Ok(n) if n > 0 => n,
+        _ => {
+            eprintln!("--splits wants a positive count, not {n:?}");
+            std::process::exit(2);
+        }
+    });
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -887,12 +912,14 @@ fn main() {
             fa: &fa,
             reps: if quick { 10 } else { 50 },
             timing,
+            splits,
         },
         Timing::Graph => Bench {
             stream: graph_stream.clone(),
             fa: &fa,
             reps: if quick { 5 } else { 20 },
             timing,
+            splits,
         },
     };
     println!(
@@ -999,6 +1026,15 @@ fn main() {
             "timing": timing.name(),
             "origin": s.origin,
         });
+        if s.kind == Kind::Decode {
+            let shape = decode_shape(&s, splits);
+            let used = match s.dtype {
+                Dtype::F16 => fa.decode_splits::<f16>(&shape),
+                Dtype::Bf16 => fa.decode_splits::<bf16>(&shape),
+            };
+            let extra = line.as_object_mut().expect("a JSON object");
+            extra.insert("splits".into(), used.into());
+        }
         if s.is_policy_row() {
             // compare-torch.py skips lines with a "policy" key (no baseline).
             let extra = line.as_object_mut().expect("a JSON object");

@@ -11,14 +11,16 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_rows_per_cta, find_entry, AttnTile, Dtype, Entry, KernelKind, MaskKind, Policies,
-    ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS, ENTRIES, MAX_SPLITS, MERGE_THREADS,
+    PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP, ENTRIES,
+    MAX_SPLITS, MERGE_THREADS,
 };
+use flash_attn_kernels::index::FastDiv;
 use flash_attn_kernels::params::{
     AppendParams, AttnParams, BshStrides, CombineParams, MergeParams,
 };
 
 use crate::error::FlashAttnError;
-use crate::kernels::ptx_for_arch;
+use crate::kernels::ptx_text;
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
     check_decode, check_forward, check_kvcache, check_merge, check_varlen, check_varlen_paged,
@@ -38,19 +40,44 @@ unsafe impl DeviceRepr for ByValue<MergeParams> {}
 
 /// Shared memory a CTA may use without opting in.
 const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
-/// A split-KV configuration is accepted once its last wave is this full,
-/// relative to the best configuration (FlashAttention-2's heuristic).
-const SPLIT_WAVE_EFFICIENCY: f64 = 0.85;
 /// Each split should stream at least this many key blocks, or the partial
 /// writes and the combine cost more than the parallelism gains.
 const MIN_BLOCKS_PER_SPLIT: usize = 2;
+/// Caches of fewer key blocks are not split: at 4 blocks one CTA per (batch,
+/// KV head) beat 2 splits plus the combine by 5-24% (H100, v11).
+const MIN_BLOCKS_TO_SPLIT: usize = 8;
+/// The split model's constants, fitted to the H100 sweep of 1-64 splits
+/// (docs/perf-notes.md, v11). Decode CTAs in flight per SM that saturate
+/// HBM: more only add combine work.
+const SATURATING_CTAS_PER_SM: f64 = 1.5;
+/// Bytes per µs one decode CTA streams while HBM is not the limit.
+const CTA_BYTES_PER_US: f64 = 20_000.0;
+/// The combine kernel's launch gap, and the memory latency each row pays per
+/// group of [`COMBINE_SPLIT_GROUP`] splits it reads.
+const COMBINE_LAUNCH_US: f64 = 1.0;
+const COMBINE_GROUP_US: f64 = 2.0;
 const MAX_GRID_YZ: usize = 65_535;
 
 struct Kernel {
     function: CudaFunction,
     entry: &'static Entry,
+    /// The module it was loaded from, which sizes its tile.
+    arch: PtxArch,
     /// Resident CTAs per SM at the entry's threads and shared memory.
     ctas_per_sm: usize,
+}
+
+impl Kernel {
+    /// The attention tile (forward and decode entries only).
+    fn tile(&self) -> AttnTile {
+        self.entry.tile(self.arch)
+    }
+    fn threads(&self) -> usize {
+        self.entry.threads(self.arch)
+    }
+    fn smem_bytes(&self) -> usize {
+        self.entry.smem_bytes(self.arch)
+    }
 }
 
 /// Loaded kernels for one CUDA context.
@@ -59,6 +86,7 @@ pub struct FlashAttention {
     kernels: HashMap<&'static str, Kernel>,
     num_sms: usize,
     compute_capability: (i32, i32),
+    arch: PtxArch,
 }
 
 /// The append kernel's name; it is dtype and head-dim agnostic.
@@ -280,9 +308,11 @@ impl FlashAttention {
     /// Fails with [`FlashAttnError::UnsupportedArch`] below sm_80.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, FlashAttnError> {
         let (major, minor) = ctx.compute_capability()?;
-        let ptx =
-            ptx_for_arch(major, minor).ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
-        let module = ctx.load_module(Ptx::from_src(ptx))?;
+        let smem_optin = ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let arch = PtxArch::for_device(major, smem_optin.max(0) as usize)
+            .ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
+        let module = ctx.load_module(Ptx::from_src(ptx_text(arch)))?;
         let num_sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let mut kernels = HashMap::new();
@@ -290,7 +320,7 @@ impl FlashAttention {
             let function = module
                 .load_function(entry.name)
                 .map_err(|_| FlashAttnError::MissingKernel(entry.name))?;
-            let smem = entry.smem_bytes();
+            let smem = entry.smem_bytes(arch);
             if smem > DEFAULT_SMEM_LIMIT {
                 function.set_attribute(
                     CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
@@ -298,7 +328,7 @@ impl FlashAttention {
                 )?;
             }
             let ctas_per_sm = function.occupancy_max_active_blocks_per_multiprocessor(
-                entry.threads() as u32,
+                entry.threads(arch) as u32,
                 smem,
                 None,
             )? as usize;
@@ -307,6 +337,7 @@ impl FlashAttention {
                 Kernel {
                     function,
                     entry,
+                    arch,
                     ctas_per_sm: ctas_per_sm.max(1),
                 },
             );
@@ -316,6 +347,7 @@ impl FlashAttention {
             kernels,
             num_sms,
             compute_capability: (major, minor),
+            arch,
         })
     }
 
@@ -324,6 +356,10 @@ impl FlashAttention {
     }
     pub fn compute_capability(&self) -> (i32, i32) {
         self.compute_capability
+    }
+    /// The PTX module loaded for this device.
+    pub fn ptx_arch(&self) -> PtxArch {
+        self.arch
     }
     pub fn num_sms(&self) -> usize {
         self.num_sms
@@ -485,7 +521,7 @@ impl FlashAttention {
             stream,
         );
         let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
-        let tile = kernel.entry.tile();
+        let tile = kernel.tile();
         let packed = packed.unwrap_or_default();
         let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {
@@ -511,7 +547,7 @@ impl FlashAttention {
             total_k: packed.total_k as u32,
             block_table: table,
             max_pages: paging.max_pages as u32,
-            page_size: paging.page_size as u32,
+            page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
             ..policy.params
         };
@@ -585,9 +621,11 @@ impl FlashAttention {
         )
     }
 
-    /// Split count the decode kernel uses for `shape` with element type `T`.
+    /// Split count the decode kernel uses for `shape` with element type `T`:
+    /// `shape.num_splits` if set (lowered to two key blocks per split), else
+    /// the heuristic's.
     pub fn decode_splits<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
-        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
+        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch);
         let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
         let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
         // A left window bounds the keys any row sees, whatever the cache holds.
@@ -608,7 +646,17 @@ impl FlashAttention {
         let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_SPLITS)
             .min(MAX_GRID_YZ / shape.batch);
-        choose_splits(ctas, self.num_sms * ctas_per_sm, max_splits)
+        match shape.num_splits {
+            Some(n) => n.clamp(1, max_splits),
+            None => choose_splits(&SplitProblem {
+                ctas,
+                bytes_per_cta: keys * 2 * shape.head_dim * size_of::<T>(),
+                key_blocks,
+                num_sms: self.num_sms,
+                ctas_per_sm,
+                max_splits,
+            }),
+        }
     }
 
     /// Scratch for decoding `shape` with element type `T`; reusable for any
@@ -751,7 +799,7 @@ impl FlashAttention {
                 row_chunks: (shape.decode.head_dim / CHUNK_ELEMS) as u32,
                 capacity: shape.decode.cache_len as u32,
                 max_pages: paging.max_pages as u32,
-                page_size: paging.page_size as u32,
+                page_size: FastDiv::new(paging.page_size as u32),
                 num_pages: paging.num_pages as u32,
             };
             let chunks = shape.decode.batch
@@ -823,7 +871,7 @@ impl FlashAttention {
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
-        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim);
+        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch);
         let pack = shape.heads / shape.kv_heads;
         let paging = call.cache.paging.unwrap_or_default();
         let policy = policy_args(
@@ -857,7 +905,7 @@ impl FlashAttention {
             seqlen_new: call.cache.seqlen_new as u32,
             block_table: call.block_table,
             max_pages: paging.max_pages as u32,
-            page_size: paging.page_size as u32,
+            page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
             ..policy.params
         };
@@ -918,8 +966,8 @@ impl FlashAttention {
     {
         let cfg = LaunchConfig {
             grid_dim: grid,
-            block_dim: (kernel.entry.threads() as u32, 1, 1),
-            shared_mem_bytes: kernel.entry.smem_bytes() as u32,
+            block_dim: (kernel.threads() as u32, 1, 1),
+            shared_mem_bytes: kernel.smem_bytes() as u32,
         };
         let mut builder = stream.launch_builder(&kernel.function);
         builder.arg(&params);
@@ -930,34 +978,107 @@ impl FlashAttention {
     }
 }
 
-/// Smallest split count whose last wave is nearly as full as the best one's
-/// (FlashAttention-2's `num_splits_heuristic`); 1 when the grid already fills
-/// the GPU.
-pub(crate) fn choose_splits(ctas: usize, slots: usize, max_splits: usize) -> usize {
-    if ctas * 10 >= slots * 8 {
+/// What the split-KV choice needs to know of a decode problem.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SplitProblem {
+    /// Decode CTAs without splitting: (batch, KV head, row tile).
+    pub ctas: usize,
+    /// K and V bytes each of them streams.
+    pub bytes_per_cta: usize,
+    pub key_blocks: usize,
+    pub num_sms: usize,
+    /// Decode CTAs one SM holds at once.
+    pub ctas_per_sm: usize,
+    pub max_splits: usize,
+}
+
+impl SplitProblem {
+    /// Predicted µs of the decode step with `s` splits: the keys streamed by
+    /// `ctas x s` CTAs, no faster than HBM allows, plus the combine.
+    fn predicted_us(&self, s: usize) -> f64 {
+        let saturating = (SATURATING_CTAS_PER_SM * self.num_sms as f64)
+            .min((self.num_sms * self.ctas_per_sm) as f64);
+        let streams = ((self.ctas * s) as f64).min(saturating);
+        let stream_us = (self.bytes_per_cta * self.ctas) as f64 / (streams * CTA_BYTES_PER_US);
+        let combine_us = if s > 1 {
+            COMBINE_LAUNCH_US + COMBINE_GROUP_US * s.div_ceil(COMBINE_SPLIT_GROUP) as f64
+        } else {
+            0.0
+        };
+        stream_us + combine_us
+    }
+}
+
+/// The power-of-two split count of least predicted time
+/// ([`SplitProblem::predicted_us`]); 1 below [`MIN_BLOCKS_TO_SPLIT`] key blocks. On H100 it came within 0.5%
+/// (geometric mean) of the best of 1-64 splits over 104 cells at B = 1 and 4
+/// (worst 1.07x), where FlashAttention-2's wave-efficiency rule was 7% off on
+/// average and 1.68x at worst (docs/perf-notes.md, v11).
+pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
+    if p.key_blocks < MIN_BLOCKS_TO_SPLIT {
         return 1;
     }
-    let efficiency = |s: usize| {
-        let waves = (ctas * s) as f64 / slots as f64;
-        waves / waves.ceil()
-    };
-    let best = (1..=max_splits).map(efficiency).fold(0.0, f64::max);
-    (1..=max_splits)
-        .find(|&s| efficiency(s) >= SPLIT_WAVE_EFFICIENCY * best)
-        .unwrap_or(1)
+    // Powers of two, as the model was fitted on.
+    std::iter::successors(Some(1usize), |s| Some(s * 2))
+        .take_while(|&s| s <= p.max_splits.max(1))
+        .map(|s| (s, p.predicted_us(s)))
+        .fold(
+            (1, f64::INFINITY),
+            |best, (s, t)| if t < best.1 { (s, t) } else { best },
+        )
+        .0
 }
 
 #[cfg(test)]
 mod tests {
-    use super::choose_splits;
+    use super::{choose_splits, SplitProblem};
+
+    /// A decode problem on an H100 (132 SMs, 3 decode CTAs per SM) of
+    /// `ctas` CTAs each streaming `keys` keys of D = `d` (f16 K and V).
+    fn h100(ctas: usize, keys: usize, d: usize) -> SplitProblem {
+        let block_n = if d >= 192 { 32 } else { 64 };
+        let key_blocks = keys.div_ceil(block_n);
+        SplitProblem {
+            ctas,
+            bytes_per_cta: keys * 2 * d * 2,
+            key_blocks,
+            num_sms: 132,
+            ctas_per_sm: 3,
+            max_splits: (key_blocks / 2).clamp(1, 128),
+        }
+    }
 
     #[test]
-    fn splits_fill_the_gpu_only_when_needed() {
-        assert_eq!(choose_splits(1000, 264, 64), 1);
-        // 64 CTAs on 264 slots: 4 splits make one nearly full wave.
-        assert_eq!(choose_splits(64, 264, 64), 4);
-        assert_eq!(choose_splits(8, 264, 1), 1);
-        let s = choose_splits(8, 264, 128);
-        assert!(s * 8 <= 264 && s * 8 * 100 >= 264 * 85, "{s}");
+    fn short_caches_are_not_split() {
+        assert_eq!(choose_splits(&h100(8, 256, 128)), 1);
+        assert_eq!(choose_splits(&h100(3, 256, 64)), 1);
+    }
+
+    #[test]
+    fn full_grids_are_not_split() {
+        assert_eq!(choose_splits(&h100(256, 65536, 128)), 1);
+        assert_eq!(choose_splits(&h100(1024, 4096, 128)), 1);
+    }
+
+    #[test]
+    fn small_batches_split_towards_the_measured_best() {
+        // H100, graph-timed sweep of 1-64 splits (v11): GQA 32/8 B=1 L=4k
+        // was fastest at 16 splits, SmolLM 9/3 B=1 L=16k at 32, MHA B=1 L=4k
+        // at 8.
+        let s = choose_splits(&h100(8, 4096, 128));
+        assert!((12..=20).contains(&s), "{s}");
+        let s = choose_splits(&h100(3, 16384, 64));
+        assert!((24..=40).contains(&s), "{s}");
+        let s = choose_splits(&h100(32, 4096, 128));
+        assert!((6..=10).contains(&s), "{s}");
+    }
+
+    #[test]
+    fn splits_respect_the_cap() {
+        let mut p = h100(1, 1 << 20, 128);
+        p.max_splits = 5;
+        assert!(choose_splits(&p) <= 5);
+        p.max_splits = 0;
+        assert_eq!(choose_splits(&p), 1);
     }
 }

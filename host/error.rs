@@ -87,6 +87,9 @@ pub enum FlashAttnError {
     #[error("block table has {got} entries, expected batch x max_pages = {expected}")]
     BlockTableLength { expected: usize, got: usize },
 
+    #[error("num_splits must be in 1..={max}, got {got}")]
+    NumSplits { got: usize, max: usize },
+
     #[error("decode workspace holds {len} f32 partials, the problem needs {needed}")]
     WorkspaceTooSmall { needed: usize, len: usize },
 

@@ -5,15 +5,15 @@
 /// the PTX committed under `kernels-gpu/ptx/`.
 pub const PTX_SOURCE: &str = env!("FLASH_ATTN_PTX_ORIGIN");
 
+use flash_attn_kernels::config::PtxArch;
+
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.ptx"));
 
-/// The PTX module for a device of compute capability `major.minor`: the newest
-/// build it can run (PTX JIT-compiles forward), `None` below sm_80.
-pub fn ptx_for_arch(major: i32, minor: i32) -> Option<&'static str> {
-    match (major, minor) {
-        (m, _) if m >= 9 => Some(PTX_SM90),
-        (8, _) => Some(PTX_SM80),
-        _ => None,
+/// The PTX text of a module; [`PtxArch::for_device`] picks the module.
+pub fn ptx_text(arch: PtxArch) -> &'static str {
+    match arch {
+        PtxArch::Sm80 => PTX_SM80,
+        PtxArch::Sm90 => PTX_SM90,
     }
 }

@@ -37,11 +37,11 @@ pub mod validate;
 
 pub use attention::{BlockTable, DecodeWorkspace, FlashAttention, KvCache, PagedVarlen, Varlen};
 pub use error::FlashAttnError;
-pub use flash_attn_kernels::config::{Dtype, SUPPORTED_HEAD_DIMS};
+pub use flash_attn_kernels::config::{Dtype, PtxArch, SUPPORTED_HEAD_DIMS};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};
 pub use validate::{
     AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging, VarlenShape, Window,
 };
 
 /// The PTX modules embedded in this build, one per target architecture.
-pub use kernels::{ptx_for_arch, PTX_SOURCE};
+pub use kernels::{ptx_text, PTX_SOURCE};

@@ -5,8 +5,8 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES,
-    SUPPORTED_HEAD_DIMS,
+    AttnTile, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE,
+    REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
 };
 
 /// A sliding window around each query's diagonal (FlashAttention 2.6
@@ -78,6 +78,11 @@ pub struct AttnOptions<'a> {
     /// denominator also holds `exp(sink[h])`, with no value attached. The LSE
     /// output includes that term.
     pub sinks: Option<&'a CudaView<'a, f32>>,
+    /// Decode only (as FlashAttention's `flash_attn_with_kvcache`): split
+    /// each sequence's keys across this many CTAs instead of the heuristic's
+    /// choice, in 1..=128, lowered to what the cache length allows (two key
+    /// blocks per split). The forward entry points refuse it.
+    pub num_splits: Option<usize>,
 }
 
 /// What validation needs to know of one tensor argument.
@@ -126,6 +131,8 @@ pub struct DecodeShape {
     pub softmax_scale: f32,
     pub window: Window,
     pub softcap: Option<f32>,
+    /// See [`AttnOptions::num_splits`].
+    pub num_splits: Option<usize>,
 }
 
 impl DecodeShape {
@@ -394,6 +401,30 @@ pub fn check_forward(
     lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<ForwardShape, FlashAttnError> {
+    refuse_splits(opts, "forward")?;
+    check_dense(q, k, v, o, lse_len, opts)
+}
+
+/// The forward kernels never split the keys.
+fn refuse_splits(opts: &AttnOptions, entry: &'static str) -> Result<(), FlashAttnError> {
+    match opts.num_splits {
+        None => Ok(()),
+        Some(_) => Err(FlashAttnError::Unsupported {
+            what: "num_splits",
+            entry,
+        }),
+    }
+}
+
+/// The checks of [`check_forward`] that decode shares.
+fn check_dense(
+    q: &TensorInfo,
+    k: &TensorInfo,
+    v: &TensorInfo,
+    o: &TensorInfo,
+    lse_len: Option<usize>,
+    opts: &AttnOptions,
+) -> Result<ForwardShape, FlashAttnError> {
     let [batch, seqlen_q, heads, head_dim] = q.layout.shape;
     check_tensor("q", q)?;
     check_tensor("k", k)?;
@@ -442,7 +473,15 @@ pub fn check_decode(
     lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<DecodeShape, FlashAttnError> {
-    let shape = check_forward(q, k_cache, v_cache, o, lse_len, opts)?;
+    let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
+    if let Some(n) = opts.num_splits {
+        if n == 0 || n > MAX_SPLITS {
+            return Err(FlashAttnError::NumSplits {
+                got: n,
+                max: MAX_SPLITS,
+            });
+        }
+    }
     if cache_seqlens_len != shape.batch {
         return Err(FlashAttnError::SeqlensLength {
             expected: shape.batch,
@@ -460,6 +499,7 @@ pub fn check_decode(
         softmax_scale: shape.softmax_scale,
         window: shape.window,
         softcap: shape.softcap,
+        num_splits: opts.num_splits,
     })
 }
 
@@ -730,7 +770,8 @@ fn check_packed(
     for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
         expect_dim(name, 0, 1, t.layout.shape[0])?;
     }
-    let shape = check_forward(q, k, v, o, None, opts)?;
+    refuse_splits(opts, "varlen forward")?;
+    let shape = check_dense(q, k, v, o, None, opts)?;
     let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
     for (what, value, total) in [
         ("max_seqlen_q", max_seqlen_q, total_q),

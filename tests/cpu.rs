@@ -1108,7 +1108,7 @@ proptest! {
         let shape = DecodeShape {
             batch, seqlen_q, cache_len, heads, kv_heads, head_dim, causal,
             softmax_scale: scale(head_dim, None),
-            window, softcap,
+            window, softcap, num_splits: None,
         };
         let mut rng = StdRng::seed_from_u64(seed);
         let q = random_vec(&mut rng, batch * seqlen_q * heads * head_dim);
@@ -1814,10 +1814,12 @@ mod config {
         let attention = ENTRIES
             .iter()
             .filter(|e| matches!(e.kind, KernelKind::Forward | KernelKind::Decode));
-        for (hd, kind, t) in attention.map(|e| (e.head_dim, e.kind, e.tile())) {
-            let base = AttnTile::for_kernel(kind, hd).expect("supported head dim has a tile");
+        let per_arch =
+            attention.flat_map(|e| PtxArch::ALL.map(|a| (e.head_dim, e.kind, a, e.tile(a))));
+        for (hd, kind, arch, t) in per_arch {
+            let base = AttnTile::for_kernel(kind, hd, arch).expect("supported head dim has a tile");
             assert!(AttnTile::supports(hd));
-            assert_eq!(base, AttnTile::of(kind, hd));
+            assert_eq!(base, AttnTile::of(kind, hd, arch));
             assert_eq!(
                 AttnTile {
                     block_n: base.block_n,
@@ -1839,9 +1841,10 @@ mod config {
             assert_eq!(t.block_n % 16, 0, "hd{hd}");
             assert_eq!(t.threads(), t.warps * WARP_SIZE, "hd{hd}");
             assert!(
-                t.smem_bytes() <= MAX_SMEM_BYTES,
-                "hd{hd}: {} bytes exceed sm_86's 99 KB",
-                t.smem_bytes()
+                t.smem_bytes() <= arch.max_smem_bytes(),
+                "hd{hd}: {} bytes exceed {arch:?}'s {}",
+                t.smem_bytes(),
+                arch.max_smem_bytes()
             );
             let chunks = t.row_chunks();
             assert_eq!(chunks * CHUNK_ELEMS, hd);
@@ -1902,34 +1905,54 @@ mod config {
         }
         assert!(!AttnTile::supports(80));
         assert!(!AttnTile::supports(0));
-        assert!(AttnTile::for_kernel(KernelKind::Decode, 80).is_none());
+        for arch in PtxArch::ALL {
+            assert!(AttnTile::for_kernel(KernelKind::Decode, 80, arch).is_none());
+        }
     }
 
     #[test]
     fn entries_report_their_tiles() {
-        for e in ENTRIES {
+        for (e, a) in ENTRIES.iter().flat_map(|e| PtxArch::ALL.map(|a| (e, a))) {
             match e.kind {
                 KernelKind::Combine => {
-                    assert_eq!(e.threads(), COMBINE_THREADS);
-                    assert_eq!(e.smem_bytes(), 0);
+                    assert_eq!(e.threads(a), COMBINE_THREADS);
+                    assert_eq!(e.smem_bytes(a), 0);
                 }
                 KernelKind::Append => {
-                    assert_eq!(e.threads(), APPEND_THREADS);
-                    assert_eq!(e.smem_bytes(), 0);
-                    assert_eq!(e.min_ctas_per_sm(), None);
+                    assert_eq!(e.threads(a), APPEND_THREADS);
+                    assert_eq!(e.smem_bytes(a), 0);
+                    assert_eq!(e.min_ctas_per_sm(a), None);
                 }
                 KernelKind::Merge => {
-                    assert_eq!(e.threads(), MERGE_THREADS);
-                    assert_eq!(e.smem_bytes(), 0);
-                    assert_eq!(e.min_ctas_per_sm(), None);
+                    assert_eq!(e.threads(a), MERGE_THREADS);
+                    assert_eq!(e.smem_bytes(a), 0);
+                    assert_eq!(e.min_ctas_per_sm(a), None);
                 }
                 _ => {
-                    let t = AttnTile::of_variant(e.kind, e.head_dim, e.policies);
-                    assert_eq!(e.tile(), t);
-                    assert_eq!(e.threads(), t.threads());
-                    assert_eq!(e.smem_bytes(), t.smem_bytes());
+                    let t = AttnTile::of_variant(e.kind, e.head_dim, e.policies, a);
+                    assert_eq!(e.tile(a), t);
+                    assert_eq!(e.threads(a), t.threads());
+                    assert_eq!(e.smem_bytes(a), t.smem_bytes());
+                    assert_eq!(e.min_ctas_per_sm(a), Some(t.min_ctas_per_sm));
                 }
             }
+        }
+    }
+
+    #[test]
+    fn modules_are_picked_by_capability_and_shared_memory() {
+        let h100 = 227 * 1024;
+        assert_eq!(PtxArch::for_device(7, 64 * 1024), None);
+        assert_eq!(PtxArch::for_device(8, 163 * 1024), Some(PtxArch::Sm80));
+        assert_eq!(PtxArch::for_device(8, 99 * 1024), Some(PtxArch::Sm80));
+        assert_eq!(PtxArch::for_device(9, h100), Some(PtxArch::Sm90));
+        assert_eq!(PtxArch::for_device(10, h100), Some(PtxArch::Sm90));
+        // sm_120 (consumer Blackwell): 99 KB per CTA, so the sm_80 tiles.
+        assert_eq!(PtxArch::for_device(12, 99 * 1024), Some(PtxArch::Sm80));
+        // Every module's tiles fit the GPUs it is picked for.
+        for arch in PtxArch::ALL {
+            let smem = ENTRIES.iter().map(|e| e.smem_bytes(arch)).max().unwrap();
+            assert!(smem <= arch.max_smem_bytes(), "{arch:?}");
         }
     }
 }
@@ -2043,8 +2066,9 @@ fn unit_dims_ignore_stride_alignment() {
 }
 
 mod kvcache_validation {
-    use flash_attn::validate::{check_kvcache, AttnOptions, TensorInfo};
+    use flash_attn::validate::{check_forward, check_kvcache, AttnOptions, TensorInfo};
     use flash_attn::{FlashAttnError, Layout};
+    use flash_attn_kernels::config::MAX_SPLITS;
 
     const B: usize = 2;
     const H: usize = 8;
@@ -2113,6 +2137,37 @@ mod kvcache_validation {
             (p.page_size, p.max_pages, p.num_pages),
             (PAGE, MAX_PAGES, PAGES)
         );
+    }
+
+    #[test]
+    fn num_splits_is_checked_and_decode_only() {
+        let c = Case::paged();
+        let with = |n| AttnOptions {
+            num_splits: Some(n),
+            ..Default::default()
+        };
+        let decode = |opts: &AttnOptions| {
+            check_kvcache(&c.q, &c.k, &c.v, &c.o, c.seqlens, c.table, None, None, opts)
+        };
+        for n in [0, MAX_SPLITS + 1] {
+            assert!(
+                matches!(decode(&with(n)), Err(FlashAttnError::NumSplits { got, max: MAX_SPLITS }) if got == n),
+                "{n}"
+            );
+        }
+        for n in [1, 7, MAX_SPLITS] {
+            assert_eq!(decode(&with(n)).expect("valid").decode.num_splits, Some(n));
+        }
+        let (q, kv) = (t([B, 5, H, D], 1 << 20), t([B, 5, HKV, D], 2 << 20));
+        let o = t([B, 5, H, D], 3 << 20);
+        assert!(matches!(
+            check_forward(&q, &kv, &kv, &o, None, &with(2)),
+            Err(FlashAttnError::Unsupported {
+                what: "num_splits",
+                entry: "forward"
+            })
+        ));
+        assert!(check_forward(&q, &kv, &kv, &o, None, &AttnOptions::default()).is_ok());
     }
 
     #[test]
@@ -2222,7 +2277,7 @@ mod kvcache_validation {
 
 mod index {
     use flash_attn::Window;
-    use flash_attn_kernels::config::{smem_row_chunks, SUPPORTED_HEAD_DIMS};
+    use flash_attn_kernels::config::{smem_row_chunks, PAGE_SIZE_MULTIPLE, SUPPORTED_HEAD_DIMS};
     use flash_attn_kernels::index::*;
     use proptest::prelude::*;
 
@@ -2325,11 +2380,45 @@ mod index {
         }
 
         #[test]
-        fn page_slots_stay_inside_the_pool(entry in any::<i32>(), pages in 1u32..100, pos in 0u64..10_000, ps in prop::sample::select(vec![16u32, 32, 256])) {
-            let (page, row) = page_slot(entry, pages, pos, ps);
-            prop_assert!(page < pages as u64 && row < ps as u64);
+        fn page_slots_stay_inside_the_pool(entry in any::<i32>(), pages in 1u32..100) {
+            let page = page_slot(entry, pages);
+            prop_assert!(page < pages as u64);
             if (0..pages as i32).contains(&entry) {
                 prop_assert_eq!(page, entry as u64);
+            }
+        }
+
+        #[test]
+        fn fast_division_is_exact(d in 1u32..=u32::MAX, n in 0u32..FastDiv::DIVIDEND_LIMIT) {
+            let f = FastDiv::new(d);
+            prop_assert_eq!(f.divmod(n), (n / d, n % d));
+        }
+
+        #[test]
+        fn fast_division_by_page_sizes_is_exact(pages in 1u32..=8192, n in 0u32..FastDiv::DIVIDEND_LIMIT) {
+            let d = pages * PAGE_SIZE_MULTIPLE as u32;
+            prop_assert_eq!(FastDiv::new(d).divmod(n), (n / d, n % d));
+        }
+    }
+
+    #[test]
+    fn fast_division_is_exact_at_the_edges() {
+        // The largest dividends, around multiples of each divisor, for every
+        // divisor up to 2^12 and each power of two and its neighbours.
+        let divisors =
+            (1..4096u32).chain((12..32).flat_map(|k| [(1u32 << k) - 1, 1 << k, (1 << k) + 1]));
+        for d in divisors {
+            let f = FastDiv::new(d);
+            let top = FastDiv::DIVIDEND_LIMIT - 1;
+            let around = |m: u32| [m.saturating_sub(1), m, m.saturating_add(1)];
+            let near_top = top - top % d;
+            for n in [0, 1, d - 1, d, top, top - 1, near_top]
+                .into_iter()
+                .chain(around(near_top))
+                .chain(around(d.saturating_mul(7)))
+                .filter(|&n| n < FastDiv::DIVIDEND_LIMIT)
+            {
+                assert_eq!(f.divmod(n), (n / d, n % d), "{n} / {d}");
             }
         }
     }

@@ -1309,6 +1309,8 @@ struct PolicyDecodeCase {
     head_dim: usize,
     seqlens: Vec<i32>,
     policy: Policy,
+    /// Forced split count (`AttnOptions::num_splits`), else the heuristic's.
+    num_splits: Option<usize>,
     seed: u64,
 }
 
@@ -1342,8 +1344,13 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
         softmax_scale: 1.0 / (d as f32).sqrt(),
         window: c.policy.window,
         softcap: c.policy.softcap,
+        num_splits: c.num_splits,
     };
     let want = with_options(&c.policy, &data, |opts, extras| {
+        let opts = &AttnOptions {
+            num_splits: c.num_splits,
+            ..*opts
+        };
         let mut lse_view = lse.as_view_mut();
         gpu.fa
             .decode(
@@ -1381,10 +1388,20 @@ fn policy_decode_strategy() -> impl Strategy<Value = PolicyDecodeCase> {
         head_counts(),
         head_dims(),
         policy_strategy(),
+        prop_oneof![2 => Just(None), 1 => (1usize..=16).prop_map(Some)],
         any::<u64>(),
     )
         .prop_flat_map(
-            |(batch, seqlen_q, cache_len, (heads, kv_heads), head_dim, policy, seed)| {
+            |(
+                batch,
+                seqlen_q,
+                cache_len,
+                (heads, kv_heads),
+                head_dim,
+                policy,
+                num_splits,
+                seed,
+            )| {
                 let len = prop_oneof![Just(1i32), Just(cache_len as i32), 1i32..=cache_len as i32];
                 prop::collection::vec(len, batch).prop_map(move |seqlens| PolicyDecodeCase {
                     batch,
@@ -1395,6 +1412,7 @@ fn policy_decode_strategy() -> impl Strategy<Value = PolicyDecodeCase> {
                     head_dim,
                     seqlens,
                     policy: policy.clone(),
+                    num_splits,
                     seed,
                 })
             },

@@ -88,48 +88,106 @@ pub struct AttnTile {
 /// k-step of P·V.
 pub const WARP_KEYS: usize = MMA_K;
 
-/// Largest dynamic shared memory of one CTA on every supported GPU (sm_86/89
-/// allow 99 KB; sm_80 163 KB, sm_90 227 KB).
-pub const MAX_SMEM_BYTES: usize = 99 * 1024;
+/// A PTX module of the build. Its tiles are sized for every GPU that loads
+/// it, so the module bounds their shared memory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PtxArch {
+    /// `sm_80`: loaded on compute capability 8.x, and above 9 where the
+    /// `Sm90` tiles do not fit (sm_120 has 99 KB per CTA).
+    Sm80,
+    /// `sm_90`: loaded on GPUs that give a CTA 227 KB (H100, H200, B200).
+    Sm90,
+}
+
+impl PtxArch {
+    /// Every module, in build order.
+    pub const ALL: [PtxArch; 2] = [PtxArch::Sm80, PtxArch::Sm90];
+
+    /// The module this code is being compiled into (device code; on the host
+    /// it reads `Sm80` and means nothing).
+    pub const TARGET: PtxArch = if cfg!(target_feature = "sm_90") {
+        PtxArch::Sm90
+    } else {
+        PtxArch::Sm80
+    };
+
+    /// The `target-cpu` the module is compiled for.
+    pub const fn target_cpu(self) -> &'static str {
+        match self {
+            PtxArch::Sm80 => "sm_80",
+            PtxArch::Sm90 => "sm_90",
+        }
+    }
+
+    /// Largest dynamic shared memory of one CTA on every GPU that loads the
+    /// module: sm_86/89 allow 99 KB (sm_80 163 KB); sm_90 and sm_100 227 KB.
+    pub const fn max_smem_bytes(self) -> usize {
+        match self {
+            PtxArch::Sm80 => 99 * 1024,
+            PtxArch::Sm90 => 227 * 1024,
+        }
+    }
+
+    /// The module for a GPU of compute capability `major` whose CTAs may opt
+    /// in to `smem_optin` bytes of shared memory: the newest whose tiles fit,
+    /// `None` below sm_80. PTX JIT-compiles forward, so later GPUs run it.
+    pub const fn for_device(major: i32, smem_optin: usize) -> Option<PtxArch> {
+        if major >= 9 && smem_optin >= PtxArch::Sm90.max_smem_bytes() {
+            Some(PtxArch::Sm90)
+        } else if major >= 8 {
+            Some(PtxArch::Sm80)
+        } else {
+            None
+        }
+    }
+}
 
 impl AttnTile {
     /// The tile of a kernel family for a head dimension, `None` when that head
     /// dimension is not compiled.
-    pub const fn for_kernel(kind: KernelKind, head_dim: usize) -> Option<AttnTile> {
+    pub const fn for_kernel(kind: KernelKind, head_dim: usize, arch: PtxArch) -> Option<AttnTile> {
         let (warps, split, m_tiles, q_in_regs, block_n, kv_stages, min_ctas_per_sm) =
-            match (kind, head_dim) {
+            match (kind, head_dim, arch) {
                 // Decode is memory-bound with few query rows: one m-tile shared by
                 // all warps wastes the least MMA work, and the ring keeps blocks in
                 // flight while one is consumed. Two 32 KB stages measured
                 // faster than three (docs/perf-notes.md, v6).
-                (KernelKind::Decode | KernelKind::Combine, 32 | 64) => {
+                (KernelKind::Decode | KernelKind::Combine, 32 | 64, _) => {
                     (4, WarpSplit::Keys, 1, true, 64, 3, 2)
                 }
-                (KernelKind::Decode | KernelKind::Combine, 96 | 128) => {
+                (KernelKind::Decode | KernelKind::Combine, 96 | 128, _) => {
                     (4, WarpSplit::Keys, 1, true, 64, 2, 2)
                 }
                 // Two warps (32-key blocks) keep two 32 KB stages and the f32
                 // merge tile under the 99 KB of sm_86/89; at D = 256 Q's 64
                 // fragment registers would crowd O's 128, so Q is re-read.
-                (KernelKind::Decode | KernelKind::Combine, 192) => {
+                (KernelKind::Decode | KernelKind::Combine, 192, _) => {
                     (2, WarpSplit::Keys, 1, true, 32, 2, 2)
                 }
-                (KernelKind::Decode | KernelKind::Combine, 256) => {
+                (KernelKind::Decode | KernelKind::Combine, 256, _) => {
                     (2, WarpSplit::Keys, 1, false, 32, 2, 2)
                 }
-                (KernelKind::Forward, 32) => (4, WarpSplit::Rows, 2, true, 64, 2, 2),
-                (KernelKind::Forward, 64) => (4, WarpSplit::Rows, 2, false, 64, 2, 2),
+                (KernelKind::Forward, 32, _) => (4, WarpSplit::Rows, 2, true, 64, 2, 2),
+                (KernelKind::Forward, 64, _) => (4, WarpSplit::Rows, 2, false, 64, 2, 2),
                 // 2 x 16 rows of D=128 accumulators (128 registers) leave no room
                 // for Q's 64 fragment registers, nor for S of 64-key blocks; the
                 // two CTAs per SM get the full 255-register budget.
                 // D = 96 has the registers for 64-key blocks (96 of O, 64 of
                 // S): 9-18% faster than 32-key blocks on H100 (v10).
-                (KernelKind::Forward, 96) => (4, WarpSplit::Rows, 2, false, 64, 2, 2),
-                (KernelKind::Forward, 128) => (4, WarpSplit::Rows, 2, false, 32, 2, 2),
+                (KernelKind::Forward, 96, _) => (4, WarpSplit::Rows, 2, false, 64, 2, 2),
+                (KernelKind::Forward, 128, _) => (4, WarpSplit::Rows, 2, false, 32, 2, 2),
                 // One m-tile: 2 x 16 rows of D = 192/256 accumulators would take
                 // 192-256 registers alone. 32-key blocks keep Q plus two stages
                 // under the 99 KB of sm_86/89.
-                (KernelKind::Forward, 192 | 256) => (4, WarpSplit::Rows, 1, false, 32, 2, 2),
+                (KernelKind::Forward, 192 | 256, PtxArch::Sm80) => {
+                    (4, WarpSplit::Rows, 1, false, 32, 2, 2)
+                }
+                // With 227 KB, eight warps share each K/V block (128 rows: half
+                // the L2 -> shared traffic per FLOP) and 64-key blocks halve the
+                // rescales and barriers: Q 64 KB + two 64 KB stages at D = 256.
+                (KernelKind::Forward, 192 | 256, PtxArch::Sm90) => {
+                    (8, WarpSplit::Rows, 1, false, 64, 2, 1)
+                }
                 _ => return None,
             };
         let block_m = match split {
@@ -151,13 +209,13 @@ impl AttnTile {
 
     /// Whether any kernel is compiled for this head dimension.
     pub const fn supports(head_dim: usize) -> bool {
-        Self::for_kernel(KernelKind::Forward, head_dim).is_some()
+        Self::for_kernel(KernelKind::Forward, head_dim, PtxArch::Sm80).is_some()
     }
 
     /// [`Self::for_kernel`] for compile-time use, where an unsupported head
     /// dim is a build error.
-    pub const fn of(kind: KernelKind, head_dim: usize) -> AttnTile {
-        match Self::for_kernel(kind, head_dim) {
+    pub const fn of(kind: KernelKind, head_dim: usize, arch: PtxArch) -> AttnTile {
+        match Self::for_kernel(kind, head_dim, arch) {
             Some(t) => t,
             None => panic!("unsupported head dim"),
         }
@@ -168,8 +226,13 @@ impl AttnTile {
     /// `Ragged` sequences) keeps 32-key blocks: the registers its uniform
     /// branches keep live do not fit beside the S of 64-key blocks (ptxas
     /// spilled 4 bytes on sm_90).
-    pub const fn of_variant(kind: KernelKind, head_dim: usize, p: Policies) -> AttnTile {
-        let mut t = Self::of(kind, head_dim);
+    pub const fn of_variant(
+        kind: KernelKind,
+        head_dim: usize,
+        p: Policies,
+        arch: PtxArch,
+    ) -> AttnTile {
+        let mut t = Self::of(kind, head_dim, arch);
         if matches!(kind, KernelKind::Forward)
             && head_dim == 96
             && matches!(p.score, ScoreKind::Modified)
@@ -267,6 +330,11 @@ impl AttnTile {
 pub const COMBINE_THREADS: usize = 128;
 /// Output elements each combine thread owns (one 8-byte store of f16/bf16).
 pub const COMBINE_ELEMS_PER_THREAD: usize = 4;
+/// Splits whose partials a combine thread loads together. One at a time, the
+/// split loop waited a memory latency per split and pass: ~30 µs at 75 splits
+/// on H100 (SmolLM-135M decode, B=1, 16k keys), more than the decode itself.
+/// 16 spilled registers.
+pub const COMBINE_SPLIT_GROUP: usize = 8;
 /// Upper bound on KV splits; the combine kernel reads every split's LSE per row.
 pub const MAX_SPLITS: usize = 128;
 /// Threads of one KV-append CTA (one per 16-byte chunk).
@@ -387,31 +455,31 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// The attention tile of a forward or decode entry.
-    pub const fn tile(&self) -> AttnTile {
-        AttnTile::of_variant(self.kind, self.head_dim, self.policies)
+    /// The attention tile of a forward or decode entry in `arch`'s module.
+    pub const fn tile(&self, arch: PtxArch) -> AttnTile {
+        AttnTile::of_variant(self.kind, self.head_dim, self.policies, arch)
     }
     /// Threads per CTA, the value the PTX build writes into `.maxntid`.
-    pub const fn threads(&self) -> usize {
+    pub const fn threads(&self, arch: PtxArch) -> usize {
         match self.kind {
             KernelKind::Combine => COMBINE_THREADS,
             KernelKind::Append => APPEND_THREADS,
             KernelKind::Merge => MERGE_THREADS,
-            _ => self.tile().threads(),
+            _ => self.tile(arch).threads(),
         }
     }
     /// Dynamic shared memory per CTA.
-    pub const fn smem_bytes(&self) -> usize {
+    pub const fn smem_bytes(&self, arch: PtxArch) -> usize {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => 0,
-            _ => self.tile().smem_bytes(),
+            _ => self.tile(arch).smem_bytes(),
         }
     }
     /// Occupancy the PTX build requests with `.minnctapersm`, if any.
-    pub const fn min_ctas_per_sm(&self) -> Option<usize> {
+    pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
-            _ => Some(self.tile().min_ctas_per_sm),
+            _ => Some(self.tile(arch).min_ctas_per_sm),
         }
     }
 }
@@ -630,6 +698,3 @@ pub fn find_entry(
             && e.policies.covers(need)
     })
 }
-
-/// Compute architectures the PTX is built for (`target-cpu` values).
-pub const PTX_ARCHS: [&str; 2] = ["sm_80", "sm_90"];

@@ -105,12 +105,68 @@ pub fn clamp_range(start: i32, end: i32, total: u32) -> (u32, u32) {
     (start, end - start)
 }
 
-/// Pool page and row of token `pos` given the block-table entry `entry`
-/// read for it: the page is clamped to `[0, num_pages)`.
+/// Division by a run-time constant with a multiply and a shift: the page
+/// size is the same for a whole launch, and `div.u32` is a ~20-instruction
+/// sequence the paged copies would run per row. The host computes the magic
+/// number (Granlund-Montgomery, as CUTLASS's `FastDivmod`); exact for every
+/// dividend below 2^31, which all key positions are (cache capacities are
+/// at most `i32::MAX` keys).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FastDiv {
+    pub divisor: u32,
+    /// ceil(2^(31 + ceil(log2 d)) / d); 0 for d <= 1 (the quotient is n).
+    pub mul: u32,
+    /// ceil(log2 d) - 1, the shift after the high half of the product.
+    pub shift: u32,
+}
+
+impl FastDiv {
+    /// Dividends must stay below this bound.
+    pub const DIVIDEND_LIMIT: u32 = 1 << 31;
+
+    pub const fn new(divisor: u32) -> FastDiv {
+        if divisor <= 1 {
+            return FastDiv {
+                divisor,
+                mul: 0,
+                shift: 0,
+            };
+        }
+        let log2 = 32 - (divisor - 1).leading_zeros();
+        let p = 31 + log2;
+        let mul = ((1u64 << p) + divisor as u64 - 1) / divisor as u64;
+        FastDiv {
+            divisor,
+            mul: mul as u32,
+            shift: p - 32,
+        }
+    }
+
+    /// `n / divisor` for `n` < [`Self::DIVIDEND_LIMIT`].
+    #[inline(always)]
+    pub fn div(self, n: u32) -> u32 {
+        let q = ((n as u64 * self.mul as u64) >> 32) as u32 >> self.shift;
+        if self.mul == 0 {
+            n
+        } else {
+            q
+        }
+    }
+
+    /// (`n / divisor`, `n % divisor`) for `n` < [`Self::DIVIDEND_LIMIT`].
+    #[inline(always)]
+    pub fn divmod(self, n: u32) -> (u32, u32) {
+        let q = self.div(n);
+        (q, n - q * self.divisor)
+    }
+}
+
+/// Pool page of a block-table entry read on the device: clamped to
+/// `[0, num_pages)`.
 #[inline(always)]
-pub fn page_slot(entry: i32, num_pages: u32, pos: u64, page_size: u32) -> (u64, u64) {
-    let page = entry.max(0).min(num_pages.max(1) as i32 - 1);
-    (page as u64, pos % page_size.max(1) as u64)
+pub fn page_slot(entry: i32, num_pages: u32) -> u64 {
+    entry.max(0).min(num_pages.max(1) as i32 - 1) as u64
 }
 
 /// Physical 16-byte chunk of logical chunk `chunk` in row `row` of a

@@ -1,5 +1,6 @@
 //! `#[repr(C)]` launch parameters, passed by value to the kernels. The host fills
 //! them; the device reads them; both compile this one definition.
+use crate::index::FastDiv;
 
 /// Element strides of a [batch, seq, head, dim] tensor whose last dim is contiguous.
 #[repr(C)]
@@ -59,7 +60,7 @@ pub struct AttnParams {
     /// `batch` strides of `k_strides`/`v_strides` step from page to page.
     pub block_table: u64,
     pub max_pages: u32,
-    pub page_size: u32,
+    pub page_size: FastDiv,
     pub num_pages: u32,
     /// Sliding window of the `Local` mask, in keys left and right of the
     /// bottom-right-aligned diagonal; negative = unbounded on that side.
@@ -118,7 +119,7 @@ pub struct AppendParams {
     /// Tokens the cache can hold per sequence.
     pub capacity: u32,
     pub max_pages: u32,
-    pub page_size: u32,
+    pub page_size: FastDiv,
     pub num_pages: u32,
 }
 

@@ -31,7 +31,15 @@ pub fn append_kv(p: &AppendParams) {
     // (outer index, row within it) of the cache slot: batch entry and position,
     // or page and row within the page.
     let (outer, slot) = if p.block_table != 0 {
-        paging::locate(p.block_table, p.max_pages, p.page_size, p.num_pages, b, pos)
+        // pos < capacity <= i32::MAX (host-checked), as `locate` needs.
+        paging::locate(
+            p.block_table,
+            p.max_pages,
+            p.page_size,
+            p.num_pages,
+            b,
+            pos as u32,
+        )
     } else {
         (b, pos)
     };

@@ -2,7 +2,6 @@
 //! sequence layout. The index arithmetic lives in `crate::index` (plain Rust,
 //! property-tested on the host); this module reads the launch parameters
 //! and device-side lengths it needs.
-use super::paging;
 use super::policy::{Mask, Seq};
 use crate::arch::{global, special};
 use crate::config::AttnTile;
@@ -209,22 +208,8 @@ impl BlockInfo {
         row_ptr(base, s, self.addr_batch, self.k_start + key, self.kv_head)
     }
 
-    /// Start of key `key` of this CTA's sequence and KV head in a paged
-    /// [num_pages, page_size, Hkv, D] cache (see [`paging::locate`]).
-    #[inline(always)]
-    pub fn paged_row_ptr(&self, p: &AttnParams, base: u64, s: &BshStrides, key: u32) -> u64 {
-        let (page, row) = paging::locate(
-            p.block_table,
-            p.max_pages,
-            p.page_size,
-            p.num_pages,
-            self.batch as u64,
-            key as u64,
-        );
-        self.page_row_ptr(base, s, page, row)
-    }
-
-    /// Start of row `row` of page `page` for this CTA's KV head.
+    /// Start of row `row` of page `page` (see `paging::locate`) for this
+    /// CTA's KV head.
     #[inline(always)]
     pub fn page_row_ptr(&self, base: u64, s: &BshStrides, page: u64, row: u64) -> u64 {
         let off = page as i64 * s.batch + row as i64 * s.row + self.kv_head as i64 * s.head;

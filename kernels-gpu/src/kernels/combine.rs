@@ -4,15 +4,11 @@
 use super::element::Element;
 use super::unroll::unroll;
 use crate::arch::{global, math, special};
-use crate::config::{combine_rows_per_cta, COMBINE_ELEMS_PER_THREAD};
+use crate::config::{combine_rows_per_cta, COMBINE_ELEMS_PER_THREAD, COMBINE_SPLIT_GROUP};
 use crate::params::CombineParams;
 
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
 const LN_2: f32 = core::f32::consts::LN_2;
-/// Splits whose partials are loaded together. One at a time, the split loop
-/// waited a memory latency per split and pass: ~30 µs at 75 splits on H100
-/// (SmolLM-135M decode, B=1, 16k keys), more than the decode kernel itself.
-const SPLIT_GROUP: usize = 8;
 
 #[inline(always)]
 pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
@@ -43,15 +39,15 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     let mut sum = 0.0;
     let mut s0 = 0;
     while s0 < splits {
-        let mut lse = [0f32; SPLIT_GROUP];
-        let mut part = [[0f32; COMBINE_ELEMS_PER_THREAD]; SPLIT_GROUP];
-        unroll::<SPLIT_GROUP>(|i| {
+        let mut lse = [0f32; COMBINE_SPLIT_GROUP];
+        let mut part = [[0f32; COMBINE_ELEMS_PER_THREAD]; COMBINE_SPLIT_GROUP];
+        unroll::<COMBINE_SPLIT_GROUP>(|i| {
             let s = (s0 + i as u64).min(last);
             lse[i] = global::ld_nc_f32(p.lse_accum + (s * rows + row) * 4);
             part[i] = global::ld_nc_v4_f32(p.o_accum + ((s * rows + row) * D as u64 + col) * 4);
         });
         let mut m = lse_max;
-        unroll::<SPLIT_GROUP>(|i| {
+        unroll::<COMBINE_SPLIT_GROUP>(|i| {
             if s0 + (i as u64) < splits {
                 m = m.max(lse[i]);
             }
@@ -61,7 +57,7 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
             let scale = math::ex2((lse_max - m) * LOG2_E);
             sum *= scale;
             unroll::<COMBINE_ELEMS_PER_THREAD>(|e| acc[e] *= scale);
-            unroll::<SPLIT_GROUP>(|i| {
+            unroll::<COMBINE_SPLIT_GROUP>(|i| {
                 if s0 + (i as u64) < splits {
                     let w = math::ex2((lse[i] - m) * LOG2_E);
                     sum += w;
@@ -72,7 +68,7 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
             });
             lse_max = m;
         }
-        s0 += SPLIT_GROUP as u64;
+        s0 += COMBINE_SPLIT_GROUP as u64;
     }
     // A sink carries no value: it joins the denominator only.
     if p.sinks != 0 {

@@ -19,7 +19,7 @@ use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
 use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
 use crate::config::{
-    AttnTile, KernelKind, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
+    AttnTile, KernelKind, PtxArch, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
 use crate::params::AttnParams;
 
@@ -34,9 +34,9 @@ const SLICE_TILES: usize = WARP_KEYS / MMA_N;
 pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, const OT: usize>(
     p: &AttnParams,
 ) {
-    let tile = const { AttnTile::of(KernelKind::Decode, D) };
+    let tile = const { AttnTile::of(KernelKind::Decode, D, PtxArch::TARGET) };
     const {
-        let t = AttnTile::of(KernelKind::Decode, D);
+        let t = AttnTile::of(KernelKind::Decode, D, PtxArch::TARGET);
         assert!(QK * MMA_K == D && OT * MMA_N == D);
         assert!(matches!(t.split, WarpSplit::Keys) && t.m_tiles == 1 && t.block_m == 16);
         assert!(t.block_n == t.warps * WARP_KEYS && t.kv_stages >= 2);

@@ -8,7 +8,7 @@ use super::element::{Bf16, F16};
 use super::mainloop::attention;
 use super::merge::merge;
 use super::policy::{policies, Causal, Dense, Full, Local, Modified, Plain, Ragged};
-use crate::config::{attention_variants, AttnTile, KernelKind};
+use crate::config::{attention_variants, AttnTile, KernelKind, PtxArch};
 use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
 
 /// Maps the table's words to the policy and element types.
@@ -49,6 +49,7 @@ macro_rules! forward_tile {
             KernelKind::Forward,
             $d,
             policies::<ty!($mask), ty!($score), ty!($seq)>(),
+            PtxArch::TARGET,
         )
     };
 }

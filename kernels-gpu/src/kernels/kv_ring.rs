@@ -8,9 +8,15 @@
 use super::block_info::BlockInfo;
 use super::paging;
 use super::smem_tile::SmemTile;
+use super::unroll::unroll;
 use crate::arch::{barrier, cp_async};
 use crate::config::{AttnTile, CHUNK_BYTES};
 use crate::params::AttnParams;
+
+/// Rows whose block-table reads are in flight together in the row-by-row
+/// paged copy: two registers each, so 4 fit beside the D = 256 decode
+/// kernel's accumulators.
+const PAGED_LOOKUP_GROUP: usize = 4;
 
 pub struct KvRing {
     /// Shared-memory address of stage 0.
@@ -109,29 +115,54 @@ pub fn load_block<const D: usize>(
     };
     let first = n * tile.block_n as u32;
     let paged = may_page && p.block_table != 0;
-    if paged && p.page_size % tile.block_n as u32 != 0 {
+    if paged && p.page_size.divisor % tile.block_n as u32 != 0 {
+        // Row by row. The table reads of a group are all issued before its
+        // copies, so their latencies overlap instead of adding up: one read
+        // at a time, each before its own copy, made page-16 decode 1.2x
+        // slower than contiguous (docs/perf-notes.md, v11).
         let chunks = tile.row_chunks() as u32;
-        let per_thread = tile.block_n * tile.row_chunks() / tile.threads();
-        let mut c = 0;
-        while c < per_thread {
-            let idx = tid + (c * tile.threads()) as u32;
-            let (row, chunk) = (idx / chunks, idx % chunks);
-            let key = first + row;
-            let chunk_off = chunk as u64 * CHUNK_BYTES as u64;
-            if key < info.seqlen_k {
-                let k = info.paged_row_ptr(p, p.k, &p.k_strides, key) + chunk_off;
-                let v = info.paged_row_ptr(p, p.v, &p.v_strides, key) + chunk_off;
-                cp_async::cg_16(k_tile.store_addr::<true>(row, chunk), k, CHUNK_BYTES as u32);
-                cp_async::cg_16(
-                    v_tile.store_addr::<false>(row, chunk),
-                    v,
-                    CHUNK_BYTES as u32,
-                );
-            } else {
-                cp_async::cg_16(k_tile.store_addr::<true>(row, chunk), p.k, 0);
-                cp_async::cg_16(v_tile.store_addr::<false>(row, chunk), p.v, 0);
-            }
-            c += 1;
+        let per_thread = (tile.block_n * tile.row_chunks() / tile.threads()) as u32;
+        let mut c0 = 0;
+        while c0 < per_thread {
+            let cell = |g: usize| {
+                let idx = tid + (c0 + g as u32) * tile.threads() as u32;
+                (idx / chunks, idx % chunks)
+            };
+            let mut slot = [(0u64, 0u64); PAGED_LOOKUP_GROUP];
+            unroll::<PAGED_LOOKUP_GROUP>(|g| {
+                let key = first + cell(g).0;
+                if c0 + (g as u32) < per_thread && key < info.seqlen_k {
+                    slot[g] = paging::locate(
+                        p.block_table,
+                        p.max_pages,
+                        p.page_size,
+                        p.num_pages,
+                        info.batch as u64,
+                        key,
+                    );
+                }
+            });
+            unroll::<PAGED_LOOKUP_GROUP>(|g| {
+                if c0 + (g as u32) < per_thread {
+                    let (row, chunk) = cell(g);
+                    let (k_dst, v_dst) = (
+                        k_tile.store_addr::<true>(row, chunk),
+                        v_tile.store_addr::<false>(row, chunk),
+                    );
+                    if first + row < info.seqlen_k {
+                        let (page, in_page) = slot[g];
+                        let chunk_off = chunk as u64 * CHUNK_BYTES as u64;
+                        let k = info.page_row_ptr(p.k, &p.k_strides, page, in_page) + chunk_off;
+                        let v = info.page_row_ptr(p.v, &p.v_strides, page, in_page) + chunk_off;
+                        cp_async::cg_16(k_dst, k, CHUNK_BYTES as u32);
+                        cp_async::cg_16(v_dst, v, CHUNK_BYTES as u32);
+                    } else {
+                        cp_async::cg_16(k_dst, p.k, 0);
+                        cp_async::cg_16(v_dst, p.v, 0);
+                    }
+                }
+            });
+            c0 += PAGED_LOOKUP_GROUP as u32;
         }
         return;
     }
@@ -143,7 +174,7 @@ pub fn load_block<const D: usize>(
             p.page_size,
             p.num_pages,
             info.batch as u64,
-            first as u64,
+            first,
         );
         (
             info.page_row_ptr(p.k, &p.k_strides, page, row),

@@ -16,7 +16,7 @@ use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use super::unroll::unroll;
 use crate::arch::{cp_async, global, ldmatrix, smem, special};
-use crate::config::{AttnTile, KernelKind, MaskKind, MMA_K, MMA_M, MMA_N};
+use crate::config::{AttnTile, KernelKind, MaskKind, PtxArch, MMA_K, MMA_M, MMA_N};
 use crate::params::AttnParams;
 
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
@@ -47,9 +47,21 @@ pub fn attention<
 >(
     p: &AttnParams,
 ) {
-    let tile = const { AttnTile::of_variant(KernelKind::Forward, D, policies::<M, S, L>()) };
+    let tile = const {
+        AttnTile::of_variant(
+            KernelKind::Forward,
+            D,
+            policies::<M, S, L>(),
+            PtxArch::TARGET,
+        )
+    };
     const {
-        let t = AttnTile::of_variant(KernelKind::Forward, D, policies::<M, S, L>());
+        let t = AttnTile::of_variant(
+            KernelKind::Forward,
+            D,
+            policies::<M, S, L>(),
+            PtxArch::TARGET,
+        );
         assert!(MT == t.m_tiles && QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == t.block_n);
         assert!(t.kv_stages >= 2, "the ring needs a stage in flight");
     }
@@ -175,7 +187,14 @@ fn kv_block<
     mods: Modifiers,
     slope: f32,
 ) {
-    let tile = const { AttnTile::of_variant(KernelKind::Forward, D, policies::<M, S, L>()) };
+    let tile = const {
+        AttnTile::of_variant(
+            KernelKind::Forward,
+            D,
+            policies::<M, S, L>(),
+            PtxArch::TARGET,
+        )
+    };
     let bn = tile.block_n as u32;
 
     // S = Q·K(n)ᵀ. Per k-step: one A fragment per m-tile, and one ldmatrix.x4
