@@ -52,7 +52,8 @@
 //! events|graph` (every selected row timed that way), `--quick` (fewer
 //! repetitions), `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
-//! JSON line records the count used as `"splits"`), `--json PATH`, `--list` (print the selected rows' labels,
+//! JSON line records the count used as `"splits"` and the K/V ring depth as
+//! `"ring_stages"`), `--json PATH`, `--list` (print the selected rows' labels,
 //! FLOPs, bytes and timing and exit; needs no GPU). Without a GPU it says so
 //! and exits 0. Every JSON line carries `"timing"` and `"origin"`.
 use std::io::Write;
@@ -1032,8 +1033,13 @@ fn main() {
                 Dtype::F16 => fa.decode_splits::<f16>(&shape),
                 Dtype::Bf16 => fa.decode_splits::<bf16>(&shape),
             };
+            let stages = match s.dtype {
+                Dtype::F16 => fa.decode_ring_stages::<f16>(&shape),
+                Dtype::Bf16 => fa.decode_ring_stages::<bf16>(&shape),
+            };
             let extra = line.as_object_mut().expect("a JSON object");
             extra.insert("splits".into(), used.into());
+            extra.insert("ring_stages".into(), stages.into());
         }
         if s.is_policy_row() {
             // compare-torch.py skips lines with a "policy" key (no baseline).

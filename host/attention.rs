@@ -621,6 +621,26 @@ impl FlashAttention {
         )
     }
 
+    /// The decode tile of `shape`'s head dim in the loaded module.
+    fn decode_tile(&self, shape: &DecodeShape) -> AttnTile {
+        AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch)
+    }
+
+    /// K/V ring stages a decode launch of `shape` uses: the tile's deepest
+    /// ring while the grid has at most one CTA per SM (each CTA then waits on
+    /// its own loads: more blocks in flight hide that latency), else its
+    /// `busy_stages` (more resident CTAs at HBM bandwidth).
+    pub fn decode_ring_stages<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
+        let tile = self.decode_tile(shape);
+        let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
+        let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
+        if ctas * self.decode_splits::<T>(shape) <= self.num_sms {
+            tile.kv_stages
+        } else {
+            tile.busy_stages
+        }
+    }
+
     /// Split count the decode kernel uses for `shape` with element type `T`:
     /// `shape.num_splits` if set (lowered to two key blocks per split), else
     /// the heuristic's.
@@ -871,7 +891,9 @@ impl FlashAttention {
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
-        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch);
+        let tile = self
+            .decode_tile(shape)
+            .with_stages(self.decode_ring_stages::<T>(shape));
         let pack = shape.heads / shape.kv_heads;
         let paging = call.cache.paging.unwrap_or_default();
         let policy = policy_args(
@@ -902,6 +924,7 @@ impl FlashAttention {
             seqlen_k: shape.cache_len as u32,
             pack: pack as u32,
             num_splits: splits as u32,
+            kv_stages: tile.kv_stages as u32,
             seqlen_new: call.cache.seqlen_new as u32,
             block_table: call.block_table,
             max_pages: paging.max_pages as u32,
@@ -914,10 +937,11 @@ impl FlashAttention {
             shape.kv_heads as u32,
             (shape.batch * splits) as u32,
         );
-        self.launch(
+        self.launch_sized(
             stream,
             self.kernel(KernelKind::Decode, T::DTYPE, shape.head_dim, policy.need),
             grid,
+            tile.smem_bytes(),
             ByValue(params),
         )?;
         if splits > 1 {
@@ -964,10 +988,27 @@ impl FlashAttention {
     where
         ByValue<P>: DeviceRepr,
     {
+        self.launch_sized(stream, kernel, grid, kernel.smem_bytes(), params)
+    }
+
+    /// [`Self::launch`] with `smem` bytes of dynamic shared memory, at most
+    /// the entry's (a decode launch with a shallower ring).
+    fn launch_sized<P>(
+        &self,
+        stream: &CudaStream,
+        kernel: &Kernel,
+        grid: (u32, u32, u32),
+        smem: usize,
+        params: ByValue<P>,
+    ) -> Result<(), FlashAttnError>
+    where
+        ByValue<P>: DeviceRepr,
+    {
+        debug_assert!(smem <= kernel.smem_bytes());
         let cfg = LaunchConfig {
             grid_dim: grid,
             block_dim: (kernel.threads() as u32, 1, 1),
-            shared_mem_bytes: kernel.smem_bytes() as u32,
+            shared_mem_bytes: smem as u32,
         };
         let mut builder = stream.launch_builder(&kernel.function);
         builder.arg(&params);

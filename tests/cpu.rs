@@ -1911,6 +1911,44 @@ mod config {
     }
 
     #[test]
+    fn every_ring_depth_fits_its_launch() {
+        let attention = ENTRIES
+            .iter()
+            .filter(|e| matches!(e.kind, KernelKind::Forward | KernelKind::Decode));
+        for (e, arch) in attention.flat_map(|e| PtxArch::ALL.map(|a| (e, a))) {
+            let t = e.tile(arch);
+            assert!(
+                2 <= t.busy_stages && t.busy_stages <= t.kv_stages,
+                "{}",
+                e.name
+            );
+            if e.kind == KernelKind::Forward {
+                assert_eq!(
+                    t.busy_stages, t.kv_stages,
+                    "forward launches use the full ring"
+                );
+            }
+            for stages in 0..=t.kv_stages + 1 {
+                let u = t.with_stages(stages);
+                if !(t.busy_stages..=t.kv_stages).contains(&stages) {
+                    assert_eq!(u, t);
+                    continue;
+                }
+                assert_eq!(u.kv_stages, stages);
+                // The launch's allocation holds the ring, Q (which may borrow
+                // the last stage in use) and the merge tile.
+                let smem = u.smem_bytes();
+                assert!(smem <= t.smem_bytes(), "{}", e.name);
+                assert!(u.ring_offset() + stages * u.stage_bytes() <= smem);
+                assert!(u.q_smem_offset() + u.q_smem_bytes() <= smem);
+                if u.split == WarpSplit::Keys {
+                    assert!(u.merge_stats_offset() + 2 * u.warps * u.block_m * 4 <= smem);
+                }
+            }
+        }
+    }
+
+    #[test]
     fn entries_report_their_tiles() {
         for (e, a) in ENTRIES.iter().flat_map(|e| PtxArch::ALL.map(|a| (e, a))) {
             match e.kind {

@@ -20,6 +20,7 @@ use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
     KvCache, Layout, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
+use flash_attn_kernels::config::{AttnTile, KernelKind};
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
 use proptest::prelude::*;
@@ -1864,8 +1865,11 @@ fn main() {
     let g = gpu.clone();
     trials.push(Trial::test("decode_long_cache_uses_splits", move || {
         let gpu = g.as_ref().as_ref().unwrap();
+        let mut depths = std::collections::BTreeSet::new();
         for (batch, cache_len, heads, kv_heads) in
-            // 3 KV heads of one sequence: dozens of splits, several combine groups.
+            // 3 KV heads of one sequence: dozens of splits, several combine
+            // groups. The grids of 96 and 256 CTAs take both ring depths of
+            // an sm_90 decode tile.
             [
                 (1, 16384, 32, 8),
                 (2, 5000, 9, 9),
@@ -1898,7 +1902,13 @@ fn main() {
             if gpu.fa.decode_splits::<f16>(&shape) < 2 {
                 return Err(format!("{c:?}: expected a split-KV launch").into());
             }
+            depths.insert(gpu.fa.decode_ring_stages::<f16>(&shape));
             run_decode::<f16>(gpu, &c)?;
+        }
+        let tile = AttnTile::of(KernelKind::Decode, 128, gpu.fa.ptx_arch());
+        let want: std::collections::BTreeSet<usize> = [tile.busy_stages, tile.kv_stages].into();
+        if depths != want {
+            return Err(format!("ring depths used {depths:?}, expected {want:?}").into());
         }
         Ok(())
     }));

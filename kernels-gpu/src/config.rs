@@ -78,6 +78,9 @@ pub struct AttnTile {
     /// (K, V) stages of the shared-memory ring, at least 2: `kv_stages - 1`
     /// key blocks are in flight while one is consumed.
     pub kv_stages: usize,
+    /// Decode: the stages a launch uses when its grid has more CTAs than
+    /// the GPU has SMs (2 <= busy_stages <= kv_stages; see `with_stages`).
+    pub busy_stages: usize,
     /// CTAs that must fit on one SM (`.minnctapersm`): caps registers at
     /// 64K / (threads * this). Without it ptxas picks its own occupancy target
     /// and may spill to reach it.
@@ -155,6 +158,10 @@ impl AttnTile {
                 (KernelKind::Decode | KernelKind::Combine, 32 | 64, _) => {
                     (4, WarpSplit::Keys, 1, true, 64, 3, 2)
                 }
+                // sm_90: up to three 32 KB stages (see `busy_stages` below).
+                (KernelKind::Decode | KernelKind::Combine, 96 | 128, PtxArch::Sm90) => {
+                    (4, WarpSplit::Keys, 1, true, 64, 3, 2)
+                }
                 (KernelKind::Decode | KernelKind::Combine, 96 | 128, _) => {
                     (4, WarpSplit::Keys, 1, true, 64, 2, 2)
                 }
@@ -194,6 +201,14 @@ impl AttnTile {
             WarpSplit::Rows => warps * m_tiles * MMA_M,
             WarpSplit::Keys => m_tiles * MMA_M,
         };
+        // The D = 96/128 decode ring of sm_90 runs three stages while the
+        // grid has at most one CTA per SM (latency-bound: 4-20% faster on
+        // H100) and two in fuller grids (1-2% faster at HBM bandwidth); at
+        // D = 64 three stages won in both (docs/perf-notes.md, v11).
+        let busy_stages = match (kind, head_dim, arch) {
+            (KernelKind::Decode | KernelKind::Combine, 96 | 128, PtxArch::Sm90) => 2,
+            _ => kv_stages,
+        };
         Some(AttnTile {
             head_dim,
             block_m,
@@ -203,6 +218,7 @@ impl AttnTile {
             m_tiles,
             q_in_regs,
             kv_stages,
+            busy_stages,
             min_ctas_per_sm,
         })
     }
@@ -241,6 +257,20 @@ impl AttnTile {
             t.block_n = 32;
         }
         t
+    }
+
+    /// The tile with a ring of `stages` stages, if that is `busy_stages` up
+    /// to its own (a decode launch's choice, `AttnParams::kv_stages`); else
+    /// itself.
+    pub const fn with_stages(self, stages: usize) -> AttnTile {
+        if stages < self.busy_stages || stages > self.kv_stages {
+            self
+        } else {
+            AttnTile {
+                kv_stages: stages,
+                ..self
+            }
+        }
     }
 
     /// Rows of the CTA owned by one warp.

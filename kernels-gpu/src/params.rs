@@ -48,6 +48,9 @@ pub struct AttnParams {
     pub seqlen_k: u32,
     pub pack: u32,
     pub num_splits: u32,
+    /// Decode: K/V ring stages this launch uses, at most the tile's (whose
+    /// shared memory the launch sizes); 0 or out of range = the tile's.
+    pub kv_stages: u32,
     /// log2(e) times the factor that turns S into logits: softmax_scale, or
     /// the softcap c when a softcap is set (S is then tanh(scale * q·k / c)).
     /// The kernels work in the exp2 domain.

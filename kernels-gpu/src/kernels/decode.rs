@@ -42,6 +42,8 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
         assert!(t.block_n == t.warps * WARP_KEYS && t.kv_stages >= 2);
         assert!(SLICE_TILES == 2);
     }
+    // The ring depth is the launch's (uniform): the host sizes shared memory for it.
+    let tile = tile.with_stages(p.kv_stages as usize);
     let lane = Lane::current();
     let info = BlockInfo::new::<M, Dense>(p, tile, true, false);
     let base = smem::base();
