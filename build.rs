@@ -86,6 +86,7 @@ fn main() {
         }
     };
     println!("cargo:rustc-env=FLASH_ATTN_PTX_ORIGIN={origin}");
+    embed_cubins(&root, &out_dir);
 }
 
 fn emit_rerun_directives() {
@@ -93,6 +94,7 @@ fn emit_rerun_directives() {
         "kernels-gpu/src",
         "kernels-gpu/Cargo.toml",
         COMMITTED_DIR,
+        CUBIN_DIR,
         "build.rs",
     ] {
         println!("cargo:rerun-if-changed={path}");
@@ -459,6 +461,54 @@ fn entry_name(line: &str) -> Option<&str> {
         .find(|c: char| c == '(' || c.is_whitespace())
         .unwrap_or(rest.len());
     Some(&rest[..end])
+}
+
+// ---------------------------------------------------------------------------
+// Committed cubins
+// ---------------------------------------------------------------------------
+
+/// Cubins assembled from the committed PTX by `scripts/update-cubins.sh`.
+const CUBIN_DIR: &str = "kernels-gpu/cubin";
+const CUBIN_MANIFEST: &str = "manifest.txt";
+/// Every cubin the host's `include_bytes!` names.
+const CUBINS: [&str; 5] = [
+    "flash_attn_sm80.cubin",
+    "flash_attn_sm86.cubin",
+    "flash_attn_sm89.cubin",
+    "flash_attn_sm90.cubin",
+    "flash_attn_sm90.cu13.cubin",
+];
+
+/// Copies each committed cubin into OUT_DIR if it is intact and was
+/// assembled from the PTX this build embeds (same sha256); otherwise writes
+/// an empty file, and the host loads the PTX (JIT) for that GPU. A kernel
+/// edit thus never runs stale machine code; `scripts/update-cubins.sh`
+/// refreshes them.
+fn embed_cubins(root: &Path, out_dir: &Path) {
+    let dir = root.join(CUBIN_DIR);
+    let manifest = fs::read_to_string(dir.join(CUBIN_MANIFEST)).unwrap_or_default();
+    let mut stale = Vec::new();
+    for name in CUBINS {
+        let line = manifest
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.len() == 4 && f[0] == name);
+        let bytes = line.and_then(|f| {
+            let ptx = fs::read(out_dir.join(f[2])).ok()?;
+            let cubin = fs::read(dir.join(name)).ok()?;
+            (sha256_hex(&ptx) == f[3] && sha256_hex(&cubin) == f[1]).then_some(cubin)
+        });
+        if bytes.is_none() {
+            stale.push(name);
+        }
+        write(&out_dir.join(name), &bytes.unwrap_or_default());
+    }
+    if !stale.is_empty() {
+        println!(
+            "cargo:warning=the committed cubins {stale:?} do not match the embedded PTX; those \
+             GPUs will JIT-compile the PTX on first use (refresh: scripts/update-cubins.sh)"
+        );
+    }
 }
 
 // ---------------------------------------------------------------------------

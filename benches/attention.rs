@@ -50,7 +50,9 @@
 //! the policy name, e.g. `window4096`, `softcap50`, `alibi`, `sinks0.5`,
 //! `varlen`; a policy row's plain reference row runs with it), `--timing
 //! events|graph` (every selected row timed that way), `--quick` (fewer
-//! repetitions), `--splits N` (decode rows split their keys N ways, lowered
+//! repetitions), `--module cubin|ptx` (load the embedded cubin, the default,
+//! or JIT the PTX; the first line says which was loaded and how long
+//! `FlashAttention::new` took), `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
 //! `"ring_stages"`), `--json PATH`, `--list` (print the selected rows' labels,
@@ -844,6 +846,14 @@ fn main() {
     };
     let filter = value_of("--filter");
     let quick = args.iter().any(|a| a == "--quick");
+    let module_choice = match value_of("--module").as_deref() {
+        None | Some("cubin") => flash_attn::ModuleChoice::PreferCubin,
+        Some("ptx") => flash_attn::ModuleChoice::Ptx,
+        Some(other) => {
+            eprintln!("--module wants cubin or ptx, not {other:?}");
+            std::process::exit(2);
+        }
+    };
     let splits = value_of("--splits").map(|n| match n.parse::<usize>() {
         Ok(n) if n > 0 => n,
         _ => {
@@ -903,7 +913,9 @@ fn main() {
     // row's), so no cross-stream events are needed; stream capture would
     // reject waits on events recorded outside it.
     unsafe { ctx.disable_event_tracking() };
-    let fa = FlashAttention::new(&ctx).expect("load flash-attn kernels");
+    let load_start = std::time::Instant::now();
+    let fa = FlashAttention::new_with(&ctx, module_choice).expect("load flash-attn kernels");
+    let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
@@ -924,12 +936,13 @@ fn main() {
         },
     };
     println!(
-        "device: {} (sm_{}{}, {} SMs), PTX from {}",
+        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms",
         ctx.name().unwrap_or_default(),
         fa.compute_capability().0,
         fa.compute_capability().1,
         fa.num_sms(),
-        flash_attn::PTX_SOURCE
+        flash_attn::PTX_SOURCE,
+        fa.loaded_code()
     );
     if let Some(dir) = std::path::Path::new(&json_path).parent() {
         std::fs::create_dir_all(dir).ok();

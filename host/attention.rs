@@ -20,7 +20,7 @@ use flash_attn_kernels::params::{
 };
 
 use crate::error::FlashAttnError;
-use crate::kernels::ptx_text;
+use crate::kernels::{cubins_for, ptx_text};
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
     check_decode, check_forward, check_kvcache, check_merge, check_varlen, check_varlen_paged,
@@ -87,6 +87,16 @@ pub struct FlashAttention {
     num_sms: usize,
     compute_capability: (i32, i32),
     arch: PtxArch,
+    loaded: LoadedCode,
+}
+
+/// The code [`FlashAttention`] loaded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LoadedCode {
+    /// An embedded cubin: `sm_XY/ptxas-VERSION`.
+    Cubin(&'static str),
+    /// The PTX module for this `target-cpu`, JIT-compiled by the driver.
+    Ptx(&'static str),
 }
 
 /// The append kernel's name; it is dtype and head-dim agnostic.
@@ -303,16 +313,52 @@ fn policy_args<'a>(
     }
 }
 
+/// Which code [`FlashAttention::new_with`] loads.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ModuleChoice {
+    /// The embedded cubins for the device, in order ([`crate::cubins_for`];
+    /// no JIT), then the PTX if the driver refuses them all or there are none.
+    #[default]
+    PreferCubin,
+    /// Always the PTX, JIT-compiled by the driver (slow the first time in a
+    /// process without a warm driver cache; compares the driver's compiler
+    /// with the pinned ptxas).
+    Ptx,
+}
+
 impl FlashAttention {
-    /// Loads the PTX for the context's device and caches every entry point.
-    /// Fails with [`FlashAttnError::UnsupportedArch`] below sm_80.
+    /// Loads the kernels for the context's device (its cubin when this build
+    /// has one, else the PTX) and caches every entry point. Fails with
+    /// [`FlashAttnError::UnsupportedArch`] below sm_80.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, FlashAttnError> {
+        Self::new_with(ctx, ModuleChoice::PreferCubin)
+    }
+
+    /// [`Self::new`] with the choice of code spelled out.
+    pub fn new_with(ctx: &Arc<CudaContext>, choice: ModuleChoice) -> Result<Self, FlashAttnError> {
         let (major, minor) = ctx.compute_capability()?;
         let smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let arch = PtxArch::for_device(major, smem_optin.max(0) as usize)
             .ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
-        let module = ctx.load_module(Ptx::from_src(ptx_text(arch)))?;
+        let cubins = match choice {
+            ModuleChoice::PreferCubin => cubins_for(arch, major, minor),
+            ModuleChoice::Ptx => Vec::new(),
+        };
+        // A driver too old for a cubin refuses it; the next candidate, and
+        // last the PTX, follow.
+        let (module, loaded) = match cubins.iter().find_map(|&(name, bytes)| {
+            Some((
+                ctx.load_module(Ptx::from_binary(bytes.to_vec())).ok()?,
+                name,
+            ))
+        }) {
+            Some((module, name)) => (module, LoadedCode::Cubin(name)),
+            None => (
+                ctx.load_module(Ptx::from_src(ptx_text(arch)))?,
+                LoadedCode::Ptx(arch.target_cpu()),
+            ),
+        };
         let num_sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let mut kernels = HashMap::new();
@@ -348,6 +394,7 @@ impl FlashAttention {
             num_sms,
             compute_capability: (major, minor),
             arch,
+            loaded,
         })
     }
 
@@ -360,6 +407,10 @@ impl FlashAttention {
     /// The PTX module loaded for this device.
     pub fn ptx_arch(&self) -> PtxArch {
         self.arch
+    }
+    /// Whether machine code or PTX (JIT-compiled by the driver) was loaded.
+    pub fn loaded_code(&self) -> LoadedCode {
+        self.loaded
     }
     pub fn num_sms(&self) -> usize {
         self.num_sms

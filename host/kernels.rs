@@ -1,5 +1,7 @@
-//! The PTX embedded at build time (see build.rs): built from `kernels-gpu` when
-//! a kernel toolchain is present, otherwise the committed, hash-checked copy.
+//! The kernels embedded at build time (see build.rs): the PTX, built from
+//! `kernels-gpu` when a kernel toolchain is present, otherwise the committed,
+//! hash-checked copy; and the committed cubins assembled from that PTX
+//! (`scripts/update-cubins.sh`), empty where they do not match it.
 
 /// `"source"` when this build compiled the kernels, `"committed"` when it used
 /// the PTX committed under `kernels-gpu/ptx/`.
@@ -16,4 +18,35 @@ pub fn ptx_text(arch: PtxArch) -> &'static str {
         PtxArch::Sm80 => PTX_SM80,
         PtxArch::Sm90 => PTX_SM90,
     }
+}
+
+const CUBIN_SM80: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.cubin"));
+const CUBIN_SM86: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm86.cubin"));
+const CUBIN_SM89: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm89.cubin"));
+const CUBIN_SM90: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.cubin"));
+const CUBIN_SM90_CU13: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.cu13.cubin"));
+
+/// Machine code of `arch`'s module for a GPU of compute capability
+/// `major.minor` that this build carries, in the order to try: SASS runs on
+/// its own major version at the same or a higher minor (sm_87 takes
+/// sm_80's). sm_90 has a CUDA 13.0 cubin (drivers R580+, 2-3% faster) before
+/// the CUDA 12.4 one (R525+); every other cubin is CUDA 12.4's. Empty: the
+/// caller loads the PTX, which the driver JIT-compiles.
+pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, &'static [u8])> {
+    let candidates: &[(&'static str, &'static [u8])] = match (arch, major, minor) {
+        (PtxArch::Sm80, 8, 0 | 7) => &[("sm_80/ptxas-12.4", CUBIN_SM80)],
+        (PtxArch::Sm80, 8, 6) => &[("sm_86/ptxas-12.4", CUBIN_SM86)],
+        (PtxArch::Sm80, 8, 9) => &[("sm_89/ptxas-12.4", CUBIN_SM89)],
+        (PtxArch::Sm90, 9, 0) => &[
+            ("sm_90/ptxas-13.0", CUBIN_SM90_CU13),
+            ("sm_90/ptxas-12.4", CUBIN_SM90),
+        ],
+        _ => &[],
+    };
+    candidates
+        .iter()
+        .copied()
+        .filter(|(_, bytes)| !bytes.is_empty())
+        .collect()
 }

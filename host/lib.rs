@@ -35,7 +35,10 @@ pub mod reference;
 mod tensor;
 pub mod validate;
 
-pub use attention::{BlockTable, DecodeWorkspace, FlashAttention, KvCache, PagedVarlen, Varlen};
+pub use attention::{
+    BlockTable, DecodeWorkspace, FlashAttention, KvCache, LoadedCode, ModuleChoice, PagedVarlen,
+    Varlen,
+};
 pub use error::FlashAttnError;
 pub use flash_attn_kernels::config::{Dtype, PtxArch, SUPPORTED_HEAD_DIMS};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};
@@ -44,4 +47,4 @@ pub use validate::{
 };
 
 /// The PTX modules embedded in this build, one per target architecture.
-pub use kernels::{ptx_text, PTX_SOURCE};
+pub use kernels::{cubins_for, ptx_text, PTX_SOURCE};

@@ -1978,6 +1978,48 @@ mod config {
     }
 
     #[test]
+    fn cubins_cover_the_gpus_people_run() {
+        use flash_attn::cubins_for;
+        // Same major, same or higher minor: sm_87 (Orin) runs sm_80's SASS.
+        let picks: [(PtxArch, i32, i32, &[&str]); 7] = [
+            (PtxArch::Sm80, 8, 0, &["sm_80/ptxas-12.4"]),
+            (PtxArch::Sm80, 8, 6, &["sm_86/ptxas-12.4"]),
+            (PtxArch::Sm80, 8, 7, &["sm_80/ptxas-12.4"]),
+            (PtxArch::Sm80, 8, 9, &["sm_89/ptxas-12.4"]),
+            (
+                PtxArch::Sm90,
+                9,
+                0,
+                &["sm_90/ptxas-13.0", "sm_90/ptxas-12.4"],
+            ),
+            (PtxArch::Sm90, 10, 0, &[]),
+            (PtxArch::Sm80, 12, 0, &[]),
+        ];
+        // A build whose PTX is the committed one embeds every cubin (build.rs
+        // leaves out the ones whose PTX changed, during kernel work).
+        let root = env!("CARGO_MANIFEST_DIR");
+        let committed = |arch: PtxArch| {
+            let name = format!(
+                "{root}/kernels-gpu/ptx/flash_attn_{}.ptx",
+                arch.target_cpu().replace('_', "")
+            );
+            std::fs::read_to_string(name).ok().as_deref() == Some(flash_attn::ptx_text(arch))
+        };
+        for (arch, major, minor, want) in picks {
+            let got = cubins_for(arch, major, minor);
+            let names: Vec<&str> = got.iter().map(|&(name, _)| name).collect();
+            if committed(arch) {
+                assert_eq!(names, want, "{arch:?} {major}.{minor}");
+            }
+            assert!(names.iter().all(|n| want.contains(n)));
+            for (_, bytes) in got {
+                // An ELF image, not an empty placeholder.
+                assert_eq!(&bytes[..4], b"\x7fELF");
+            }
+        }
+    }
+
+    #[test]
     fn modules_are_picked_by_capability_and_shared_memory() {
         let h100 = 227 * 1024;
         assert_eq!(PtxArch::for_device(7, 64 * 1024), None);

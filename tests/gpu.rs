@@ -18,7 +18,7 @@ use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
-    KvCache, Layout, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
+    KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{AttnTile, KernelKind};
 use half::{bf16, f16};
@@ -1861,6 +1861,42 @@ fn main() {
     }
     dtype_trials!(f16, "f16");
     dtype_trials!(bf16, "bf16");
+
+    let g = gpu.clone();
+    trials.push(Trial::test("loads_machine_code_when_embedded", move || {
+        let gpu = g.as_ref().as_ref().unwrap();
+        let (major, minor) = gpu.fa.compute_capability();
+        // The driver here is R580+ (CUDA 13), which takes the first cubin.
+        let want = match flash_attn::cubins_for(gpu.fa.ptx_arch(), major, minor).first() {
+            Some(&(name, _)) => LoadedCode::Cubin(name),
+            None => LoadedCode::Ptx(gpu.fa.ptx_arch().target_cpu()),
+        };
+        if gpu.fa.loaded_code() != want {
+            return Err(format!("loaded {:?}, expected {want:?}", gpu.fa.loaded_code()).into());
+        }
+        // The PTX of the same module (the fallback) loads and decodes right.
+        let ptx = Gpu {
+            stream: gpu.stream.clone(),
+            fa: FlashAttention::new_with(gpu.fa.context(), ModuleChoice::Ptx)
+                .map_err(|e| e.to_string())?,
+        };
+        if ptx.fa.loaded_code() != LoadedCode::Ptx(gpu.fa.ptx_arch().target_cpu()) {
+            return Err(format!("ModuleChoice::Ptx loaded {:?}", ptx.fa.loaded_code()).into());
+        }
+        let c = DecodeCase {
+            batch: 2,
+            seqlen_q: 1,
+            cache_len: 3000,
+            heads: 8,
+            kv_heads: 2,
+            head_dim: 128,
+            causal: true,
+            seqlens: vec![3000, 1234],
+            seed: 5,
+        };
+        run_decode::<f16>(&ptx, &c)?;
+        Ok(())
+    }));
 
     let g = gpu.clone();
     trials.push(Trial::test("decode_long_cache_uses_splits", move || {

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# Assembles the committed PTX into cubins (SASS) for the GPUs people run, so
+# the first `FlashAttention::new` loads machine code instead of waiting ~30 s
+# (H100, 111 entries) for the driver to JIT-compile ~10 MB of PTX:
+#   kernels-gpu/ptx/flash_attn_sm80.ptx -> sm_80 (A100), sm_86 (RTX 30xx, A10),
+#                                          sm_89 (RTX 40xx, L4)
+#   kernels-gpu/ptx/flash_attn_sm90.ptx -> sm_90 (H100, H200), twice
+# into kernels-gpu/cubin/ with a manifest of hashes that build.rs checks.
+#
+#   scripts/update-cubins.sh          refresh the committed cubins (then commit)
+#   scripts/update-cubins.sh --check  fail if rebuilding them gives other bytes
+#
+# Two pinned ptxas from PyPI, installed under $FLASH_ATTN_TOOLS/ptxas-VERSION:
+# - CUDA 12.4 (nvidia-cuda-nvcc-cu12): its cubins load on every driver of CUDA
+#   12.0 or newer (R525+, CUDA minor-version compatibility);
+# - CUDA 13.0 (nvidia-cuda-nvcc): R580+ only, but on H100 its sm_90 code is
+#   what the R580 driver's JIT makes, 2-3% faster at D=64/128 than 12.4's
+#   (docs/perf-notes.md, v11), so sm_90 also gets a `.cu13` cubin that the
+#   host tries first.
+# ptxas output is deterministic for a given version and input, so CI rebuilds
+# and compares byte for byte.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+check=0
+case "${1:-}" in
+--check) check=1 ;;
+"") ;;
+*)
+    echo "usage: $0 [--check]" >&2
+    exit 2
+    ;;
+esac
+
+tools="${FLASH_ATTN_TOOLS:-$HOME/.cache/flash-attn-tools}"
+# Prints the path of the pinned ptxas `version` from `wheel`, installing it first.
+pinned_ptxas() {
+    local version=$1 wheel=$2 inner=$3
+    local dir="$tools/ptxas-$version"
+    if [[ ! -x "$dir/$inner" ]]; then
+        echo "update-cubins: pip install $wheel==$version into $dir" >&2
+        mkdir -p "$dir"
+        # As scripts/setup-kernel-toolchain.sh: --target keeps it out of any
+        # Python environment, --no-deps because ptxas is self-contained.
+        PIP_ROOT_USER_ACTION=ignore python3 -m pip install --quiet --disable-pip-version-check --no-input \
+            --no-deps --only-binary=:all: --target "$dir" "$wheel==$version" >&2
+        chmod +x "$dir/$inner"
+    fi
+    echo "$dir/$inner"
+}
+ptxas12=$(pinned_ptxas 12.4.131 nvidia-cuda-nvcc-cu12 nvidia/cuda_nvcc/bin/ptxas)
+ptxas13=$(pinned_ptxas 13.0.88 nvidia-cuda-nvcc nvidia/cu13/bin/ptxas)
+version="$("$ptxas12" --version | tail -n 1); $("$ptxas13" --version | tail -n 1)"
+
+ptx_dir=kernels-gpu/ptx
+cubin_dir=kernels-gpu/cubin
+# cubin -> "arch ptx-module ptxas"
+declare -A jobs=(
+    [flash_attn_sm80.cubin]="80 sm80 $ptxas12"
+    [flash_attn_sm86.cubin]="86 sm80 $ptxas12"
+    [flash_attn_sm89.cubin]="89 sm80 $ptxas12"
+    [flash_attn_sm90.cubin]="90 sm90 $ptxas12"
+    [flash_attn_sm90.cu13.cubin]="90 sm90 $ptxas13"
+)
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+
+pids=()
+for cubin in "${!jobs[@]}"; do
+    read -r arch module ptxas <<<"${jobs[$cubin]}"
+    "$ptxas" -arch="sm_$arch" "$ptx_dir/flash_attn_$module.ptx" -o "$tmp/$cubin" &
+    pids+=($!)
+done
+for pid in "${pids[@]}"; do
+    wait "$pid"
+done
+
+sha() { sha256sum "$1" | cut -d' ' -f1; }
+{
+    echo "# Written by scripts/update-cubins.sh with ptxas $version; build.rs embeds"
+    echo "# a cubin only if the PTX it names still has the recorded hash."
+    echo "# cubin sha256 ptx ptx-sha256"
+    for cubin in $(printf '%s\n' "${!jobs[@]}" | sort); do
+        read -r _ module _ <<<"${jobs[$cubin]}"
+        ptx="flash_attn_$module.ptx"
+        echo "$cubin $(sha "$tmp/$cubin") $ptx $(sha "$ptx_dir/$ptx")"
+    done
+} >"$tmp/manifest.txt"
+
+if ((check)); then
+    status=0
+    for f in "$tmp"/*; do
+        name=$(basename "$f")
+        if ! cmp -s "$f" "$cubin_dir/$name"; then
+            echo "update-cubins: $cubin_dir/$name differs from a rebuild with ptxas $version" >&2
+            status=1
+        fi
+    done
+    if ((status)); then
+        echo "update-cubins: run scripts/update-cubins.sh and commit $cubin_dir" >&2
+        exit 1
+    fi
+    echo "update-cubins: OK, the committed cubins match a rebuild with ptxas $version"
+    exit 0
+fi
+
+mkdir -p "$cubin_dir"
+cp "$tmp"/* "$cubin_dir/"
+( cd "$cubin_dir" && ls -l --time-style=+ ./*.cubin | awk '{print $5, $NF}' )
+echo "update-cubins: wrote $cubin_dir (ptxas $version)"
