@@ -107,16 +107,20 @@ pub struct KvCache<'a, T> {
     /// Contiguous [B, Lmax, Hkv, D], or with `block_table` a page pool
     /// [num_pages, page_size, Hkv, D].
     pub k: TensorMut<'a, T>,
+    /// Like `k`.
     pub v: TensorMut<'a, T>,
-    /// i32 [B] on the device: tokens already in the cache per sequence.
+    /// i32 `[B]` on the device: tokens already in the cache per sequence.
     pub seqlens: CudaView<'a, i32>,
+    /// The page table when `k`/`v` are page pools.
     pub block_table: Option<BlockTable<'a>>,
 }
 
 /// Page table of a paged KV cache: i32 [B, max_pages] on the device, row-major;
 /// entry (b, i) is the pool page holding tokens `i * page_size..` of sequence b.
 pub struct BlockTable<'a> {
+    /// i32 [B, max_pages], row-major.
     pub table: CudaView<'a, i32>,
+    /// Pages per sequence: the row length of `table`.
     pub max_pages: usize,
 }
 
@@ -145,9 +149,10 @@ pub struct PagedVarlen<'a> {
     pub cu_seqlens_q: &'a CudaView<'a, i32>,
     /// The longest query sequence: the grid covers this many rows per sequence.
     pub max_seqlen_q: usize,
-    /// i32 [B] on the device: keys per sequence, each clamped by the kernel
+    /// i32 `[B]` on the device: keys per sequence, each clamped by the kernel
     /// to `max_pages x page_size`.
     pub seqlens_k: &'a CudaView<'a, i32>,
+    /// The page table of the K/V pools.
     pub block_table: &'a BlockTable<'a>,
 }
 
@@ -398,9 +403,11 @@ impl FlashAttention {
         })
     }
 
+    /// The CUDA context the kernels were loaded into.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
     }
+    /// The device's compute capability (major, minor).
     pub fn compute_capability(&self) -> (i32, i32) {
         self.compute_capability
     }
@@ -412,6 +419,7 @@ impl FlashAttention {
     pub fn loaded_code(&self) -> LoadedCode {
         self.loaded
     }
+    /// The device's streaming multiprocessors.
     pub fn num_sms(&self) -> usize {
         self.num_sms
     }

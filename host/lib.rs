@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! flash-attn: FlashAttention forward and decode kernels written in Rust,
 //! compiled to PTX at build time (or taken from the committed, hash-checked
 //! PTX), and launched through `cudarc`'s driver API.

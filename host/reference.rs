@@ -34,7 +34,9 @@ use std::ops::Range;
 /// and `lse` is `[rows]`. LSE is in natural-log units.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RefOutput {
+    /// The attention output.
     pub o: Vec<f64>,
+    /// Log-sum-exp of each row's scores (natural log).
     pub lse: Vec<f64>,
 }
 

@@ -6,7 +6,9 @@ use flash_attn_kernels::config::Dtype;
 /// Shape and element strides of a [batch, seq, heads, head_dim] tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Layout {
+    /// [batch, seq, heads, head_dim].
     pub shape: [usize; 4],
+    /// Element strides of the same dimensions.
     pub strides: [usize; 4],
 }
 
@@ -44,8 +46,11 @@ impl Layout {
 pub trait AttnElement:
     DeviceRepr + ValidAsZeroBits + Copy + Send + Sync + std::fmt::Debug + PartialEq + 'static
 {
+    /// The kernels' name for the type.
     const DTYPE: Dtype;
+    /// Exact widening (for the reference and tests).
     fn to_f64(self) -> f64;
+    /// Round to nearest.
     fn from_f64(x: f64) -> Self;
 }
 
@@ -71,11 +76,14 @@ impl AttnElement for half::bf16 {
 
 /// A read-only tensor on the device.
 pub struct TensorRef<'a, T> {
+    /// The device buffer (element 0 is the layout's origin).
     pub data: CudaView<'a, T>,
+    /// Shape and strides in elements.
     pub layout: Layout,
 }
 
 impl<'a, T> TensorRef<'a, T> {
+    /// A view of `data` with `layout` (checked at the call that uses it).
     pub fn new(data: CudaView<'a, T>, layout: Layout) -> Self {
         TensorRef { data, layout }
     }
@@ -83,11 +91,14 @@ impl<'a, T> TensorRef<'a, T> {
 
 /// A writable tensor on the device.
 pub struct TensorMut<'a, T> {
+    /// The device buffer (element 0 is the layout's origin).
     pub data: CudaViewMut<'a, T>,
+    /// Shape and strides in elements.
     pub layout: Layout,
 }
 
 impl<'a, T> TensorMut<'a, T> {
+    /// A view of `data` with `layout` (checked at the call that uses it).
     pub fn new(data: CudaViewMut<'a, T>, layout: Layout) -> Self {
         TensorMut { data, layout }
     }

@@ -15,7 +15,9 @@ use flash_attn_kernels::config::{
 /// `None` leaves that side unbounded; the default is no window at all.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Window {
+    /// Keys left of the diagonal a query sees.
     pub left: Option<usize>,
+    /// Keys right of the diagonal a query sees.
     pub right: Option<usize>,
 }
 
@@ -43,6 +45,7 @@ impl Window {
         }
     }
 
+    /// Whether neither side is bounded (no window).
     pub fn is_unbounded(self) -> bool {
         self.left.is_none() && self.right.is_none()
     }
@@ -52,7 +55,7 @@ impl Window {
 /// the scaled score of query `i` and key `j`.
 #[derive(Clone, Copy, Debug)]
 pub enum AlibiSlopes<'a> {
-    /// f32 [heads], the same for every batch entry.
+    /// f32 `[heads]`, the same for every batch entry.
     PerHead(&'a CudaView<'a, f32>),
     /// f32 [batch, heads], row-major.
     PerBatchHead(&'a CudaView<'a, f32>),
@@ -74,7 +77,7 @@ pub struct AttnOptions<'a> {
     pub softcap: Option<f32>,
     /// ALiBi slopes (Bloom, MPT), added after the scale (and softcap).
     pub alibi_slopes: Option<AlibiSlopes<'a>>,
-    /// f32 [heads] attention-sink logits (gpt-oss): each row's softmax
+    /// f32 `[heads]` attention-sink logits (gpt-oss): each row's softmax
     /// denominator also holds `exp(sink[h])`, with no value attached. The LSE
     /// output includes that term.
     pub sinks: Option<&'a CudaView<'a, f32>>,
@@ -88,6 +91,7 @@ pub struct AttnOptions<'a> {
 /// What validation needs to know of one tensor argument.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TensorInfo {
+    /// Shape and strides in elements.
     pub layout: Layout,
     /// Elements in the buffer behind the view.
     pub len: usize,
@@ -98,16 +102,25 @@ pub struct TensorInfo {
 /// A validated forward problem.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ForwardShape {
+    /// Sequences.
     pub batch: usize,
+    /// Query tokens per sequence.
     pub seqlen_q: usize,
+    /// Key tokens per sequence.
     pub seqlen_k: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
+    /// Head dimension.
     pub head_dim: usize,
+    /// Bottom-right-aligned causal mask.
     pub causal: bool,
+    /// The scale applied to q·k (default 1/sqrt(head_dim) resolved).
     pub softmax_scale: f32,
     /// As given; [`Window::effective`] folds `causal` in.
     pub window: Window,
+    /// Logit softcap c, if any.
     pub softcap: Option<f32>,
 }
 
@@ -121,15 +134,25 @@ impl ForwardShape {
 /// A validated decode problem; `cache_len` is the capacity Lmax of the cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct DecodeShape {
+    /// Sequences.
     pub batch: usize,
+    /// Query tokens per sequence.
     pub seqlen_q: usize,
+    /// Capacity of the cache per sequence (Lmax).
     pub cache_len: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
+    /// Head dimension.
     pub head_dim: usize,
+    /// Bottom-right-aligned causal mask.
     pub causal: bool,
+    /// The scale applied to q·k (default 1/sqrt(head_dim) resolved).
     pub softmax_scale: f32,
+    /// As given; [`Window::effective`] folds `causal` in.
     pub window: Window,
+    /// Logit softcap c, if any.
     pub softcap: Option<f32>,
     /// See [`AttnOptions::num_splits`].
     pub num_splits: Option<usize>,
@@ -148,17 +171,29 @@ impl DecodeShape {
 /// [H, total_q].
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct VarlenShape {
+    /// Sequences.
     pub batch: usize,
+    /// Rows of the packed Q.
     pub total_q: usize,
+    /// Rows of the packed K/V.
     pub total_k: usize,
+    /// Longest query sequence (host-given bound).
     pub max_seqlen_q: usize,
+    /// Longest key sequence (host-given bound).
     pub max_seqlen_k: usize,
+    /// Query heads.
     pub heads: usize,
+    /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
+    /// Head dimension.
     pub head_dim: usize,
+    /// Bottom-right-aligned causal mask.
     pub causal: bool,
+    /// The scale applied to q·k (default 1/sqrt(head_dim) resolved).
     pub softmax_scale: f32,
+    /// As given; [`Window::effective`] folds `causal` in.
     pub window: Window,
+    /// Logit softcap c, if any.
     pub softcap: Option<f32>,
 }
 
@@ -345,8 +380,8 @@ fn check_heads_and_scale(
 }
 
 /// Checks the lengths of the device-side option tensors (their values live
-/// on the device and are used as given): ALiBi slopes [heads] or
-/// [batch, heads], sinks [heads].
+/// on the device and are used as given): ALiBi slopes `[heads]` or
+/// [batch, heads], sinks `[heads]`.
 pub fn check_option_lengths(
     opts: &AttnOptions,
     batch: usize,
@@ -506,8 +541,11 @@ pub fn check_decode(
 /// Geometry of a paged KV cache.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Paging {
+    /// Tokens per page.
     pub page_size: usize,
+    /// Pages per sequence in the block table.
     pub max_pages: usize,
+    /// Pages in the pool.
     pub num_pages: usize,
 }
 
@@ -515,7 +553,9 @@ pub struct Paging {
 /// per sequence (Lmax, or max_pages x page_size).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct KvCacheShape {
+    /// The decode problem over the logical cache.
     pub decode: DecodeShape,
+    /// The page pool's geometry, when paged.
     pub paging: Option<Paging>,
     /// Tokens appended before attending (0 without new K/V).
     pub seqlen_new: usize,

@@ -24,7 +24,7 @@ pub const SWIZZLE_ROWS: usize = 8;
 pub const REQUIRED_ALIGN_BYTES: usize = CHUNK_BYTES;
 
 /// Head dimensions with compiled kernels. Adding one is a new [`AttnTile`] arm
-/// plus its lines in [`attention_variants`].
+/// plus its lines in `attention_variants`.
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 
 /// Largest head dim of any kernel.
@@ -327,14 +327,14 @@ impl AttnTile {
     pub const fn v_smem_offset(self) -> usize {
         self.k_smem_offset() + self.kv_smem_bytes()
     }
-    /// Row stride of the f32 [warps][block_m][head_dim] tile in which a
+    /// Row stride of the f32 `[warps][block_m][head_dim]` tile in which a
     /// [`WarpSplit::Keys`] CTA merges its warps' O; padded by one 16-byte chunk
     /// so the 8 rows an accumulator store touches fall on different banks.
     pub const fn merge_row_bytes(self) -> usize {
         self.head_dim * 4 + CHUNK_BYTES
     }
     /// The merge tile (at the start of the ring), then each warp's row maxima
-    /// and sums: [2][warps][block_m] f32.
+    /// and sums: `[2][warps][block_m]` f32.
     pub const fn merge_bytes(self) -> usize {
         self.warps * self.block_m * self.merge_row_bytes()
     }
@@ -688,7 +688,7 @@ macro_rules! table_word {
 
 macro_rules! entry_rows {
     ($($kind:ident $dtype:ident $d:literal $mask:ident $score:ident $seq:ident;)*) => {
-        /// Every kernel entry point in the PTX: [`attention_variants`], then the
+        /// Every kernel entry point in the PTX: `attention_variants`, then the
         /// byte-moving `flash_append_kv` and the per-dtype `flash_merge_*`.
         pub const ENTRIES: &[Entry] = &[
             $(Entry {

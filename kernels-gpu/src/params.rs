@@ -34,7 +34,7 @@ pub struct AttnParams {
     pub o_accum: u64,
     /// f32 partial LSEs [num_splits, B, H, Sq], used when `num_splits > 1`.
     pub lse_accum: u64,
-    /// Optional i32 [B] key counts on the device (decode); 0 means `seqlen_k` for all.
+    /// Optional i32 `[B]` key counts on the device (decode); 0 means `seqlen_k` for all.
     pub cache_seqlens: u64,
     pub q_strides: BshStrides,
     pub k_strides: BshStrides,
@@ -74,19 +74,19 @@ pub struct AttnParams {
     /// c). Folding c into `scale_log2` saves a multiply per score. 0 = off.
     pub softcap_pre: f32,
     /// f32 ALiBi slopes: slope (b, h) at `alibi + (b * alibi_batch_stride + h) * 4`
-    /// ([heads]: stride 0; [batch, heads]: stride heads). 0 = off.
+    /// (`[heads]`: stride 0; `[batch, heads]`: stride heads). 0 = off.
     pub alibi: u64,
     pub alibi_batch_stride: u32,
     /// 1 / the logit factor of `scale_log2` (softmax_scale, or c): the
     /// ALiBi bias enters S in S's own units.
     pub inv_scale: f32,
-    /// f32 [heads] attention-sink logits (natural log); 0 = none.
+    /// f32 `[heads]` attention-sink logits (natural log); 0 = none.
     pub sinks: u64,
     /// Varlen: i32 [B + 1] starts of each sequence in the packed Q/O and K/V
     /// rows; 0 = the dense [B, S, ...] layout. Q/O are then [total_q, H, D]
     /// (batch strides unused), K/V [total_k, Hkv, D], the LSE [H, total_q].
     /// With a `block_table`, K/V are a paged cache instead and `cu_seqlens_k`
-    /// holds i32 [B] key counts, clamped to `total_k` = the capacity per
+    /// holds i32 `[B]` key counts, clamped to `total_k` = the capacity per
     /// sequence (chunked prefill).
     pub cu_seqlens_q: u64,
     pub cu_seqlens_k: u64,
