@@ -467,6 +467,36 @@ impl FlashAttention {
     /// f32 [H, total_q]. The `cu_seqlens` live on the device: each range is
     /// clamped to the packed tensors, and rows of a sequence past
     /// `max_seqlen_q` are not written.
+    ///
+    /// Three prompts of 100, 7 and 2000 tokens in one causal call:
+    ///
+    /// ```no_run
+    /// use flash_attn::{AttnOptions, FlashAttention, Layout, TensorMut, TensorRef, Varlen};
+    /// use cudarc::driver::CudaContext;
+    /// use half::bf16;
+    ///
+    /// let ctx = CudaContext::new(0)?;
+    /// let stream = ctx.default_stream();
+    /// let fa = FlashAttention::new(&ctx)?;
+    /// let (h, hkv, d) = (16, 4, 64);
+    /// let cu = stream.clone_htod(&[0i32, 100, 107, 2107])?;
+    /// let total = 2107;
+    /// let q = stream.alloc_zeros::<bf16>(total * h * d)?;
+    /// let kv = stream.alloc_zeros::<bf16>(total * hkv * d)?;
+    /// let mut o = stream.alloc_zeros::<bf16>(total * h * d)?;
+    /// let (q_layout, kv_layout) = (Layout::packed([total, h, d]), Layout::packed([total, hkv, d]));
+    /// fa.forward_varlen(
+    ///     &stream,
+    ///     &TensorRef::new(q.as_view(), q_layout),
+    ///     &TensorRef::new(kv.as_view(), kv_layout),
+    ///     &TensorRef::new(kv.as_view(), kv_layout),
+    ///     &mut TensorMut::new(o.as_view_mut(), q_layout),
+    ///     None,
+    ///     &Varlen { cu_seqlens_q: &cu.as_view(), cu_seqlens_k: &cu.as_view(), max_seqlen_q: 2000, max_seqlen_k: 2000 },
+    ///     &AttnOptions { causal: true, ..Default::default() },
+    /// )?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[allow(clippy::too_many_arguments)]
     pub fn forward_varlen<T: AttnElement>(
         &self,
@@ -814,6 +844,52 @@ impl FlashAttention {
     /// lengths past the capacity) cannot be checked before the launch, so the
     /// kernels clamp them: page indices to the pool, lengths to the capacity,
     /// and appended tokens past the capacity are dropped.
+    ///
+    /// One decode step of a GQA model (32 query heads, 8 KV heads) over a
+    /// paged cache of 16-token pages, appending the step's K/V first:
+    ///
+    /// ```no_run
+    /// use flash_attn::{AttnOptions, BlockTable, FlashAttention, KvCache, Layout, TensorMut, TensorRef};
+    /// use cudarc::driver::CudaContext;
+    /// use half::f16;
+    ///
+    /// let ctx = CudaContext::new(0)?;
+    /// let stream = ctx.default_stream();
+    /// let fa = FlashAttention::new(&ctx)?;
+    /// let (b, h, hkv, d, page, max_pages) = (4, 32, 8, 128, 16, 256);
+    /// let pages = b * max_pages;
+    /// let pool = Layout::contiguous([pages, page, hkv, d]);
+    /// let mut k_pool = stream.alloc_zeros::<f16>(pages * page * hkv * d)?;
+    /// let mut v_pool = stream.alloc_zeros::<f16>(pages * page * hkv * d)?;
+    /// // Sequence i owns pages i * max_pages.. (any permutation works).
+    /// let table: Vec<i32> = (0..pages as i32).collect();
+    /// let table = stream.clone_htod(&table)?;
+    /// let seqlens = stream.clone_htod(&vec![1000i32; b])?;
+    /// let (q, k_new, v_new) = (
+    ///     stream.alloc_zeros::<f16>(b * h * d)?,
+    ///     stream.alloc_zeros::<f16>(b * hkv * d)?,
+    ///     stream.alloc_zeros::<f16>(b * hkv * d)?,
+    /// );
+    /// let mut o = stream.alloc_zeros::<f16>(b * h * d)?;
+    /// let (q_layout, kv_layout) = (Layout::contiguous([b, 1, h, d]), Layout::contiguous([b, 1, hkv, d]));
+    /// let mut cache = KvCache {
+    ///     k: TensorMut::new(k_pool.as_view_mut(), pool),
+    ///     v: TensorMut::new(v_pool.as_view_mut(), pool),
+    ///     seqlens: seqlens.as_view(),
+    ///     block_table: Some(BlockTable { table: table.as_view(), max_pages }),
+    /// };
+    /// fa.decode_kvcache(
+    ///     &stream,
+    ///     &TensorRef::new(q.as_view(), q_layout),
+    ///     &mut cache,
+    ///     Some((&TensorRef::new(k_new.as_view(), kv_layout), &TensorRef::new(v_new.as_view(), kv_layout))),
+    ///     &mut TensorMut::new(o.as_view_mut(), q_layout),
+    ///     None,
+    ///     &AttnOptions { causal: true, ..Default::default() },
+    ///     None,
+    /// )?;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
     #[allow(clippy::too_many_arguments)]
     pub fn decode_kvcache<T: AttnElement>(
         &self,
