@@ -14,8 +14,8 @@ use crate::config::{AttnTile, CHUNK_BYTES};
 use crate::params::AttnParams;
 
 /// Rows whose block-table reads are in flight together in the row-by-row
-/// paged copy: two registers each, so 4 fit beside the D = 256 decode
-/// kernel's accumulators.
+/// paged copy; each holds its (page, row) until its copies are issued, and
+/// 4 fit beside the D = 256 decode kernel's accumulators without a spill.
 const PAGED_LOOKUP_GROUP: usize = 4;
 
 pub struct KvRing {
