@@ -919,21 +919,18 @@ fn main() {
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
-    let bench_for = |timing| match timing {
-        Timing::Events => Bench {
-            stream: default_stream.clone(),
+    let bench_for = |timing| {
+        let (stream, reps) = match timing {
+            Timing::Events => (&default_stream, if quick { 10 } else { 50 }),
+            Timing::Graph => (&graph_stream, if quick { 5 } else { 20 }),
+        };
+        Bench {
+            stream: stream.clone(),
             fa: &fa,
-            reps: if quick { 10 } else { 50 },
+            reps,
             timing,
             splits,
-        },
-        Timing::Graph => Bench {
-            stream: graph_stream.clone(),
-            fa: &fa,
-            reps: if quick { 5 } else { 20 },
-            timing,
-            splits,
-        },
+        }
     };
     println!(
         "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms",

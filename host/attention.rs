@@ -90,6 +90,12 @@ pub struct FlashAttention {
     loaded: LoadedCode,
 }
 
+/// How a decode launch is split and buffered.
+struct DecodePlan {
+    splits: usize,
+    stages: usize,
+}
+
 /// The code [`FlashAttention`] loaded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LoadedCode {
@@ -720,21 +726,20 @@ impl FlashAttention {
     /// its own loads: more blocks in flight hide that latency), else its
     /// `busy_stages` (more resident CTAs at HBM bandwidth).
     pub fn decode_ring_stages<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
-        let tile = self.decode_tile(shape);
-        let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
-        let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
-        if ctas * self.decode_splits::<T>(shape) <= self.num_sms {
-            tile.kv_stages
-        } else {
-            tile.busy_stages
-        }
+        self.decode_plan::<T>(shape).stages
     }
 
     /// Split count the decode kernel uses for `shape` with element type `T`:
     /// `shape.num_splits` if set (lowered to two key blocks per split), else
     /// the heuristic's.
     pub fn decode_splits<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
-        let tile = AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch);
+        self.decode_plan::<T>(shape).splits
+    }
+
+    /// Split count and ring depth of a decode launch (see
+    /// [`Self::decode_splits`], [`Self::decode_ring_stages`]).
+    fn decode_plan<T: AttnElement>(&self, shape: &DecodeShape) -> DecodePlan {
+        let tile = self.decode_tile(shape);
         let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
         let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
         // A left window bounds the keys any row sees, whatever the cache holds.
@@ -755,7 +760,7 @@ impl FlashAttention {
         let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_SPLITS)
             .min(MAX_GRID_YZ / shape.batch);
-        match shape.num_splits {
+        let splits = match shape.num_splits {
             Some(n) => n.clamp(1, max_splits),
             None => choose_splits(&SplitProblem {
                 ctas,
@@ -765,7 +770,13 @@ impl FlashAttention {
                 ctas_per_sm,
                 max_splits,
             }),
-        }
+        };
+        let stages = if ctas * splits <= self.num_sms {
+            tile.kv_stages
+        } else {
+            tile.busy_stages
+        };
+        DecodePlan { splits, stages }
     }
 
     /// Scratch for decoding `shape` with element type `T`; reusable for any
@@ -993,7 +1004,8 @@ impl FlashAttention {
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
         let shape = &call.cache.decode;
-        let splits = self.decode_splits::<T>(shape);
+        let plan = self.decode_plan::<T>(shape);
+        let splits = plan.splits;
         let partial_rows = splits * shape.batch * shape.heads * shape.seqlen_q;
         let rows = shape.batch * shape.heads * shape.seqlen_q;
         if rows > u32::MAX as usize {
@@ -1026,9 +1038,7 @@ impl FlashAttention {
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
-        let tile = self
-            .decode_tile(shape)
-            .with_stages(self.decode_ring_stages::<T>(shape));
+        let tile = self.decode_tile(shape).with_stages(plan.stages);
         let pack = shape.heads / shape.kv_heads;
         let paging = call.cache.paging.unwrap_or_default();
         let policy = policy_args(
