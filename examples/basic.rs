@@ -6,10 +6,7 @@ use flash_attn::{reference, AttnOptions, FlashAttention, Layout, TensorMut, Tens
 use half::f16;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    // SAFETY: only probes whether the driver library can be loaded.
-    if !unsafe { cudarc::driver::sys::is_culib_present() }
-        || CudaContext::device_count().map_or(true, |n| n < 1)
-    {
+    if flash_attn::cuda_device_count()? < 1 {
         println!("no CUDA device found; nothing to run");
         return Ok(());
     }

@@ -30,6 +30,9 @@
 //! ```
 
 mod attention;
+#[cfg(feature = "candle")]
+pub mod candle;
+mod driver;
 mod error;
 mod kernels;
 pub mod reference;
@@ -40,6 +43,7 @@ pub use attention::{
     BlockTable, DecodeWorkspace, FlashAttention, KvCache, LoadedCode, ModuleChoice, PagedVarlen,
     Varlen,
 };
+pub use driver::cuda_device_count;
 pub use error::FlashAttnError;
 pub use flash_attn_kernels::config::{Dtype, PtxArch, SUPPORTED_HEAD_DIMS};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};

@@ -3,8 +3,12 @@
 # puts them in DIR with run-tests.sh and run-bench.sh, so they run on a GPU host
 # that has no Rust toolchain:
 #   scripts/gpu-bundle.sh bundle && (cd bundle && ./run-tests.sh && ./run-bench.sh --quick)
+# With --candle, also the candle integration's tests and example (candle-tests,
+# example-candle_llama_attention), built with nvcc from
+# scripts/setup-candle-cuda.sh for CUDA_COMPUTE_CAP (default 90).
 set -euo pipefail
-dir=${1:?usage: scripts/gpu-bundle.sh DIR}
+dir=${1:?usage: scripts/gpu-bundle.sh DIR [--candle]}
+candle=${2:-}
 root=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
@@ -27,10 +31,20 @@ for line in sys.stdin:
   cargo test --release --no-run --message-format=json-render-diagnostics --test gpu --test cpu
   cargo bench --no-run --message-format=json-render-diagnostics --bench attention
   cargo build --release --message-format=json-render-diagnostics --examples
+  if [ "$candle" = --candle ]; then
+    (
+      eval "$(scripts/setup-candle-cuda.sh)"
+      export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP_GPU:-90}"
+      cargo test --release --no-run --features candle --message-format=json-render-diagnostics --test candle
+      cargo build --release --features candle --message-format=json-render-diagnostics \
+        --example candle_llama_attention
+    )
+  fi
 } | executables | while read -r name exe; do
   case "$name" in
     gpu) cp "$exe" "$dir/gpu-tests" ;;
     cpu) cp "$exe" "$dir/cpu-tests" ;;
+    candle) cp "$exe" "$dir/candle-tests" ;;
     attention) cp "$exe" "$dir/bench" ;;
     *) cp "$exe" "$dir/example-$name" ;;
   esac
