@@ -1,5 +1,8 @@
 //! Forward and decode on random data, checked against the f64 reference.
 //! `cargo run --release --example basic` (needs an NVIDIA GPU, sm_80+).
+//! Prints the time to load the kernels and of the first launch (inputs
+//! already on the device), which `CUDA_CACHE_DISABLE=1` shows without the
+//! driver's cache.
 use cudarc::driver::CudaContext;
 use flash_attn::validate::ForwardShape;
 use flash_attn::{reference, AttnOptions, FlashAttention, Layout, TensorMut, TensorRef};
@@ -12,7 +15,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let ctx = CudaContext::new(0)?;
     let stream = ctx.default_stream();
+    let load = std::time::Instant::now();
     let fa = FlashAttention::new(&ctx)?;
+    let load_ms = load.elapsed().as_secs_f64() * 1e3;
 
     let (b, s, h, hkv, d) = (2, 777, 8, 2, 128);
     let q_layout = Layout::contiguous([b, s, h, d]);
@@ -44,6 +49,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         softmax_scale: None,
         ..Default::default()
     };
+    stream.synchronize()?;
+    let first = std::time::Instant::now();
     fa.forward(
         &stream,
         &TensorRef::new(q_dev.as_view(), q_layout),
@@ -53,6 +60,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         None,
         &opts,
     )?;
+    stream.synchronize()?;
+    let first_ms = first.elapsed().as_secs_f64() * 1e3;
+    println!(
+        "FlashAttention::new {load_ms:.1} ms ({:?}), first forward launch to completion {first_ms:.1} ms",
+        fa.loaded_code()
+    );
     let o = stream.clone_dtoh(&o_dev)?;
 
     let f = |x: &[f16]| x.iter().map(|v| v.to_f64()).collect::<Vec<_>>();

@@ -64,10 +64,16 @@ pub enum WarpSplit {
 /// streamed through shared memory in blocks of `block_n` keys.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnTile {
+    /// Head dimension D: elements per row of Q, K, V and O.
     pub head_dim: usize,
+    /// Query rows per CTA (packed (token, head) rows in decode): `m_tiles` x
+    /// [`MMA_M`] per warp for [`WarpSplit::Rows`], shared by all warps for `Keys`.
     pub block_m: usize,
+    /// Keys per block streamed through the K/V ring.
     pub block_n: usize,
+    /// Warps per CTA.
     pub warps: usize,
+    /// How the warps divide the CTA's rows and each block's keys.
     pub split: WarpSplit,
     /// 16-row MMA tiles per warp. Two halve the `ldmatrix` traffic per MMA (each
     /// K/V fragment feeds both) at the cost of twice the accumulators.
@@ -278,6 +284,7 @@ impl AttnTile {
         self.m_tiles * MMA_M
     }
 
+    /// Threads per CTA: `warps` x [`WARP_SIZE`].
     pub const fn threads(self) -> usize {
         self.warps * WARP_SIZE
     }
@@ -289,9 +296,11 @@ impl AttnTile {
     pub const fn smem_row_bytes(self) -> usize {
         smem_row_chunks(self.head_dim) * CHUNK_BYTES
     }
+    /// Bytes of the Q tile: `block_m` padded rows.
     pub const fn q_smem_bytes(self) -> usize {
         self.block_m * self.smem_row_bytes()
     }
+    /// Bytes of one K or V tile: `block_n` padded rows.
     pub const fn kv_smem_bytes(self) -> usize {
         self.block_n * self.smem_row_bytes()
     }
@@ -321,9 +330,12 @@ impl AttnTile {
             0
         }
     }
+    /// Byte offset of stage 0's K tile, the ring's start; stage `s` lies
+    /// `s` x [`Self::stage_bytes`] further.
     pub const fn k_smem_offset(self) -> usize {
         self.ring_offset()
     }
+    /// Byte offset of stage 0's V tile, right after its K tile.
     pub const fn v_smem_offset(self) -> usize {
         self.k_smem_offset() + self.kv_smem_bytes()
     }
@@ -338,6 +350,8 @@ impl AttnTile {
     pub const fn merge_bytes(self) -> usize {
         self.warps * self.block_m * self.merge_row_bytes()
     }
+    /// Byte offset of the [`WarpSplit::Keys`] warps' row maxima and sums, right
+    /// after the merge tile.
     pub const fn merge_stats_offset(self) -> usize {
         self.ring_offset() + self.merge_bytes()
     }
@@ -383,11 +397,14 @@ pub const MERGE_THREADS: usize = 128;
 /// Element type of Q, K, V and O.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Dtype {
+    /// IEEE half precision.
     F16,
+    /// bfloat16.
     Bf16,
 }
 
 impl Dtype {
+    /// The dtype's word in entry names: `f16` or `bf16`.
     pub const fn name(self) -> &'static str {
         match self {
             Dtype::F16 => "f16",
@@ -450,12 +467,17 @@ pub enum SeqKind {
 /// The policies of one attention entry.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Policies {
+    /// Which keys a query row sees.
     pub mask: MaskKind,
+    /// What is done to the scores besides the scale.
     pub score: ScoreKind,
+    /// Where the sequences live: dense, or packed and/or paged.
     pub seq: SeqKind,
 }
 
 impl Policies {
+    /// Full mask, plain scores, dense sequences: the least a kernel must cover,
+    /// and the policies recorded for `Combine`, `Append` and `Merge` entries.
     pub const PLAIN: Policies = Policies {
         mask: MaskKind::Full,
         score: ScoreKind::Plain,
@@ -475,8 +497,11 @@ impl Policies {
 /// One compiled kernel entry point.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Entry {
+    /// PTX entry-point name, e.g. `flash_fwd_f16_hd128_causal_plain_dense`.
     pub name: &'static str,
+    /// Kernel family: which parameter struct and launch geometry it takes.
     pub kind: KernelKind,
+    /// Element type it reads and writes; `Append` moves bytes and is listed as `F16`.
     pub dtype: Dtype,
     /// 0 for `Append` and `Merge`, which take any head dim.
     pub head_dim: usize,

@@ -11,14 +11,20 @@ use crate::config::SWIZZLE_ROWS;
 /// negative bound is unbounded on that side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyWindow {
+    /// Query tokens of the sequence (Sq).
     pub seqlen_q: u32,
+    /// Keys of the sequence (Skv).
     pub seqlen_k: u32,
+    /// `Skv - Sq`: the key position of query 0 on the diagonal.
     pub diag: i32,
+    /// Keys visible left of the diagonal; negative = unbounded.
     pub left: i32,
+    /// Keys visible right of the diagonal; negative = unbounded.
     pub right: i32,
 }
 
 impl KeyWindow {
+    /// The window of `seqlen_q` queries over `seqlen_k` keys, `diag` derived from them.
     #[inline(always)]
     pub fn new(seqlen_q: u32, seqlen_k: u32, left: i32, right: i32) -> KeyWindow {
         KeyWindow {
@@ -114,6 +120,7 @@ pub fn clamp_range(start: i32, end: i32, total: u32) -> (u32, u32) {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct FastDiv {
+    /// The divisor d (in the kernels: the page size in tokens).
     pub divisor: u32,
     /// ceil(2^(31 + ceil(log2 d)) / d); 0 for d <= 1 (the quotient is n).
     pub mul: u32,
@@ -125,6 +132,7 @@ impl FastDiv {
     /// Dividends must stay below this bound.
     pub const DIVIDEND_LIMIT: u32 = 1 << 31;
 
+    /// Precomputes `mul` and `shift` for `divisor`; the host does it once per launch.
     pub const fn new(divisor: u32) -> FastDiv {
         if divisor <= 1 {
             return FastDiv {

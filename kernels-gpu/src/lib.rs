@@ -6,6 +6,7 @@
 //! Everything under `arch` and `kernels` exists only on `nvptx64`.
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
+#![warn(missing_docs)]
 
 pub mod config;
 pub mod index;

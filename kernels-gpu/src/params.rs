@@ -6,8 +6,11 @@ use crate::index::FastDiv;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BshStrides {
+    /// Elements from one batch entry to the next (page to page in a paged cache).
     pub batch: i64,
+    /// Elements from one token to the next along the sequence axis.
     pub row: i64,
+    /// Elements from one head to the next.
     pub head: i64,
 }
 
@@ -25,6 +28,7 @@ pub struct AttnParams {
     pub q: u64,
     /// K [B, Skv, Hkv, D] (forward) or the K cache [B, Lmax, Hkv, D] (decode)
     pub k: u64,
+    /// V, shaped like `k`.
     pub v: u64,
     /// O [B, Sq, H, D]
     pub o: u64,
@@ -36,17 +40,29 @@ pub struct AttnParams {
     pub lse_accum: u64,
     /// Optional i32 `[B]` key counts on the device (decode); 0 means `seqlen_k` for all.
     pub cache_seqlens: u64,
+    /// Element strides of `q`; the batch stride is unused for packed sequences.
     pub q_strides: BshStrides,
+    /// Element strides of `k` (with a `block_table`, `batch` steps between pages).
     pub k_strides: BshStrides,
+    /// Element strides of `v`, as `k_strides`.
     pub v_strides: BshStrides,
+    /// Element strides of `o`; the batch stride is unused for packed sequences.
     pub o_strides: BshStrides,
+    /// Sequences B: grid.z is `batch * num_splits`.
     pub batch: u32,
+    /// Query heads H.
     pub heads: u32,
+    /// K/V heads Hkv; query head `h` reads KV head `h / (heads / kv_heads)`.
     pub kv_heads: u32,
+    /// Query tokens per sequence; with `cu_seqlens_q`, the longest one
+    /// (max_seqlen_q), which only sizes the grid.
     pub seqlen_q: u32,
     /// Keys per sequence when `cache_seqlens` is 0; otherwise the cache capacity.
     pub seqlen_k: u32,
+    /// Query heads packed into a CTA's rows: `heads / kv_heads` (decode), 1 (forward).
     pub pack: u32,
+    /// Key splits per sequence (decode): above 1, each split writes its partials to
+    /// `o_accum`/`lse_accum` for the combine kernel. 1 for the forward kernel.
     pub num_splits: u32,
     /// Decode: K/V ring stages this launch uses, at most the tile's (whose
     /// shared memory the launch sizes); 0 or out of range = the tile's.
@@ -62,12 +78,17 @@ pub struct AttnParams {
     /// contiguous cache. K/V are then [num_pages, page_size, Hkv, D] and the
     /// `batch` strides of `k_strides`/`v_strides` step from page to page.
     pub block_table: u64,
+    /// Pages per sequence: the row length of `block_table`.
     pub max_pages: u32,
+    /// Tokens per page: a key position divides into (page, row in page).
+    /// Unused without a `block_table`.
     pub page_size: FastDiv,
+    /// Pages in the K/V pool; `block_table` entries are clamped to `[0, num_pages)`.
     pub num_pages: u32,
     /// Sliding window of the `Local` mask, in keys left and right of the
     /// bottom-right-aligned diagonal; negative = unbounded on that side.
     pub window_left: i32,
+    /// Keys right of the diagonal (see `window_left`); negative = unbounded.
     pub window_right: i32,
     /// Softcap: S <- tanh(S * softcap_pre) with pre = scale / c, so that S
     /// times the logit factor c (in `scale_log2`) is c * tanh(scale * q·k /
@@ -76,6 +97,8 @@ pub struct AttnParams {
     /// f32 ALiBi slopes: slope (b, h) at `alibi + (b * alibi_batch_stride + h) * 4`
     /// (`[heads]`: stride 0; `[batch, heads]`: stride heads). 0 = off.
     pub alibi: u64,
+    /// Slopes from one batch entry of `alibi` to the next: 0 for `[heads]`,
+    /// heads for `[batch, heads]`.
     pub alibi_batch_stride: u32,
     /// 1 / the logit factor of `scale_log2` (softmax_scale, or c): the
     /// ALiBi bias enters S in S's own units.
@@ -89,10 +112,14 @@ pub struct AttnParams {
     /// holds i32 `[B]` key counts, clamped to `total_k` = the capacity per
     /// sequence (chunked prefill).
     pub cu_seqlens_q: u64,
+    /// Varlen: i32 [B + 1] starts of each sequence in the packed K/V rows, or with a
+    /// `block_table` i32 `[B]` key counts (see `cu_seqlens_q`); 0 = dense.
     pub cu_seqlens_k: u64,
     /// Packed rows of Q and of K/V: the bounds the kernel clamps every
     /// `cu_seqlens` entry to.
     pub total_q: u32,
+    /// Packed K/V rows, or with a `block_table` the capacity per sequence
+    /// (max_pages x page_size); see `total_q`.
     pub total_k: u32,
 }
 
@@ -103,26 +130,43 @@ pub struct AttnParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct AppendParams {
+    /// K_new [B, Snew, Hkv, D]: the tokens to append.
     pub k_new: u64,
+    /// V_new [B, Snew, Hkv, D], shaped like `k_new`.
     pub v_new: u64,
+    /// K cache [B, capacity, Hkv, D], or with a `block_table` the page pool
+    /// [num_pages, page_size, Hkv, D]; written in place.
     pub k_cache: u64,
+    /// V cache, shaped like `k_cache`; written in place.
     pub v_cache: u64,
+    /// i32 `[B]` tokens already cached per sequence: sequence `b`'s new tokens go
+    /// to positions `cache_seqlens[b]..` (negative entries read as 0).
     pub cache_seqlens: u64,
     /// As in [`AttnParams::block_table`]; 0 for a contiguous cache.
     pub block_table: u64,
+    /// Element strides of `k_new`.
     pub k_new_strides: BshStrides,
+    /// Element strides of `v_new`.
     pub v_new_strides: BshStrides,
+    /// Element strides of `k_cache` (with a `block_table`, `batch` steps between pages).
     pub k_cache_strides: BshStrides,
+    /// Element strides of `v_cache`, as `k_cache_strides`.
     pub v_cache_strides: BshStrides,
+    /// Sequences B.
     pub batch: u32,
+    /// New tokens per sequence (Snew).
     pub seqlen_new: u32,
+    /// K/V heads Hkv.
     pub kv_heads: u32,
     /// 16-byte chunks per row (head_dim / 8).
     pub row_chunks: u32,
     /// Tokens the cache can hold per sequence.
     pub capacity: u32,
+    /// Pages per sequence: the row length of `block_table`.
     pub max_pages: u32,
+    /// Tokens per page; unused without a `block_table`.
     pub page_size: FastDiv,
+    /// Pages in the pool; `block_table` entries are clamped to `[0, num_pages)`.
     pub num_pages: u32,
 }
 
@@ -131,14 +175,23 @@ pub struct AppendParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CombineParams {
+    /// f32 partial outputs [num_splits, B, H, Sq, D] the decode kernel wrote.
     pub o_accum: u64,
+    /// f32 partial LSEs [num_splits, B, H, Sq] (natural log) the decode kernel wrote.
     pub lse_accum: u64,
+    /// O [B, Sq, H, D]: the merged output.
     pub o: u64,
+    /// Optional f32 LSE [B, H, Sq] (natural log) of the merged rows; 0 when not requested.
     pub lse: u64,
+    /// Element strides of `o`.
     pub o_strides: BshStrides,
+    /// Sequences B.
     pub batch: u32,
+    /// Query heads H.
     pub heads: u32,
+    /// Query tokens per sequence (Sq).
     pub seqlen_q: u32,
+    /// Partials per row to merge: the decode launch's `num_splits`.
     pub num_splits: u32,
     /// As in [`AttnParams::sinks`]: added once here, not in the partials.
     pub sinks: u64,
@@ -152,18 +205,29 @@ pub struct CombineParams {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct MergeParams {
+    /// O_a [B, S, H, D].
     pub o_a: u64,
+    /// f32 LSE_a [B, H, S] (natural log; -inf: the state saw no key).
     pub lse_a: u64,
+    /// O_b [B, S, H, D].
     pub o_b: u64,
+    /// f32 LSE_b [B, H, S], as `lse_a`.
     pub lse_b: u64,
+    /// Merged O [B, S, H, D]; may be `o_a` or `o_b`.
     pub o: u64,
     /// 0: the merged LSE is not written.
     pub lse: u64,
+    /// Element strides of `o_a`.
     pub o_a_strides: BshStrides,
+    /// Element strides of `o_b`.
     pub o_b_strides: BshStrides,
+    /// Element strides of `o`.
     pub o_strides: BshStrides,
+    /// Sequences B.
     pub batch: u32,
+    /// Tokens per sequence (S).
     pub seqlen: u32,
+    /// Heads H.
     pub heads: u32,
     /// 16-byte chunks per row (head_dim / 8).
     pub row_chunks: u32,
