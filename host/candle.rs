@@ -456,39 +456,47 @@ fn take_lse(
     )))
 }
 
-impl CustomOp3 for Attn {
-    fn name(&self) -> &'static str {
-        "flash-attn"
-    }
+/// A candle op over (q, k, v) whose `run::<T>` does the work: CPU tensors
+/// and dtypes without kernels are candle errors.
+macro_rules! qkv_op {
+    ($op:ty, $name:literal) => {
+        impl CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
 
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &CandleLayout,
-        _: &CpuStorage,
-        _: &CandleLayout,
-        _: &CpuStorage,
-        _: &CandleLayout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("flash-attn runs on CUDA tensors only (got CPU tensors)")
-    }
+            fn cpu_fwd(
+                &self,
+                _: &CpuStorage,
+                _: &CandleLayout,
+                _: &CpuStorage,
+                _: &CandleLayout,
+                _: &CpuStorage,
+                _: &CandleLayout,
+            ) -> Result<(CpuStorage, Shape)> {
+                bail!("flash-attn runs on CUDA tensors only (got CPU tensors)")
+            }
 
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        q_l: &CandleLayout,
-        k: &CudaStorage,
-        k_l: &CandleLayout,
-        v: &CudaStorage,
-        v_l: &CandleLayout,
-    ) -> Result<(CudaStorage, Shape)> {
-        match q.dtype() {
-            DType::F16 => self.run::<f16>(q, q_l, k, k_l, v, v_l),
-            DType::BF16 => self.run::<bf16>(q, q_l, k, k_l, v, v_l),
-            dt => bail!("flash-attn supports f16 and bf16 tensors, got {dt:?}"),
+            fn cuda_fwd(
+                &self,
+                q: &CudaStorage,
+                q_l: &CandleLayout,
+                k: &CudaStorage,
+                k_l: &CandleLayout,
+                v: &CudaStorage,
+                v_l: &CandleLayout,
+            ) -> Result<(CudaStorage, Shape)> {
+                match q.dtype() {
+                    DType::F16 => self.run::<f16>(q, q_l, k, k_l, v, v_l),
+                    DType::BF16 => self.run::<bf16>(q, q_l, k, k_l, v, v_l),
+                    dt => bail!("flash-attn supports f16 and bf16 tensors, got {dt:?}"),
+                }
+            }
         }
-    }
+    };
 }
+
+qkv_op!(Attn, "flash-attn");
 
 /// Flash attention: `softmax(q·kᵀ · softmax_scale) · v`, as candle-flash-attn's.
 ///
@@ -997,39 +1005,7 @@ impl KvDecode {
     }
 }
 
-impl CustomOp3 for KvDecode {
-    fn name(&self) -> &'static str {
-        "flash-attn-kvcache"
-    }
-
-    fn cpu_fwd(
-        &self,
-        _: &CpuStorage,
-        _: &CandleLayout,
-        _: &CpuStorage,
-        _: &CandleLayout,
-        _: &CpuStorage,
-        _: &CandleLayout,
-    ) -> Result<(CpuStorage, Shape)> {
-        bail!("flash-attn runs on CUDA tensors only (got CPU tensors)")
-    }
-
-    fn cuda_fwd(
-        &self,
-        q: &CudaStorage,
-        q_l: &CandleLayout,
-        k: &CudaStorage,
-        k_l: &CandleLayout,
-        v: &CudaStorage,
-        v_l: &CandleLayout,
-    ) -> Result<(CudaStorage, Shape)> {
-        match q.dtype() {
-            DType::F16 => self.run::<f16>(q, q_l, k, k_l, v, v_l),
-            DType::BF16 => self.run::<bf16>(q, q_l, k, k_l, v, v_l),
-            dt => bail!("flash-attn supports f16 and bf16 tensors, got {dt:?}"),
-        }
-    }
-}
+qkv_op!(KvDecode, "flash-attn-kvcache");
 
 /// Decode (or a short chunk) against a KV cache, as FlashAttention's
 /// `flash_attn_with_kvcache`; returns O (`q`'s shape) and the f32 LSE
