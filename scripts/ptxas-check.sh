@@ -3,7 +3,8 @@
 # `ptxas -v -arch=sm_XY` and prints registers, stack frame and spills per entry.
 # Fails if an attention kernel (flash_fwd_*, flash_decode_*, flash_combine_*)
 # has a stack frame or spills, or if the PTX uses local memory at all.
-# ptxas: see scripts/ptxas.sh.
+# ptxas: see scripts/ptxas.sh. An optional argument names another folder of
+# flash_attn_smXY.ptx files (scripts/playground.sh reports HEAD's PTX so).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,14 +16,15 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 shopt -s nullglob
-ptx_files=(kernels-gpu/ptx/flash_attn_sm*.ptx)
+ptx_dir=${1:-kernels-gpu/ptx}
+ptx_files=("$ptx_dir"/flash_attn_sm*.ptx)
 if ((${#ptx_files[@]} == 0)); then
-    echo "ptxas-check: no PTX in kernels-gpu/ptx (run scripts/update-ptx.sh)" >&2
+    echo "ptxas-check: no PTX in $ptx_dir (run scripts/update-ptx.sh)" >&2
     exit 1
 fi
 
 fail=0
-printf '%-6s %-32s %5s %6s %12s %11s\n' arch entry regs stack spill_stores spill_loads
+printf '%-6s %-32s %5s %6s %12s %11s %8s\n' arch entry regs stack spill_stores spill_loads barriers
 for ptx in "${ptx_files[@]}"; do
     name=$(basename "$ptx" .ptx)           # flash_attn_sm80
     sm="${name#flash_attn_sm}"             # 80
@@ -47,7 +49,7 @@ for ptx in "${ptx_files[@]}"; do
     awk -v arch="$arch" '
         function flush() {
             if (entry == "") return
-            printf "%-6s %-32s %5s %6s %12s %11s\n", arch, entry, regs, stack, st, ld
+            printf "%-6s %-32s %5s %6s %12s %11s %8s\n", arch, entry, regs, stack, st, ld, bars
             # "?" (output not understood) counts as a failure too.
             if (entry ~ /^flash_(fwd|decode|combine)_/ && (stack != "0" || st != "0" || ld != "0"))
                 bad = bad " " entry
@@ -56,7 +58,7 @@ for ptx in "${ptx_files[@]}"; do
         /Compiling entry function/ {
             flush()
             entry = $0; sub(/.*entry function \047/, "", entry); sub(/\047.*/, "", entry)
-            regs = "?"; stack = "?"; st = "?"; ld = "?"
+            regs = "?"; stack = "?"; st = "?"; ld = "?"; bars = "?"
         }
         /bytes stack frame/ && entry != "" {
             for (i = 1; i <= NF; i++) {
@@ -66,7 +68,10 @@ for ptx in "${ptx_files[@]}"; do
             }
         }
         /Used [0-9]+ registers/ && entry != "" {
-            for (i = 1; i <= NF; i++) if ($i == "Used") regs = $(i + 1)
+            for (i = 1; i <= NF; i++) {
+                if ($i == "Used") regs = $(i + 1)
+                if ($(i + 1) ~ /^barriers/) bars = $i
+            }
         }
         END {
             flush()
