@@ -352,8 +352,13 @@ impl Attn {
         let opts = views.options(&self.policy)?;
         let shape = q_l.shape().clone();
         let o_layout = Layout::contiguous(q_layout.shape);
-        // Varlen leaves rows outside every sequence unwritten: start from 0.
-        let mut o = dev.alloc_zeros::<T>(shape.elem_count())?;
+        let mut o = match self.seqs {
+            // SAFETY: the dense kernel writes every element of O (rows that
+            // see no key get 0); a refused call drops the buffer unread.
+            Seqs::Dense => unsafe { dev.alloc::<T>(shape.elem_count())? },
+            // Varlen leaves rows outside every sequence unwritten: start from 0.
+            _ => dev.alloc_zeros::<T>(shape.elem_count())?,
+        };
         let [b, s, h, _] = q_layout.shape;
         let mut lse = match &self.lse {
             Some(_) => Some(dev.alloc_zeros::<f32>(b * s * h)?),
