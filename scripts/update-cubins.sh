@@ -77,17 +77,22 @@ for pid in "${pids[@]}"; do
     wait "$pid"
 done
 
-sha() { sha256sum "$1" | cut -d' ' -f1; }
-{
-    echo "# Written by scripts/update-cubins.sh with ptxas $version; build.rs embeds"
-    echo "# a cubin only if the PTX it names still has the recorded hash."
-    echo "# cubin sha256 ptx ptx-sha256"
-    for cubin in $(printf '%s\n' "${!jobs[@]}" | sort); do
-        read -r _ module _ <<<"${jobs[$cubin]}"
-        ptx="flash_attn_$module.ptx"
-        echo "$cubin $(sha "$tmp/$cubin") $ptx $(sha "$ptx_dir/$ptx")"
-    done
-} >"$tmp/manifest.txt"
+# build.rs (flash_attn_kernels::artifacts::matching_cubins) embeds a cubin
+# only if the PTX it names still has the recorded hash.
+for cubin in "${!jobs[@]}"; do
+    read -r _ module _ <<<"${jobs[$cubin]}"
+    echo "$cubin flash_attn_$module.ptx"
+done | python3 -c '
+import hashlib, json, sys
+tmp, ptx_dir, version = sys.argv[1:]
+sha = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()
+cubins = {}
+for line in sys.stdin:
+    cubin, ptx = line.split()
+    cubins[cubin] = {"sha256": sha(f"{tmp}/{cubin}"), "ptx": ptx, "ptx_sha256": sha(f"{ptx_dir}/{ptx}")}
+manifest = {"about": "cubins assembled from ../ptx by scripts/update-cubins.sh", "ptxas": version, "cubins": cubins}
+open(f"{tmp}/manifest.json", "w").write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+' "$tmp" "$ptx_dir" "$version"
 
 if ((check)); then
     status=0

@@ -26,7 +26,7 @@ ptx_dir=kernels-gpu/ptx
 declare -A files=(
     [flash_attn_sm80.ptx]=flash_attn_sm80.ptx
     [flash_attn_sm90.ptx]=flash_attn_sm90.ptx
-    [ptx-manifest.toml]=manifest.toml
+    [ptx-manifest.json]=manifest.json
 )
 
 tmp=$(mktemp -d)
@@ -85,7 +85,7 @@ for src in "${!files[@]}"; do
 done
 if ((stale)); then
     echo "--- manifest: committed vs rebuilt ---" >&2
-    diff -u "$ptx_dir/manifest.toml" "$out_dir/ptx-manifest.toml" >&2 || true
+    diff -u "$ptx_dir/manifest.json" "$out_dir/ptx-manifest.json" >&2 || true
     cat >&2 <<MSG
 update-ptx: FAILED: the committed PTX in $ptx_dir does not match a build from
 source. Run scripts/update-ptx.sh and commit $ptx_dir. (If only the rustc line of

@@ -143,7 +143,7 @@ impl FastDiv {
         }
         let log2 = 32 - (divisor - 1).leading_zeros();
         let p = 31 + log2;
-        let mul = ((1u64 << p) + divisor as u64 - 1) / divisor as u64;
+        let mul = (1u64 << p).div_ceil(divisor as u64);
         FastDiv {
             divisor,
             mul: mul as u32,
@@ -153,7 +153,7 @@ impl FastDiv {
 
     /// `n / divisor` for `n` < [`Self::DIVIDEND_LIMIT`].
     #[inline(always)]
-    pub fn div(self, n: u32) -> u32 {
+    pub fn quotient(self, n: u32) -> u32 {
         let q = ((n as u64 * self.mul as u64) >> 32) as u32 >> self.shift;
         if self.mul == 0 {
             n
@@ -165,7 +165,7 @@ impl FastDiv {
     /// (`n / divisor`, `n % divisor`) for `n` < [`Self::DIVIDEND_LIMIT`].
     #[inline(always)]
     pub fn divmod(self, n: u32) -> (u32, u32) {
-        let q = self.div(n);
+        let q = self.quotient(n);
         (q, n - q * self.divisor)
     }
 }

@@ -3,7 +3,8 @@
 //! `config` and `params` are plain Rust that compiles for every target: the host
 //! crate uses the very same tile sizes, thread counts, shared-memory sizes and
 //! launch-parameter layouts as the kernels, so launch geometry cannot drift.
-//! Everything under `arch` and `kernels` exists only on `nvptx64`.
+//! Everything under `arch` and `kernels` exists only on `nvptx64`; `artifacts`
+//! (feature `build`) only on the host, for flash-attn's build script.
 #![no_std]
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 #![warn(missing_docs)]
@@ -11,6 +12,9 @@
 pub mod config;
 pub mod index;
 pub mod params;
+
+#[cfg(all(feature = "build", not(target_arch = "nvptx64")))]
+pub mod artifacts;
 
 #[cfg(target_arch = "nvptx64")]
 mod arch;

@@ -1,0 +1,570 @@
+//! The kernels' build artifacts, on the host (feature `build`): where this
+//! package keeps its committed PTX and cubins and how they are checked, how
+//! the PTX is built from these sources, and the toolchain that builds it.
+//! flash-attn's build.rs is the caller; nothing here runs on a GPU.
+//!
+//! Files of this package:
+//! - `ptx/flash_attn_sm80.ptx`, `ptx/flash_attn_sm90.ptx` and
+//!   `ptx/manifest.json` ([`PtxManifest`]): written by
+//!   `scripts/update-ptx.sh` from a source build; CI rebuilds and compares.
+//! - `cubin/*.cubin` and `cubin/manifest.json`: assembled from that PTX by
+//!   `scripts/update-cubins.sh` with pinned ptxas versions.
+
+extern crate std;
+
+use std::collections::BTreeMap;
+use std::env;
+use std::ffi::OsString;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::string::{String, ToString};
+use std::vec::Vec;
+use std::{format, println, vec};
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::config::{Entry, PtxArch, ENTRIES};
+
+/// This package's directory: `kernels-gpu/` of a checkout, or the unpacked
+/// crate in cargo's registry cache. Both hold the sources and the artifacts.
+pub const PACKAGE_DIR: &str = env!("CARGO_MANIFEST_DIR");
+/// Committed PTX, relative to [`PACKAGE_DIR`].
+pub const PTX_DIR: &str = "ptx";
+/// Committed cubins, relative to [`PACKAGE_DIR`].
+pub const CUBIN_DIR: &str = "cubin";
+/// The manifest file name in [`PTX_DIR`] and in [`CUBIN_DIR`].
+pub const MANIFEST: &str = "manifest.json";
+/// Names the rustc that builds the kernels, overriding the search.
+pub const KERNEL_RUSTC_VAR: &str = "FLASH_ATTN_KERNEL_RUSTC";
+/// This module builds and checks the PTX but is not part of it; it is left
+/// out of [`source_hash`] so that editing it does not mark the committed PTX
+/// stale. A change here that changes the PTX bytes is caught where every
+/// such change is: CI's rebuild-and-compare (`scripts/update-ptx.sh --check`).
+const THIS_FILE: &str = "src/artifacts.rs";
+const PTX_TARGET: &str = "nvptx64-nvidia-cuda";
+/// Where Debian's `rust-web-src` (with `rustc-web`) puts the library source.
+const DEBIAN_RUSTC: &str = "/usr/bin/rustc";
+const DEBIAN_RUST_SRC: &str = "/usr/lib/rustlib/src/rust/library";
+/// LLVM's default is 225. Every closure of the unrolled fragment loops must be
+/// inlined: one left as a call takes the address of the warp's accumulator
+/// arrays, which then live in local memory; the default leaves some calls in
+/// the largest kernels, depending on what else the module holds.
+const INLINE_THRESHOLD: u32 = 10_000;
+
+/// `flash_attn_sm80.ptx` for `Sm80`: the name in [`PTX_DIR`], in `OUT_DIR`
+/// and in the host's `include_str!`.
+pub fn ptx_file_name(arch: PtxArch) -> String {
+    format!("flash_attn_{}.ptx", arch.target_cpu().replace('_', ""))
+}
+
+/// The cubins the host embeds: (file name, the PTX module it is assembled from).
+pub const CUBINS: [(&str, PtxArch); 5] = [
+    ("flash_attn_sm80.cubin", PtxArch::Sm80),
+    ("flash_attn_sm86.cubin", PtxArch::Sm80),
+    ("flash_attn_sm89.cubin", PtxArch::Sm80),
+    ("flash_attn_sm90.cubin", PtxArch::Sm90),
+    ("flash_attn_sm90.cu13.cubin", PtxArch::Sm90),
+];
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, String> {
+    fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))
+}
+
+// ---------------------------------------------------------------------------
+// Source hash and manifests
+// ---------------------------------------------------------------------------
+
+/// sha256 over the device sources, `src/**` of this package except this
+/// module: each file contributes its `/`-separated path relative to the
+/// package, a NUL, its contents and a NUL, in path order. `Cargo.toml` is not
+/// hashed because `cargo package` rewrites it (the hash must be the same in a
+/// checkout and in the published crate); the build recipe (flags, profile)
+/// lives in this module, outside the hash, for the reason given at `THIS_FILE`.
+pub fn source_hash(package_dir: &Path) -> Result<String, String> {
+    let mut files = Vec::new();
+    collect_files(package_dir, Path::new("src"), &mut files)?;
+    files.retain(|f| f != THIS_FILE);
+    files.sort();
+    let mut hasher = Sha256::new();
+    for rel in &files {
+        hasher.update(rel.as_bytes());
+        hasher.update([0]);
+        hasher.update(read(&package_dir.join(rel))?);
+        hasher.update([0]);
+    }
+    Ok(hasher
+        .finalize()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect())
+}
+
+fn collect_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<(), String> {
+    let entries = fs::read_dir(root.join(dir))
+        .map_err(|e| format!("reading {}: {e}", root.join(dir).display()))?;
+    for entry in entries {
+        let entry = entry.map_err(|e| format!("reading {}: {e}", dir.display()))?;
+        let rel = dir.join(entry.file_name());
+        let is_dir = entry
+            .file_type()
+            .map_err(|e| format!("{}: {e}", rel.display()))?
+            .is_dir();
+        if is_dir {
+            collect_files(root, &rel, out)?;
+        } else {
+            let rel = rel
+                .to_str()
+                .ok_or_else(|| format!("non-UTF-8 path {}", rel.display()))?;
+            out.push(rel.replace('\\', "/"));
+        }
+    }
+    Ok(())
+}
+
+/// `ptx/manifest.json`: what the PTX was built from and the hash of each file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PtxManifest {
+    /// [`source_hash`] of the sources the PTX was built from.
+    pub source_hash: String,
+    /// `rustc -V` of the kernel toolchain that built it.
+    pub rustc: String,
+    /// PTX file name -> sha256 of its contents.
+    pub ptx_sha256: BTreeMap<String, String>,
+}
+
+impl PtxManifest {
+    /// Pretty JSON with sorted keys and a trailing newline (byte-stable, so
+    /// CI compares the committed manifest with a rebuilt one by bytes).
+    pub fn to_json(&self) -> String {
+        let value = json!({
+            "about": "PTX of flash-attn-kernels built from src/** (source_hash); \
+                      refresh with scripts/update-ptx.sh",
+            "source_hash": self.source_hash,
+            "rustc": self.rustc,
+            "ptx_sha256": self.ptx_sha256,
+        });
+        serde_json::to_string_pretty(&value).expect("a JSON value serialises") + "\n"
+    }
+
+    /// Reads what [`PtxManifest::to_json`] writes.
+    pub fn from_json(text: &str) -> Result<PtxManifest, String> {
+        let value: Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+        let field = |key: &str| {
+            value[key]
+                .as_str()
+                .map(str::to_string)
+                .ok_or_else(|| format!("no string `{key}`"))
+        };
+        let ptx_sha256 = value["ptx_sha256"]
+            .as_object()
+            .ok_or("no object `ptx_sha256`")?
+            .iter()
+            .map(|(name, hash)| {
+                let hash = hash
+                    .as_str()
+                    .ok_or(format!("`ptx_sha256.{name}` is not a string"))?;
+                Ok((name.clone(), hash.to_string()))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(PtxManifest {
+            source_hash: field("source_hash")?,
+            rustc: field("rustc")?,
+            ptx_sha256,
+        })
+    }
+}
+
+/// The PTX of every [`PtxArch::ALL`] module, in that order, with its manifest.
+#[derive(Clone, Debug)]
+pub struct PtxSet {
+    /// What it was built from and the files' hashes.
+    pub manifest: PtxManifest,
+    /// (module, PTX text).
+    pub modules: Vec<(PtxArch, String)>,
+}
+
+/// Why the committed PTX cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CommittedError {
+    /// Built from other sources than the ones in this package: a kernel edit
+    /// without `scripts/update-ptx.sh`. A kernel toolchain can rebuild it.
+    Stale {
+        /// The manifest's `source_hash`.
+        recorded: String,
+        /// [`source_hash`] of the sources now.
+        actual: String,
+    },
+    /// Missing, unreadable, or not what the manifest records.
+    Broken(String),
+}
+
+impl core::fmt::Display for CommittedError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            CommittedError::Stale { recorded, actual } => write!(
+                f,
+                "the committed PTX of flash-attn-kernels ({PTX_DIR}/) is stale: it was built from kernel sources \
+                 with hash {recorded}, but src/** now hashes to {actual}"
+            ),
+            CommittedError::Broken(why) => write!(f, "the committed PTX is unusable: {why}"),
+        }
+    }
+}
+
+/// The committed PTX of the package at `package_dir`, after checking that it
+/// was built from the package's current sources and is what the manifest
+/// records, byte for byte.
+pub fn committed_ptx(package_dir: &Path) -> Result<PtxSet, CommittedError> {
+    let dir = package_dir.join(PTX_DIR);
+    let broken = CommittedError::Broken;
+    let text = String::from_utf8(read(&dir.join(MANIFEST)).map_err(broken)?)
+        .map_err(|e| broken(format!("{PTX_DIR}/{MANIFEST}: {e}")))?;
+    let manifest = PtxManifest::from_json(&text)
+        .map_err(|e| broken(format!("{PTX_DIR}/{MANIFEST} is corrupt: {e}")))?;
+    let actual = source_hash(package_dir).map_err(broken)?;
+    if manifest.source_hash != actual {
+        return Err(CommittedError::Stale {
+            recorded: manifest.source_hash,
+            actual,
+        });
+    }
+    let mut modules = Vec::new();
+    for arch in PtxArch::ALL {
+        let name = ptx_file_name(arch);
+        let bytes = read(&dir.join(&name)).map_err(broken)?;
+        let recorded = manifest
+            .ptx_sha256
+            .get(&name)
+            .map_or("none", String::as_str);
+        let hash = sha256_hex(&bytes);
+        if recorded != hash {
+            return Err(broken(format!(
+                "{PTX_DIR}/{name} has sha256 {hash}, but {MANIFEST} records {recorded}"
+            )));
+        }
+        let text = String::from_utf8(bytes).map_err(|e| broken(format!("{name}: {e}")))?;
+        modules.push((arch, text));
+    }
+    Ok(PtxSet { manifest, modules })
+}
+
+/// Each of [`CUBINS`] with its bytes if the committed cubin is intact and was
+/// assembled from the PTX in `ptx` (by the hashes in `cubin/manifest.json`),
+/// else `None`: a kernel edit never runs stale machine code.
+pub fn matching_cubins(package_dir: &Path, ptx: &PtxSet) -> Vec<(&'static str, Option<Vec<u8>>)> {
+    let dir = package_dir.join(CUBIN_DIR);
+    let manifest: Value = fs::read(dir.join(MANIFEST))
+        .ok()
+        .and_then(|t| serde_json::from_slice(&t).ok())
+        .unwrap_or(Value::Null);
+    CUBINS
+        .iter()
+        .map(|&(name, arch)| {
+            let entry = &manifest["cubins"][name];
+            let ptx_text = ptx.modules.iter().find(|(a, _)| *a == arch).map(|(_, t)| t);
+            let ptx_matches = ptx_text.is_some_and(|t| {
+                entry["ptx"].as_str() == Some(&*ptx_file_name(arch))
+                    && entry["ptx_sha256"].as_str() == Some(&*sha256_hex(t.as_bytes()))
+            });
+            let bytes = fs::read(dir.join(name))
+                .ok()
+                .filter(|b| ptx_matches && entry["sha256"].as_str() == Some(&*sha256_hex(b)));
+            (name, bytes)
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------
+// Kernel toolchain and the source build
+// ---------------------------------------------------------------------------
+
+/// The rustc to build the kernels with: `$FLASH_ATTN_KERNEL_RUSTC` (an error
+/// if it has no `rust-src`), else Debian's `rustc-web` with `rust-web-src`
+/// (what `scripts/setup-kernel-toolchain.sh` installs), else `$RUSTC` or
+/// `rustc` if its sysroot has `rust-src`; `Ok(None)` when there is none.
+pub fn find_kernel_rustc() -> Result<Option<PathBuf>, String> {
+    // An explicit choice that does not work is an error, not a silent fallback.
+    if let Some(rustc) = env::var_os(KERNEL_RUSTC_VAR).filter(|v| !v.is_empty()) {
+        let rustc = PathBuf::from(rustc);
+        return if has_rust_src(&rustc) {
+            Ok(Some(rustc))
+        } else {
+            Err(format!(
+                "{KERNEL_RUSTC_VAR}={}: its sysroot has no lib/rustlib/src/rust/library \
+                 (rust-src), which -Zbuild-std=core needs",
+                rustc.display()
+            ))
+        };
+    }
+    if Path::new(DEBIAN_RUST_SRC).is_dir() && Path::new(DEBIAN_RUSTC).is_file() {
+        return Ok(Some(PathBuf::from(DEBIAN_RUSTC)));
+    }
+    let rustc = PathBuf::from(env::var_os("RUSTC").unwrap_or_else(|| "rustc".into()));
+    Ok(has_rust_src(&rustc).then_some(rustc))
+}
+
+fn has_rust_src(rustc: &Path) -> bool {
+    let Ok(out) = Command::new(rustc).args(["--print", "sysroot"]).output() else {
+        return false;
+    };
+    let sysroot = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    out.status.success()
+        && Path::new(&sysroot)
+            .join("lib/rustlib/src/rust/library")
+            .is_dir()
+}
+
+fn rustc_version(rustc: &Path) -> Result<String, String> {
+    let out = Command::new(rustc)
+        .arg("-V")
+        .output()
+        .map_err(|e| format!("running {} -V: {e}", rustc.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} -V failed", rustc.display()));
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
+}
+
+/// Builds the PTX of every module from the sources in `package_dir` with
+/// `rustc`, each in its own target dir under `target_root` (the modules build
+/// in parallel: each is mostly one single-threaded compilation of `core` and
+/// of the fat-LTO kernel crate). On failure: the first module's nested cargo
+/// output and command line (the modules usually fail alike).
+pub fn build_ptx(package_dir: &Path, rustc: &Path, target_root: &Path) -> Result<PtxSet, String> {
+    let results: Vec<Result<String, String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = PtxArch::ALL
+            .iter()
+            .map(|&arch| {
+                let target_dir = target_root.join(arch.target_cpu());
+                s.spawn(move || build_module(package_dir, rustc, arch, &target_dir))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|e| std::panic::resume_unwind(e)))
+            .collect()
+    });
+    let mut modules = Vec::new();
+    for (arch, result) in PtxArch::ALL.into_iter().zip(results) {
+        modules.push((
+            arch,
+            result.map_err(|e| format!("{}: {e}", arch.target_cpu()))?,
+        ));
+    }
+    let manifest = PtxManifest {
+        source_hash: source_hash(package_dir)?,
+        rustc: rustc_version(rustc)?,
+        ptx_sha256: modules
+            .iter()
+            .map(|(arch, text)| (ptx_file_name(*arch), sha256_hex(text.as_bytes())))
+            .collect(),
+    };
+    Ok(PtxSet { manifest, modules })
+}
+
+/// Compiles the kernel crate to PTX for one module and adds the launch bounds.
+fn build_module(
+    package_dir: &Path,
+    rustc: &Path,
+    arch: PtxArch,
+    target_dir: &Path,
+) -> Result<String, String> {
+    let cpu = arch.target_cpu();
+    let cargo = env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let linker = if Path::new("/bin/true").exists() {
+        "/bin/true"
+    } else {
+        "true"
+    };
+    let manifest = package_dir.join("Cargo.toml");
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(package_dir)
+        .args(["rustc", "--release", "--locked", "--manifest-path"])
+        .arg(&manifest)
+        .args([
+            "--target",
+            PTX_TARGET,
+            "-Zbuild-std=core",
+            "--crate-type",
+            "cdylib",
+        ])
+        .arg("--target-dir")
+        .arg(target_dir);
+    // The profile comes from the command line, not from a manifest: as a
+    // workspace member (or a dependency) this package's own `[profile]` would
+    // be ignored. `panic = "abort"`: nvptx64 has no unwinding.
+    for setting in [
+        "lto=\"fat\"",
+        "panic=\"abort\"",
+        "codegen-units=1",
+        "opt-level=3",
+        "debug=false",
+    ] {
+        cmd.arg("--config")
+            .arg(format!("profile.release.{setting}"));
+    }
+    cmd.arg("--")
+        .arg("--emit=asm")
+        .arg(format!("-Ctarget-cpu={cpu}"))
+        .arg(format!("-Cllvm-args=-inline-threshold={INLINE_THRESHOLD}"))
+        // Nothing is linked; the `--emit=asm` output is all that is wanted.
+        .arg(format!("-Clinker={linker}"));
+    sanitize_env(&mut cmd);
+    cmd.env("RUSTC", rustc).env("RUSTC_BOOTSTRAP", "1");
+
+    let out = cmd
+        .output()
+        .map_err(|e| format!("running {}: {e}", Path::new(&cargo).display()))?;
+    if !out.status.success() {
+        let args: Vec<_> = cmd.get_args().map(|a| a.to_string_lossy()).collect();
+        return Err(format!(
+            "{}{}\nfailed: RUSTC={} RUSTC_BOOTSTRAP=1 {} {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+            rustc.display(),
+            Path::new(&cargo).display(),
+            args.join(" ")
+        ));
+    }
+    let asm = target_dir
+        .join(PTX_TARGET)
+        .join("release/deps/flash_attn_kernels.s");
+    let ptx = String::from_utf8(read(&asm)?).map_err(|e| format!("{}: {e}", asm.display()))?;
+    let target_line = format!(".target {cpu}");
+    if !ptx.lines().any(|l| l.trim() == target_line) {
+        return Err(format!(
+            "{} is not PTX for {cpu} (no `{target_line}` line)",
+            asm.display()
+        ));
+    }
+    add_launch_bounds(&ptx, arch)
+}
+
+/// Variables of an enclosing cargo build that must not leak into the nested
+/// one: its flags, wrappers (`cargo clippy` sets `RUSTC_WORKSPACE_WRAPPER`),
+/// target, profile, jobserver, and the build-script variables describing the
+/// outer package.
+fn sanitize_env(cmd: &mut Command) {
+    const REMOVE: &[&str] = &[
+        "RUSTFLAGS",
+        "RUSTC_WRAPPER",
+        "RUSTC_WORKSPACE_WRAPPER",
+        "RUSTDOCFLAGS",
+        "RUSTC_LINKER",
+        "MAKEFLAGS",
+        "MFLAGS",
+        "TARGET",
+        "HOST",
+        "OUT_DIR",
+        "OPT_LEVEL",
+        "PROFILE",
+        "DEBUG",
+        "NUM_JOBS",
+    ];
+    // CARGO_* configures cargo itself; only the user's network/registry
+    // settings and CARGO_HOME are meant for every cargo.
+    const KEEP_CARGO_PREFIXES: &[&str] = &[
+        "CARGO_NET_",
+        "CARGO_HTTP_",
+        "CARGO_REGISTRIES_",
+        "CARGO_REGISTRY_",
+    ];
+    for (key, _) in env::vars_os() {
+        let Some(name) = key.to_str() else { continue };
+        let cargo_var =
+            name == "CARGO" || name.starts_with("CARGO_") || name.starts_with("__CARGO");
+        let keep = name == "CARGO_HOME" || KEEP_CARGO_PREFIXES.iter().any(|p| name.starts_with(p));
+        if REMOVE.contains(&name) || (cargo_var && !keep) {
+            cmd.env_remove(OsString::from(name));
+        }
+    }
+}
+
+/// Inserts `.maxntid T, 1, 1` (and `.minnctapersm N` where the config asks)
+/// between each entry's parameter list and its body, T being the entry's
+/// threads per CTA. Without `.maxntid` ptxas must assume CTAs of up to 1024
+/// threads and limits every kernel to 64 registers per thread; without an
+/// occupancy target it picks its own and may spill to reach it. Everything
+/// else is kept byte for byte. Every entry of [`ENTRIES`] must be defined
+/// exactly once, and no other.
+pub fn add_launch_bounds(ptx: &str, arch: PtxArch) -> Result<String, String> {
+    let cpu = arch.target_cpu();
+    let mut out = String::with_capacity(ptx.len() + 32 * ENTRIES.len());
+    let mut found: Vec<&str> = vec![];
+    // The entry whose body has not started yet.
+    let mut pending: Option<&Entry> = None;
+    for line in ptx.split_inclusive('\n') {
+        let trimmed = line.trim();
+        if let Some(name) = entry_name(trimmed) {
+            let entry = ENTRIES.iter().find(|e| e.name == name).ok_or_else(|| {
+                format!("{cpu} PTX has entry `{name}`, which is not in config::ENTRIES")
+            })?;
+            if found.contains(&name) {
+                return Err(format!("{cpu} PTX defines entry `{name}` twice"));
+            }
+            if pending.is_some() {
+                return Err(format!("{cpu} PTX: entry without a body before `{name}`"));
+            }
+            found.push(entry.name);
+            pending = Some(entry);
+        } else if let Some(entry) = pending {
+            if trimmed.starts_with(".maxntid") || trimmed.starts_with(".reqntid") {
+                return Err(format!(
+                    "{cpu} PTX: entry `{}` already declares its thread count",
+                    entry.name
+                ));
+            }
+            if trimmed == "{" {
+                out.push_str(&format!(".maxntid {}, 1, 1\n", entry.threads(arch)));
+                if let Some(n) = entry.min_ctas_per_sm(arch) {
+                    out.push_str(&format!(".minnctapersm {n}\n"));
+                }
+                pending = None;
+            }
+        }
+        out.push_str(line);
+    }
+    if pending.is_some() {
+        return Err(format!("{cpu} PTX ends inside an entry's parameter list"));
+    }
+    let missing: Vec<&str> = ENTRIES
+        .iter()
+        .map(|e| e.name)
+        .filter(|n| !found.contains(n))
+        .collect();
+    if !missing.is_empty() {
+        return Err(format!(
+            "{cpu} PTX lacks the entries {missing:?} of config::ENTRIES"
+        ));
+    }
+    Ok(out)
+}
+
+/// The name in `.visible .entry NAME(` (or `.entry NAME(`), if `line` starts an entry.
+fn entry_name(line: &str) -> Option<&str> {
+    let rest = line.strip_prefix(".visible ").unwrap_or(line);
+    let rest = rest.strip_prefix(".entry")?.trim_start();
+    let end = rest
+        .find(|c: char| c == '(' || c.is_whitespace())
+        .unwrap_or(rest.len());
+    Some(&rest[..end])
+}
+
+/// Prints `cargo:rerun-if-changed` for everything [`committed_ptx`],
+/// [`matching_cubins`] and [`build_ptx`] read in `package_dir`, and
+/// `cargo:rerun-if-env-changed` for the toolchain variable.
+pub fn emit_rerun_directives(package_dir: &Path) {
+    for rel in ["src", "Cargo.toml", PTX_DIR, CUBIN_DIR] {
+        println!("cargo:rerun-if-changed={}", package_dir.join(rel).display());
+    }
+    println!("cargo:rerun-if-env-changed={KERNEL_RUSTC_VAR}");
+}
