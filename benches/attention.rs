@@ -24,8 +24,9 @@
 //! values per buffer, repeated on the device, and the copies are device copies.
 //!
 //! The 16k-token sweep keeps hidden = heads * D at 2048 where D divides it
-//! (heads = 2048 / D, rounded down: D=96 runs 21 heads, hidden 2016), the same
-//! rule as `scripts/compare-torch.py`'s copy of the shape list.
+//! (heads = 2048 / D, rounded down: D=96 runs 21 heads, hidden 2016).
+//! `scripts/compare-torch.py` takes its shapes, origins and labels from the
+//! JSON lines; it keeps no copy of this list.
 //!
 //! The `decode-graph` rows (issue 9: decode where it is launch-bound, timed as
 //! servers run it) are timed with `graph` unless `--timing events` is given:
@@ -46,6 +47,53 @@
 //! for the plain reference rows), `"origin"`, `"flops"` and the comparison,
 //! and `scripts/compare-torch.py` skips every line with a `"policy"` key.
 //!
+//! Columns besides the time (JSON keys in parentheses; every row has them):
+//!
+//! - `TFLOP/s` (`"tflops"`): matmul FLOPs (Q·Kᵀ and P·V, halved for causal
+//!   forward, visible pairs only for policy rows) / time. `GB/s` (`"gbps"`):
+//!   K and V once (decode) or Q, K, V and O once (forward) / time.
+//! - `tokens/s` (`"tokens_per_s"`): query tokens / time, with query tokens =
+//!   B × Sq (the varlen rows: the sum of their sequence lengths). For decode
+//!   rows this is new tokens generated per second (one step of B sequences ×
+//!   Sq new tokens each); for forward rows it is prefill tokens per second.
+//! - `max_err` (`"max_abs_err"`): after timing, one more call on the first
+//!   input copy with O poisoned with NaN; then up to 32 query rows (one head of
+//!   one query token each) are copied back and compared with an f64 reference
+//!   computed here, on the host, from the same (rounded) inputs: the host keeps
+//!   each buffer's random tile, so it sees exactly what the device holds. The
+//!   32 picks are spread evenly over the query tokens and, independently, over
+//!   the heads, from (first token, head 0) to (last token, last head), a pick
+//!   already taken moving on to the next (token, head) row, so the last row is
+//!   always checked and no row twice; a row with fewer than 32 query rows
+//!   checks all of them. The reference follows `flash_attn::reference` (bottom-right mask,
+//!   windows, softcap, ALiBi, sinks, GQA, varlen sequence boundaries, the paged
+//!   rows' block table); `--self-test` checks it against that module on small
+//!   problems of every row kind. Every row kind is checked, none is skipped.
+//!   The value is the largest |O - O_ref| over the checked elements; a
+//!   non-finite element makes it `null`, with `"check_error"` naming the
+//!   element, and prints `NaN!`. Also in the JSON: `"ref_max_abs"` (largest
+//!   |O_ref| checked, the error's scale), `"abs_tol"` (the GPU tests' bound: 4
+//!   units of the dtype's rounding, 2^-9 for f16 and 2^-6 for bf16) and
+//!   `"checked_rows"`. A value above `abs_tol` prints with a `!`, and the run
+//!   ends with a list of the failed rows; the exit status does not change.
+//! - `mem_MB` (`"mem_bytes"`, printed in 10^6 bytes): the device memory one
+//!   call of the row needs, computed from sizes: the bytes of every buffer the
+//!   call reads or writes, i.e. Q, K, V and O (one copy, not the rotated
+//!   ones), for decode rows the `DecodeWorkspace` as `decode_workspace`
+//!   allocates it (f32 partial O and LSE of splits × B × H × Sq rows, also
+//!   when splits = 1) and the cache lengths, the varlen rows' cu_seqlens, the
+//!   paged rows' block table, and the ALiBi slopes or sink logits of those
+//!   rows. No LSE: the bench asks for none (a caller asking for it adds
+//!   B × H × Sq × 4 bytes). The CUDA context and the loaded module are not
+//!   counted.
+//! - `used_MB` (`"mem_used_delta_bytes"`): measured, not computed: the device
+//!   memory in use (`cuMemGetInfo`, after a context synchronize) after the
+//!   row's check call, minus the same before the row allocated anything. It
+//!   includes every rotated input copy and the allocator's rounding and pool
+//!   reserve, and it is a difference of two snapshots, not a peak: memory
+//!   allocated and freed between them is missed. `null` (`?`) when the driver
+//!   does not answer.
+//!
 //! Options: `--filter SUBSTR` (matches the printed shape label, which ends with
 //! the policy name, e.g. `window4096`, `softcap50`, `alibi`, `sinks0.5`,
 //! `varlen`; a policy row's plain reference row runs with it), `--timing
@@ -55,9 +103,18 @@
 //! `FlashAttention::new` took), `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
-//! `"ring_stages"`), `--json PATH`, `--list` (print the selected rows' labels,
-//! FLOPs, bytes and timing and exit; needs no GPU). Without a GPU it says so
-//! and exits 0. Every JSON line carries `"timing"` and `"origin"`.
+//! `"ring_stages"`), `--json PATH`, `--plot PATH.png` (after the run, draw
+//! the JSON lines with `scripts/plot-bench.py`, which is built into the binary
+//! and run as `python3 -`: TFLOP/s of the forward rows, GB/s and tokens/s of
+//! the decode rows, and every row's max error; python3 with matplotlib is
+//! checked before the run, and its absence exits 2 at once; a plot that fails
+//! after the run exits 1, the JSON lines already written), `--list` (print the
+//! selected rows' labels, FLOPs, bytes and timing and exit; needs no GPU),
+//! `--self-test` (check the f64 check against `flash_attn::reference` and
+//! exit; needs no GPU). Without a GPU it says so and exits 0 (no plot).
+//! Every JSON line carries `"timing"`, `"origin"` and `"label"` (the printed
+//! label that `--filter` matches); the paged rows are printed but not
+//! written (the key set has no place for the page size).
 use std::io::Write;
 use std::sync::Arc;
 
@@ -508,12 +565,13 @@ impl Bench<'_> {
 }
 
 /// `n` random values in [-1, 1): a tile of at most [`RANDOM_TILE`] drawn on
-/// the host, repeated on the device by doubling copies.
+/// the host, repeated on the device by doubling copies; with the host's view
+/// of the buffer (the tile, widened exactly from `T`).
 fn random_buffer<T: AttnElement>(
     stream: &Arc<CudaStream>,
     rng: &mut StdRng,
     n: usize,
-) -> CudaSlice<T> {
+) -> (CudaSlice<T>, Tiled) {
     let tile: Vec<T> = (0..n.min(RANDOM_TILE))
         .map(|_| T::from_f64(rng.random_range(-1.0..1.0)))
         .collect();
@@ -530,7 +588,7 @@ fn random_buffer<T: AttnElement>(
             .expect("copy");
         filled += len;
     }
-    buf
+    (buf, Tiled(tile.into_iter().map(T::to_f64).collect()))
 }
 
 fn timing_event(stream: &Arc<CudaStream>) -> CudaEvent {
@@ -619,12 +677,19 @@ fn time_graph(
 }
 
 /// Random Q, K, V and enough device copies of them to defeat the L2 cache
-/// (the copies hold the same values at other addresses).
-fn random_sets<T: AttnElement>(b: &Bench, q_len: usize, kv_len: usize) -> Vec<[CudaSlice<T>; 3]> {
+/// (the copies hold the same values at other addresses), with the host's view
+/// of them.
+fn random_sets<T: AttnElement>(
+    b: &Bench,
+    q_len: usize,
+    kv_len: usize,
+) -> (Vec<[CudaSlice<T>; 3]>, HostInputs) {
     let mut rng = StdRng::seed_from_u64(0x5eed);
     let set_bytes = (2 * q_len + 2 * kv_len) * 2;
     let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, b.max_rotations());
-    let first = [q_len, kv_len, kv_len].map(|n| random_buffer::<T>(&b.stream, &mut rng, n));
+    let [(q, q_host), (k, k_host), (v, v_host)] =
+        [q_len, kv_len, kv_len].map(|n| random_buffer::<T>(&b.stream, &mut rng, n));
+    let first = [q, k, v];
     let copies: Vec<_> = (1..sets)
         .map(|_| {
             first
@@ -632,7 +697,12 @@ fn random_sets<T: AttnElement>(b: &Bench, q_len: usize, kv_len: usize) -> Vec<[C
                 .map(|x| b.stream.clone_dtod(x).expect("copy"))
         })
         .collect();
-    std::iter::once(first).chain(copies).collect()
+    let host = HostInputs {
+        q: q_host,
+        k: k_host,
+        v: v_host,
+    };
+    (std::iter::once(first).chain(copies).collect(), host)
 }
 
 /// The validated decode problem of a decode row, as the library sees it.
@@ -655,16 +725,397 @@ fn decode_shape(s: &Shape, num_splits: Option<usize>) -> flash_attn::DecodeShape
     }
 }
 
-fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
+/// Query rows (one head of one query token) of O each row checks against the
+/// f64 reference: at most this many, spread over the tokens and heads.
+const CHECK_ROWS: usize = 32;
+
+/// The host's view of one input buffer: element `e` holds
+/// `tile[e % tile.len()]`, as [`random_buffer`] fills the device buffer.
+struct Tiled(Vec<f64>);
+
+impl Tiled {
+    /// Elements `start..start + out.len()`.
+    fn read(&self, start: usize, out: &mut [f64]) {
+        let (tile, mut filled) = (&self.0, 0);
+        let mut e = start % tile.len();
+        while filled < out.len() {
+            let take = (tile.len() - e).min(out.len() - filled);
+            out[filled..filled + take].copy_from_slice(&tile[e..e + take]);
+            filled += take;
+            e = 0;
+        }
+    }
+}
+
+/// The host's view of the first input copy.
+struct HostInputs {
+    q: Tiled,
+    k: Tiled,
+    v: Tiled,
+}
+
+/// One sequence of a checked problem: its queries are token rows
+/// `q_start..q_start + sq` of Q and O, its keys rows `k_start..k_start + n`
+/// of K and V (through the page table when paged).
+#[derive(Clone, Copy, Debug)]
+struct CheckSeq {
+    q_start: usize,
+    sq: usize,
+    k_start: usize,
+    n: usize,
+}
+
+/// A paged cache: key `j` of sequence `b` lives in token row
+/// `table[b * max_pages + j / page] * page + j % page` of the pool.
+struct CheckPaging {
+    table: Vec<usize>,
+    max_pages: usize,
+    page: usize,
+}
+
+/// A row's problem as the f64 check sees it: the semantics of
+/// `flash_attn::reference` (bottom-right aligned mask, softcap, then ALiBi,
+/// sinks in the denominator, GQA head groups), one query row at a time.
+struct CheckSpec {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f64,
+    /// The mask, `causal` folded in.
+    mask: Window,
+    softcap: Option<f64>,
+    /// Per-head ALiBi slopes.
+    alibi: Option<Vec<f64>>,
+    /// Per-head sink logits.
+    sinks: Option<Vec<f64>>,
+    seqs: Vec<CheckSeq>,
+    paging: Option<CheckPaging>,
+}
+
+/// The outcome of the f64 check of one row.
+#[derive(Clone, Debug, Default)]
+struct Check {
+    /// Query rows checked.
+    rows: usize,
+    /// max |O - O_ref| over the checked elements; `None` when an element of
+    /// O was not finite (unwritten or NaN).
+    max_abs_err: Option<f64>,
+    /// max |O_ref| over the checked elements (the error's scale).
+    ref_max_abs: f64,
+    /// The first non-finite element of O, described.
+    nonfinite: Option<String>,
+}
+
+/// Dot product in four interleaved sums (the order differs from a plain
+/// sum by rounding only; four independent chains run several times faster).
+fn dot(a: &[f64], b: &[f64]) -> f64 {
+    let mut acc = [0.0; 4];
+    let (a4, b4) = (a.chunks_exact(4), b.chunks_exact(4));
+    let tail: f64 = a4
+        .remainder()
+        .iter()
+        .zip(b4.remainder())
+        .map(|(x, y)| x * y)
+        .sum();
+    for (x, y) in a4.zip(b4) {
+        for k in 0..4 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    acc.iter().sum::<f64>() + tail
+}
+
+/// The largest |O - O_ref| the GPU tests accept (4 units of the dtype's
+/// rounding at |O| <= 1; tests/gpu.rs).
+fn abs_tol(dtype: Dtype) -> f64 {
+    match dtype {
+        Dtype::F16 => 4.0 / 2048.0,
+        Dtype::Bf16 => 4.0 / 256.0,
+    }
+}
+
+impl CheckSpec {
+    /// The problem of row `s` over `sequences` ((Sq, Skv) each, laid out one
+    /// after another in Q/O and K/V, as the fixed, decode and packed layouts
+    /// all are), with the row's policy and the default scale.
+    fn new(s: &Shape, sequences: &[(usize, usize)]) -> CheckSpec {
+        let (mut q_start, mut k_start) = (0, 0);
+        let seqs = sequences
+            .iter()
+            .map(|&(sq, n)| {
+                let seq = CheckSeq {
+                    q_start,
+                    sq,
+                    k_start,
+                    n,
+                };
+                q_start += sq;
+                k_start += n;
+                seq
+            })
+            .collect();
+        CheckSpec {
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            head_dim: s.head_dim,
+            scale: f64::from(1.0 / (s.head_dim as f32).sqrt()),
+            mask: s.window().effective(s.causal),
+            softcap: match s.policy {
+                Policy::Softcap(c) => Some(f64::from(c)),
+                _ => None,
+            },
+            alibi: (s.policy == Policy::Alibi)
+                .then(|| alibi_slopes(s.heads).into_iter().map(f64::from).collect()),
+            sinks: match s.policy {
+                Policy::Sinks(x) => Some(vec![f64::from(x); s.heads]),
+                _ => None,
+            },
+            seqs,
+            paging: None,
+        }
+    }
+
+    /// The checked rows as (sequence, query, head), in order: [`CHECK_ROWS`]
+    /// (or every row, if fewer) spread evenly over the query tokens and,
+    /// independently, over the heads, from (first token, head 0) to (last
+    /// token, last head); a pick already taken moves to the next free row.
+    fn sample_rows(&self) -> Vec<(usize, usize, usize)> {
+        let tokens: usize = self.seqs.iter().map(|q| q.sq).sum();
+        let all = tokens * self.heads;
+        let n = all.min(CHECK_ROWS);
+        let spread = |k: usize, len: usize| {
+            if n > 1 {
+                k * (len - 1) / (n - 1)
+            } else {
+                len - 1
+            }
+        };
+        // Rows as token * heads + head.
+        let mut picked: Vec<usize> = Vec::with_capacity(n);
+        for k in 0..n {
+            let mut r = spread(k, tokens) * self.heads + spread(k, self.heads);
+            while picked.contains(&r) {
+                r = (r + 1) % all;
+            }
+            picked.push(r);
+        }
+        picked.sort_unstable();
+        picked
+            .into_iter()
+            .map(|r| {
+                let mut t = r / self.heads;
+                let seq = self
+                    .seqs
+                    .iter()
+                    .position(|q| {
+                        let inside = t < q.sq;
+                        if !inside {
+                            t -= q.sq;
+                        }
+                        inside
+                    })
+                    .expect("a token of some sequence");
+                (seq, t, r % self.heads)
+            })
+            .collect()
+    }
+
+    /// Token row of K/V that holds key `j` of sequence `seq`.
+    fn key_row(&self, seq: usize, j: usize) -> usize {
+        match &self.paging {
+            None => self.seqs[seq].k_start + j,
+            Some(p) => p.table[seq * p.max_pages + j / p.page] * p.page + j % p.page,
+        }
+    }
+
+    /// The f64 reference of O for query `i` of sequence `seq`, head `h`.
+    fn reference_row(&self, x: &HostInputs, seq: usize, i: usize, h: usize) -> Vec<f64> {
+        let d = self.head_dim;
+        let q_seq = self.seqs[seq];
+        let kv_head = h / (self.heads / self.kv_heads);
+        let kv_start = |j: usize| (self.key_row(seq, j) * self.kv_heads + kv_head) * d;
+        let mut q = vec![0.0; d];
+        x.q.read(((q_seq.q_start + i) * self.heads + h) * d, &mut q);
+        // Query i sits on key position i + n - sq (bottom-right alignment).
+        let (diag, n) = ((i + q_seq.n) as i64 - q_seq.sq as i64, q_seq.n as i64);
+        let lo = self.mask.left.map_or(0, |l| diag - l as i64).clamp(0, n);
+        let hi = self
+            .mask
+            .right
+            .map_or(n, |r| diag + r as i64 + 1)
+            .clamp(lo, n);
+        let mut row = vec![0.0; d];
+        let scores: Vec<f64> = (lo..hi)
+            .map(|j| {
+                x.k.read(kv_start(j as usize), &mut row);
+                let mut s = self.scale * dot(&q, &row);
+                if let Some(c) = self.softcap {
+                    s = c * (s / c).tanh();
+                }
+                if let Some(slopes) = &self.alibi {
+                    s -= slopes[h] * (diag - j).abs() as f64;
+                }
+                s
+            })
+            .collect();
+        let sink = self.sinks.as_ref().map(|s| s[h]);
+        let max = scores
+            .iter()
+            .copied()
+            .chain(sink)
+            .fold(f64::NEG_INFINITY, f64::max);
+        let mut out = vec![0.0; d];
+        if max == f64::NEG_INFINITY {
+            return out; // nothing to attend to: O = 0
+        }
+        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+        let sum = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
+        for (j, w) in (lo..hi).zip(&weights) {
+            x.v.read(kv_start(j as usize), &mut row);
+            let p = w / sum;
+            for (o, v) in out.iter_mut().zip(&row) {
+                *o += p * v;
+            }
+        }
+        out
+    }
+
+    /// Compares `got(token row, head)` (one row of O, D values) with the
+    /// reference on the sampled rows (computed on every core: a row of a
+    /// 64k-key cache at D=256 costs about 50 ms on one).
+    fn check(&self, x: &HostInputs, mut got: impl FnMut(usize, usize) -> Vec<f64>) -> Check {
+        let rows = self.sample_rows();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let want: Vec<Vec<f64>> = std::thread::scope(|scope| {
+            let workers: Vec<_> = rows
+                .chunks(rows.len().div_ceil(threads).max(1))
+                .map(|chunk| {
+                    scope.spawn(move || {
+                        chunk
+                            .iter()
+                            .map(|&(seq, i, h)| self.reference_row(x, seq, i, h))
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .flat_map(|w| w.join().expect("a reference thread"))
+                .collect()
+        });
+        let mut c = Check {
+            max_abs_err: Some(0.0),
+            ..Check::default()
+        };
+        for (&(seq, i, h), want) in rows.iter().zip(&want) {
+            let token = self.seqs[seq].q_start + i;
+            let have = got(token, h);
+            c.rows += 1;
+            for (e, (&g, &w)) in have.iter().zip(want).enumerate() {
+                c.ref_max_abs = c.ref_max_abs.max(w.abs());
+                if !g.is_finite() {
+                    c.max_abs_err = None;
+                    c.nonfinite.get_or_insert_with(|| {
+                        format!("O[token {token}, head {h}, {e}] = {g}, want {w:.4e}")
+                    });
+                } else if let Some(m) = c.max_abs_err.as_mut() {
+                    *m = m.max((g - w).abs());
+                }
+            }
+        }
+        c
+    }
+}
+
+/// Per-head ALiBi slopes 2^(-8(h+1)/H), as the `alibi` rows upload them.
+fn alibi_slopes(heads: usize) -> Vec<f32> {
+    (0..heads)
+        .map(|h| (-8.0 * (h + 1) as f32 / heads as f32).exp2())
+        .collect()
+}
+
+/// Free device memory after the queued work (and the frees it lets the
+/// stream-ordered allocator return) has finished; `None` if the driver says
+/// nothing.
+fn free_device_memory(stream: &Arc<CudaStream>) -> Option<usize> {
+    let ctx = stream.context();
+    ctx.synchronize().ok()?;
+    ctx.mem_get_info().ok().map(|(free, _)| free)
+}
+
+/// What one row measured.
+struct Measured {
+    /// Median milliseconds per launch.
+    ms: f64,
+    /// The f64 check of sampled rows of O from one launch.
+    check: Check,
+    /// Bytes of the device buffers one call reads or writes (module docs).
+    mem_bytes: usize,
+    /// Device memory in use (`cuMemGetInfo`) after the row's check launch,
+    /// minus in use before the row allocated anything.
+    mem_used_delta: Option<i64>,
+}
+
+impl Measured {
+    fn new(
+        b: &Bench,
+        ms: f64,
+        check: Check,
+        mem_bytes: usize,
+        free_before: Option<usize>,
+    ) -> Measured {
+        let free_after = free_device_memory(&b.stream);
+        Measured {
+            ms,
+            check,
+            mem_bytes,
+            mem_used_delta: free_before
+                .zip(free_after)
+                .map(|(before, after)| before as i64 - after as i64),
+        }
+    }
+}
+
+/// Bytes of the decode workspace [`FlashAttention::decode_workspace`]
+/// allocates for a decode row (f32 partial O and LSE per split and row).
+fn workspace_bytes<T: AttnElement>(b: &Bench, s: &Shape) -> usize {
+    let rows = b.fa.decode_splits::<T>(&decode_shape(s, b.splits)) * s.batch * s.heads * s.seqlen_q;
+    ((rows * s.head_dim).max(1) + rows.max(1)) * 4
+}
+
+/// Poisons `o` with NaN, runs `launch` (one call on the first input copy,
+/// writing `o`), and checks the sampled rows of `o` against the f64
+/// reference of the host's view of the inputs.
+fn check_output<T: AttnElement>(
+    b: &Bench,
+    spec: &CheckSpec,
+    host: &HostInputs,
+    o: &mut CudaSlice<T>,
+    launch: impl FnOnce(&mut CudaSlice<T>),
+) -> Check {
+    let nan = vec![T::from_f64(f64::NAN); o.len()];
+    b.stream.memcpy_htod(&nan, o).expect("poison O");
+    launch(o);
+    let d = spec.head_dim;
+    spec.check(host, |row, h| {
+        let start = (row * spec.heads + h) * d;
+        b.stream
+            .clone_dtoh(&o.slice(start..start + d))
+            .expect("download O")
+            .into_iter()
+            .map(T::to_f64)
+            .collect()
+    })
+}
+
+fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
+    let free_before = free_device_memory(&b.stream);
     let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
     let kv_layout = Layout::contiguous([s.batch, s.seqlen_k, s.kv_heads, s.head_dim]);
     let q_len = s.batch * s.seqlen_q * s.heads * s.head_dim;
     let kv_len = s.batch * s.seqlen_k * s.kv_heads * s.head_dim;
-    // Policy parameters: ALiBi slopes 2^(-8(h+1)/H) and sink logits, per head.
-    let slopes: Vec<f32> = (0..s.heads)
-        .map(|h| (-8.0 * (h + 1) as f32 / s.heads as f32).exp2())
-        .collect();
-    let slopes = b.stream.clone_htod(&slopes).expect("upload");
+    // Policy parameters: ALiBi slopes and sink logits, per head.
+    let slopes = b.stream.clone_htod(&alibi_slopes(s.heads)).expect("upload");
     let slopes = slopes.as_view();
     let sink = match s.policy {
         Policy::Sinks(x) => x,
@@ -688,10 +1139,15 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
             None
         },
     };
+    // What a call reads besides Q, K, V and O: the policy's per-head array.
+    let policy_bytes = match s.policy {
+        Policy::Alibi | Policy::Sinks(_) => s.heads * 4,
+        _ => 0,
+    };
     if s.policy == Policy::Varlen {
-        return run_varlen::<T>(b, s, &opts);
+        return run_varlen::<T>(b, s, &opts, policy_bytes, free_before);
     }
-    let inputs = random_sets::<T>(b, q_len, kv_len);
+    let (inputs, host) = random_sets::<T>(b, q_len, kv_len);
     let sets = inputs.len();
     let mut o = b.stream.alloc_zeros::<T>(q_len).expect("alloc");
     let seqlens = b
@@ -699,18 +1155,28 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
         .clone_htod(&vec![s.seqlen_k as i32; s.batch])
         .expect("upload");
     let mut workspace = None;
+    let mut mem_bytes = (2 * q_len + 2 * kv_len) * size_of::<T>() + policy_bytes;
     if s.kind == Kind::Decode {
         workspace = Some(
             b.fa.decode_workspace::<T>(&b.stream, &decode_shape(s, b.splits))
                 .expect("workspace"),
         );
+        mem_bytes += workspace_bytes::<T>(b, s) + s.batch * 4;
     }
     if let Some(page) = s.page_size {
-        return run_paged::<T>(b, s, page, inputs, o, seqlens, workspace, sets);
+        return run_paged::<T>(
+            b,
+            s,
+            page,
+            (inputs, host),
+            o,
+            seqlens,
+            workspace,
+            (mem_bytes, free_before),
+        );
     }
     // Decode rows pass a preallocated workspace: graph capture cannot allocate.
-    b.time(sets, |i| {
-        let [q, k, v] = &inputs[i % sets];
+    let mut call = |[q, k, v]: &[CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
         let q = TensorRef::new(q.as_view(), q_layout);
         let k = TensorRef::new(k.as_view(), kv_layout);
         let v = TensorRef::new(v.as_view(), kv_layout);
@@ -730,12 +1196,22 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> f64 {
             ),
         }
         .expect("launch");
-    })
+    };
+    let ms = b.time(sets, |i| call(&inputs[i % sets], &mut o));
+    let spec = CheckSpec::new(s, &s.sequences());
+    let check = check_output(b, &spec, &host, &mut o, |o| call(&inputs[0], o));
+    Measured::new(b, ms, check, mem_bytes, free_before)
 }
 
 /// Forward over [`varlen_seqlens`] packed as [total, H, D] (Q, K and V share
 /// the sequence boundaries).
-fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
+fn run_varlen<T: AttnElement>(
+    b: &Bench,
+    s: &Shape,
+    opts: &AttnOptions,
+    policy_bytes: usize,
+    free_before: Option<usize>,
+) -> Measured {
     let lens = varlen_seqlens();
     let total: usize = lens.iter().sum();
     let cu: Vec<i32> = std::iter::once(0)
@@ -744,6 +1220,7 @@ fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
             Some(*acc)
         }))
         .collect();
+    let cu_bytes = cu.len() * 4;
     let cu = b.stream.clone_htod(&cu).expect("upload");
     let cu = cu.as_view();
     let max = lens.iter().copied().max().unwrap_or(0);
@@ -755,18 +1232,14 @@ fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
     };
     let q_layout = Layout::packed([total, s.heads, s.head_dim]);
     let kv_layout = Layout::packed([total, s.kv_heads, s.head_dim]);
-    let inputs = random_sets::<T>(
-        b,
+    let (q_len, kv_len) = (
         total * s.heads * s.head_dim,
         total * s.kv_heads * s.head_dim,
     );
+    let (inputs, host) = random_sets::<T>(b, q_len, kv_len);
     let sets = inputs.len();
-    let mut o = b
-        .stream
-        .alloc_zeros::<T>(total * s.heads * s.head_dim)
-        .expect("alloc");
-    b.time(sets, |i| {
-        let [q, k, v] = &inputs[i % sets];
+    let mut o = b.stream.alloc_zeros::<T>(q_len).expect("alloc");
+    let call = |[q, k, v]: &[CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
         b.fa.forward_varlen(
             &b.stream,
             &TensorRef::new(q.as_view(), q_layout),
@@ -778,23 +1251,30 @@ fn run_varlen<T: AttnElement>(b: &Bench, s: &Shape, opts: &AttnOptions) -> f64 {
             opts,
         )
         .expect("launch");
-    })
+    };
+    let ms = b.time(sets, |i| call(&inputs[i % sets], &mut o));
+    let spec = CheckSpec::new(s, &s.sequences());
+    let check = check_output(b, &spec, &host, &mut o, |o| call(&inputs[0], o));
+    let mem_bytes = (2 * q_len + 2 * kv_len) * size_of::<T>() + cu_bytes + policy_bytes;
+    Measured::new(b, ms, check, mem_bytes, free_before)
 }
 
 /// Decode through [`FlashAttention::decode_kvcache`] from a page pool: the
 /// inputs' K/V buffers are read as [B * L / page, page, Hkv, D] pools with a
-/// shuffled block table.
+/// shuffled block table. `mem` is the other buffers' bytes and the free
+/// memory before the row.
 #[allow(clippy::too_many_arguments)]
 fn run_paged<T: AttnElement>(
     b: &Bench,
     s: &Shape,
     page: usize,
-    mut inputs: Vec<[CudaSlice<T>; 3]>,
+    (mut inputs, host): (Vec<[CudaSlice<T>; 3]>, HostInputs),
     mut o: CudaSlice<T>,
     seqlens: CudaSlice<i32>,
     mut workspace: Option<flash_attn::DecodeWorkspace>,
-    sets: usize,
-) -> f64 {
+    (mem_bytes, free_before): (usize, Option<usize>),
+) -> Measured {
+    let sets = inputs.len();
     let max_pages = s.seqlen_k.div_ceil(page);
     let num_pages = s.batch * max_pages;
     let mut rng = StdRng::seed_from_u64(0x9a9e);
@@ -802,6 +1282,12 @@ fn run_paged<T: AttnElement>(
     for i in (1..table.len()).rev() {
         table.swap(i, rng.random_range(0..=i));
     }
+    let mut spec = CheckSpec::new(s, &s.sequences());
+    spec.paging = Some(CheckPaging {
+        table: table.iter().map(|&p| p as usize).collect(),
+        max_pages,
+        page,
+    });
     let table = b.stream.clone_htod(&table).expect("upload");
     let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
     let pool = Layout::contiguous([num_pages, page, s.kv_heads, s.head_dim]);
@@ -811,8 +1297,7 @@ fn run_paged<T: AttnElement>(
         num_splits: b.splits,
         ..Default::default()
     };
-    b.time(sets, |i| {
-        let [q, k, v] = &mut inputs[i % sets];
+    let mut call = |[q, k, v]: &mut [CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
         let mut cache = flash_attn::KvCache {
             k: TensorMut::new(k.as_view_mut(), pool),
             v: TensorMut::new(v.as_view_mut(), pool),
@@ -833,7 +1318,302 @@ fn run_paged<T: AttnElement>(
             workspace.as_mut(),
         )
         .expect("launch");
-    })
+    };
+    let ms = b.time(sets, |i| call(&mut inputs[i % sets], &mut o));
+    let check = check_output(b, &spec, &host, &mut o, |o| call(&mut inputs[0], o));
+    let mem_bytes = mem_bytes + num_pages * 4;
+    Measured::new(b, ms, check, mem_bytes, free_before)
+}
+
+/// `--self-test` (no GPU): the f64 check's row helper against
+/// `flash_attn::reference` on small problems of every row kind, its row
+/// sampling, and its verdicts on a good and a poisoned output.
+fn self_test() {
+    use flash_attn::reference::{self, Extras};
+    use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
+    // A tile shorter than the buffers and not a multiple of D, so that rows
+    // wrap around it as they do on the device.
+    const TILE: usize = 997;
+    let base = Shape {
+        kind: Kind::Forward,
+        dtype: Dtype::F16,
+        batch: 2,
+        heads: 4,
+        kv_heads: 2,
+        seqlen_q: 9,
+        seqlen_k: 9,
+        head_dim: 32,
+        causal: false,
+        page_size: None,
+        origin: "self-test",
+        policy: Policy::None,
+    };
+    let decode = Shape {
+        kind: Kind::Decode,
+        seqlen_q: 4,
+        seqlen_k: 40,
+        causal: true,
+        ..base
+    };
+    let with = |s: Shape, policy| Shape { policy, ..s };
+    let cases = [
+        base,
+        Shape {
+            causal: true,
+            ..base
+        },
+        // More queries than keys: the first rows see nothing (O = 0).
+        Shape {
+            causal: true,
+            seqlen_q: 12,
+            seqlen_k: 5,
+            ..base
+        },
+        Shape {
+            seqlen_q: 5,
+            seqlen_k: 11,
+            ..base
+        },
+        with(
+            base,
+            Policy::Window(Window {
+                left: Some(3),
+                right: Some(2),
+            }),
+        ),
+        with(
+            Shape {
+                causal: true,
+                ..base
+            },
+            Policy::Window(Window::left(3)),
+        ),
+        with(base, Policy::Softcap(0.5)),
+        with(
+            Shape {
+                causal: true,
+                ..base
+            },
+            Policy::Alibi,
+        ),
+        with(base, Policy::Sinks(0.5)),
+        with(
+            Shape {
+                causal: true,
+                seqlen_q: 12,
+                seqlen_k: 5,
+                ..base
+            },
+            Policy::Sinks(0.5),
+        ),
+        with(
+            Shape {
+                causal: true,
+                ..base
+            },
+            Policy::Varlen,
+        ),
+        with(base, Policy::Varlen),
+        decode,
+        Shape {
+            seqlen_q: 1,
+            heads: 8,
+            ..decode
+        },
+        with(decode, Policy::Window(Window::left(7))),
+        with(decode, Policy::Softcap(0.5)),
+        Shape {
+            page_size: Some(4),
+            ..decode
+        },
+    ];
+    let mut rng = StdRng::seed_from_u64(0x7e57);
+    for s in cases {
+        let what = format!("{} ({:?})", s.label(), s.kind);
+        // Varlen: short sequences of other lengths (one empty) instead of the bench's.
+        let sequences = if s.policy == Policy::Varlen {
+            vec![(3, 3), (0, 0), (7, 7), (5, 5)]
+        } else {
+            s.sequences()
+        };
+        let mut spec = CheckSpec::new(&s, &sequences);
+        let tokens: usize = sequences.iter().map(|q| q.0).sum();
+        let keys: usize = sequences.iter().map(|q| q.1).sum();
+        let mut tiled = |n: usize| {
+            Tiled(
+                (0..n.min(TILE))
+                    .map(|_| f16::from_f64(rng.random_range(-1.0..1.0)).to_f64())
+                    .collect(),
+            )
+        };
+        let (q_len, kv_len) = (
+            tokens * s.heads * s.head_dim,
+            keys * s.kv_heads * s.head_dim,
+        );
+        let x = HostInputs {
+            q: tiled(q_len),
+            k: tiled(kv_len),
+            v: tiled(kv_len),
+        };
+        let full = |t: &Tiled, n: usize| {
+            let mut v = vec![0.0; n];
+            t.read(0, &mut v);
+            v
+        };
+        let (q, mut k, mut v) = (full(&x.q, q_len), full(&x.k, kv_len), full(&x.v, kv_len));
+        if let Some(page) = s.page_size {
+            // The pool holds the cache's keys in shuffled pages; the reference
+            // reads the cache in order.
+            let max_pages = s.seqlen_k.div_ceil(page);
+            let mut table: Vec<usize> = (0..s.batch * max_pages).collect();
+            for i in (1..table.len()).rev() {
+                table.swap(i, rng.random_range(0..=i));
+            }
+            let (pool_k, pool_v) = (k.clone(), v.clone());
+            let row = s.kv_heads * s.head_dim;
+            for b in 0..s.batch {
+                for j in 0..s.seqlen_k {
+                    let at = table[b * max_pages + j / page] * page + j % page;
+                    let logical = (b * s.seqlen_k + j) * row;
+                    k[logical..logical + row].copy_from_slice(&pool_k[at * row..(at + 1) * row]);
+                    v[logical..logical + row].copy_from_slice(&pool_v[at * row..(at + 1) * row]);
+                }
+            }
+            spec.paging = Some(CheckPaging {
+                table,
+                max_pages,
+                page,
+            });
+        }
+        let slopes = spec.alibi.clone();
+        let extras = Extras {
+            alibi_slopes: slopes.as_deref(),
+            sinks: spec.sinks.as_deref(),
+        };
+        let scale = 1.0 / (s.head_dim as f32).sqrt();
+        let softcap = spec.softcap.map(|c| c as f32);
+        let want = if s.policy == Policy::Varlen {
+            let cu: Vec<i32> = std::iter::once(0)
+                .chain(sequences.iter().scan(0, |acc, q| {
+                    *acc += q.0 as i32;
+                    Some(*acc)
+                }))
+                .collect();
+            let shape = VarlenShape {
+                batch: sequences.len(),
+                total_q: tokens,
+                total_k: keys,
+                heads: s.heads,
+                kv_heads: s.kv_heads,
+                head_dim: s.head_dim,
+                causal: s.causal,
+                softmax_scale: scale,
+                window: s.window(),
+                softcap,
+                ..Default::default()
+            };
+            reference::varlen(&shape, &cu, &cu, &q, &k, &v, &extras)
+        } else if s.kind == Kind::Decode {
+            let shape = DecodeShape {
+                cache_len: s.seqlen_k,
+                ..decode_shape(&s, None)
+            };
+            let seqlens = vec![s.seqlen_k as i32; s.batch];
+            reference::decode_ext(&shape, &q, &k, &v, &seqlens, &extras)
+        } else {
+            let shape = ForwardShape {
+                batch: s.batch,
+                seqlen_q: s.seqlen_q,
+                seqlen_k: s.seqlen_k,
+                heads: s.heads,
+                kv_heads: s.kv_heads,
+                head_dim: s.head_dim,
+                causal: s.causal,
+                softmax_scale: scale,
+                window: s.window(),
+                softcap,
+            };
+            reference::attention_ext(&shape, &q, &k, &v, &extras)
+        };
+        // Every row of the problem: the helper agrees with the library's reference.
+        let d = s.head_dim;
+        let want_row = |token: usize, h: usize| {
+            let at = (token * s.heads + h) * d;
+            want.o[at..at + d].to_vec()
+        };
+        for (seq, q_seq) in spec.seqs.iter().enumerate() {
+            for i in 0..q_seq.sq {
+                for h in 0..s.heads {
+                    let mine = spec.reference_row(&x, seq, i, h);
+                    let theirs = want_row(q_seq.q_start + i, h);
+                    let err = mine
+                        .iter()
+                        .zip(&theirs)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f64::max);
+                    assert!(
+                        err < 1e-12,
+                        "{what}: row (seq {seq}, query {i}, head {h}) differs by {err:e}"
+                    );
+                }
+            }
+        }
+        // The sample: distinct rows in order, at most CHECK_ROWS, the last row included.
+        let rows = spec.sample_rows();
+        assert!(
+            !rows.is_empty() && rows.len() <= CHECK_ROWS,
+            "{what}: {rows:?}"
+        );
+        assert!(rows.windows(2).all(|w| w[0] < w[1]), "{what}: {rows:?}");
+        let last_seq = spec.seqs.iter().rposition(|q| q.sq > 0).expect("a query");
+        assert_eq!(
+            rows.last(),
+            Some(&(last_seq, spec.seqs[last_seq].sq - 1, s.heads - 1)),
+            "{what}"
+        );
+        // Verdicts: the reference rounded to f16 passes, a NaN is caught.
+        let good = spec.check(&x, |token, h| {
+            want_row(token, h)
+                .into_iter()
+                .map(|w| f16::from_f64(w).to_f64())
+                .collect()
+        });
+        let err = good.max_abs_err.expect("finite");
+        assert!(
+            err <= 1.0 / 2048.0 && good.rows == rows.len(),
+            "{what}: {good:?}"
+        );
+        let bad = spec.check(&x, |token, h| {
+            let mut o = want_row(token, h);
+            if token == tokens - 1 {
+                o[d - 1] = f64::NAN;
+            }
+            o
+        });
+        assert!(
+            bad.max_abs_err.is_none() && bad.nonfinite.is_some(),
+            "{what}: {bad:?}"
+        );
+    }
+    // Every bench row's sample: CHECK_ROWS rows (or all), its last row included.
+    for s in shapes() {
+        let spec = CheckSpec::new(&s, &s.sequences());
+        let rows = spec.sample_rows();
+        let last = spec.seqs.len() - 1;
+        let all_rows = spec.seqs.iter().map(|q| q.sq).sum::<usize>() * s.heads;
+        assert_eq!(rows.len(), all_rows.min(CHECK_ROWS), "{}", s.label());
+        assert_eq!(
+            rows.last(),
+            Some(&(last, spec.seqs[last].sq - 1, s.heads - 1)),
+            "{}",
+            s.label()
+        );
+    }
+    println!(
+        "self-test passed: the f64 check agrees with flash_attn::reference on {} problems \
+         (forward, causal, windows, softcap, ALiBi, sinks, varlen, decode, paged decode)",
+        cases.len()
+    );
 }
 
 fn main() {
@@ -844,6 +1624,10 @@ fn main() {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
+    if args.iter().any(|a| a == "--self-test") {
+        self_test();
+        return;
+    }
     let filter = value_of("--filter");
     let quick = args.iter().any(|a| a == "--quick");
     let module_choice = match value_of("--module").as_deref() {
@@ -872,6 +1656,7 @@ fn main() {
         let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
         format!("{dir}/flash-attn-bench.jsonl")
     });
+    let plot_path = value_of("--plot");
 
     let all = shapes();
     let matches = |s: &Shape| filter.as_deref().is_none_or(|f| s.label().contains(f));
@@ -902,6 +1687,13 @@ fn main() {
         return;
     }
 
+    if plot_path.is_some() {
+        // Before the run, not after it: a missing matplotlib should cost seconds.
+        if let Err(e) = run_python(&["-c", "import matplotlib"], true) {
+            eprintln!("--plot needs python3 with matplotlib (pip install matplotlib): {e}");
+            std::process::exit(2);
+        }
+    }
     if flash_attn::cuda_device_count().expect("the CUDA driver is present but fails") < 1 {
         println!("no CUDA device found: skipping the flash-attn benchmarks");
         return;
@@ -945,7 +1737,7 @@ fn main() {
     let mut json = std::fs::File::create(&json_path).expect("create the JSON-lines file");
 
     println!(
-        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>6} {:>8} {:>8}  origin",
+        "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10} {:>6} {:>8} {:>8} {:>10} {:>9} {:>9} {:>8}  origin",
         "kernel",
         "dtype",
         "B",
@@ -958,20 +1750,43 @@ fn main() {
         "median_ms",
         "timing",
         "TFLOP/s",
-        "GB/s"
+        "GB/s",
+        "tokens/s",
+        "max_err",
+        "mem_MB",
+        "used_MB"
     );
+    // Rows whose check failed: (label, what).
+    let mut failed_checks: Vec<(String, String)> = Vec::new();
+    let mut checked_rows = 0;
     // Plain reference rows of the policy rows measured so far: (shape, ms, TFLOP/s).
     let mut plain_rows: Vec<(Shape, f64, f64)> = Vec::new();
     for s in selected {
         let is_reference = s.is_policy_row() && s.policy == Policy::None;
         let timing = timing_of(&s);
         let bench = bench_for(timing);
-        let ms = match s.dtype {
+        let m = match s.dtype {
             Dtype::F16 => run_shape::<f16>(&bench, &s),
             Dtype::Bf16 => run_shape::<bf16>(&bench, &s),
         };
+        let ms = m.ms;
         let tflops = s.flops() / (ms * 1e-3) / 1e12;
         let gbps = s.bytes() / (ms * 1e-3) / 1e9;
+        let tokens: usize = s.sequences().iter().map(|&(sq, _)| sq).sum();
+        let tokens_per_s = tokens as f64 / (ms * 1e-3);
+        let tol = abs_tol(s.dtype);
+        checked_rows += m.check.rows;
+        let check_text = match (m.check.max_abs_err, &m.check.nonfinite) {
+            (Some(e), _) if e <= tol => format!("{e:.2e}"),
+            (Some(e), _) => {
+                failed_checks.push((s.label(), format!("max |O - O_ref| {e:.3e} > {tol:.1e}")));
+                format!("{e:.2e}!")
+            }
+            (None, what) => {
+                failed_checks.push((s.label(), what.clone().unwrap_or_default()));
+                "NaN!".into()
+            }
+        };
         if is_reference {
             plain_rows.push((s, ms, tflops));
         }
@@ -1000,7 +1815,7 @@ fn main() {
             "decode"
         };
         println!(
-            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>6} {:>8.1} {:>8.0}  {}",
+            "{:<8} {:<5} {:>3} {:>3} {:>4} {:>6} {:>6} {:>4} {:>6} {:>10.4} {:>6} {:>8.1} {:>8.0} {:>10.3e} {:>9} {:>9.1} {:>8}  {}",
             kernel,
             s.dtype.name(),
             s.batch,
@@ -1014,6 +1829,11 @@ fn main() {
             timing.name(),
             tflops,
             gbps,
+            tokens_per_s,
+            check_text,
+            m.mem_bytes as f64 / 1e6,
+            m.mem_used_delta
+                .map_or("?".into(), |b| format!("{:.0}", b as f64 / 1e6)),
             s.page_size
                 .map_or(s.origin.to_string(), |p| format!("{} page {p}", s.origin))
                 + &s.policy_suffix()
@@ -1034,7 +1854,19 @@ fn main() {
             "gbps": gbps,
             "timing": timing.name(),
             "origin": s.origin,
+            "label": s.label(),
+            "tokens_per_s": tokens_per_s,
+            "max_abs_err": m.check.max_abs_err,
+            "ref_max_abs": m.check.ref_max_abs,
+            "abs_tol": tol,
+            "checked_rows": m.check.rows,
+            "mem_bytes": m.mem_bytes,
+            "mem_used_delta_bytes": m.mem_used_delta,
         });
+        if let Some(what) = &m.check.nonfinite {
+            let extra = line.as_object_mut().expect("a JSON object");
+            extra.insert("check_error".into(), what.clone().into());
+        }
         if s.kind == Kind::Decode {
             let shape = decode_shape(&s, splits);
             let used = match s.dtype {
@@ -1071,4 +1903,58 @@ fn main() {
         }
     }
     println!("JSON lines written to {json_path}");
+    if failed_checks.is_empty() {
+        println!(
+            "f64 check: {checked_rows} sampled query rows, all within the GPU tests' tolerance"
+        );
+    } else {
+        println!(
+            "f64 check FAILED on {} rows ({checked_rows} sampled query rows in all):",
+            failed_checks.len()
+        );
+        for (label, what) in &failed_checks {
+            println!("  {label}: {what}");
+        }
+    }
+    if let Some(png) = plot_path {
+        match run_python(&["-", &json_path, &png], false) {
+            Ok(()) => println!("plot written to {png}"),
+            Err(e) => {
+                eprintln!("--plot: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+}
+
+/// scripts/plot-bench.py, embedded so that `--plot` also works from a GPU
+/// bundle that has the bench binary and no source tree.
+const PLOT_SCRIPT: &str = include_str!("../scripts/plot-bench.py");
+
+/// Runs `python3 ARGS` (stderr dropped if `quiet`); a first argument `-`
+/// feeds it [`PLOT_SCRIPT`] on stdin.
+fn run_python(args: &[&str], quiet: bool) -> Result<(), String> {
+    let mut child = std::process::Command::new("python3")
+        .args(args)
+        .stdin(std::process::Stdio::piped())
+        .stderr(if quiet {
+            std::process::Stdio::null()
+        } else {
+            std::process::Stdio::inherit()
+        })
+        .spawn()
+        .map_err(|e| format!("cannot run python3 ({e})"))?;
+    let mut stdin = child.stdin.take().expect("piped stdin");
+    if args.first() == Some(&"-") {
+        stdin
+            .write_all(PLOT_SCRIPT.as_bytes())
+            .map_err(|e| format!("cannot feed python3 the plot script ({e})"))?;
+    }
+    drop(stdin);
+    let status = child.wait().map_err(|e| format!("python3 failed ({e})"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("`python3 {}` exited with {status}", args.join(" ")))
+    }
 }

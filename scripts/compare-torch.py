@@ -4,7 +4,12 @@
 Our numbers come from the Rust benchmark (benches/attention.rs), which writes one
 JSON object per shape with the keys kernel, dtype, batch, heads, kv_heads,
 seqlen_q, seqlen_k, head_dim, causal, median_ms, tflops, gbps, timing ("events"
-or "graph"; absent in older files: events) and origin. For every shape in
+or "graph"; absent in older files: events), origin and label (absent in older
+files: origin "other", label rebuilt from the keys the way the bench builds it),
+and, in newer files, tokens_per_s, max_abs_err, abs_tol, mem_bytes and
+mem_used_delta_bytes (the bench's module docs say what each means; the tables
+show them where present). The shapes, origins and labels come from those lines
+only: this script keeps no copy of the bench's shape list. For every shape in
 those results this script times ``torch.nn.functional.scaled_dot_product_attention``
 with the FLASH_ATTENTION backend (PyTorch's bundled FlashAttention-2, "FA2" below)
 and the CUDNN_ATTENTION backend ("cuDNN"), measures a dense-matmul and a
@@ -35,8 +40,9 @@ Usage (on the GPU host; no Rust and no network needed there):
     python3 scripts/compare-torch.py --self-test [--ours some.jsonl] [--out DIR]
 
 Options: --filter SUBSTR keeps the shapes whose bench label contains SUBSTR (the
-label is the one the bench prints, e.g. "sweep forward f16 b4 h16/16 q4096 k4096
-d128 causal"; with --run-bench it is passed on to the bench as well). --reps N is
+label is the one the bench prints and writes as "label", e.g. "sweep forward f16
+b4 h16/16 q4096 k4096 d128 causal"; with --run-bench it is passed on to the bench
+as well). --reps N is
 the number of timed calls for the CUDA-event timers (--timer events|sync).
 --timer picks how baselines are timed, one of the first three and/or graph,
 comma-separated (e.g. do_bench,graph): do_bench (triton.testing.do_bench, median,
@@ -111,11 +117,6 @@ TIMINGS = ("events", "graph")
 # --timer methods: one of the first three, and/or graph.
 TIMER_MODES = ("do_bench", "events", "sync", "graph")
 
-# The bench's decode-graph rows (issue 9's table): (heads, kv_heads, head_dim),
-# Sq 1 and 4, B 1..32, L 256..64k, K/V caches above 20 GB left out.
-DECODE_GRAPH_HEADS = ((32, 8, 128), (32, 32, 128), (28, 4, 128), (32, 8, 256), (9, 3, 64))
-DECODE_GRAPH_MAX_BYTES = 20e9
-
 MATMUL_N = 8192  # the matmul ceiling is an N x N x N product
 COPY_BYTES = 4 << 30  # the copy ceiling moves this many bytes (read) plus as many (write)
 
@@ -150,84 +151,17 @@ class Shape(NamedTuple):
 # --------------------------------------------------------------------------
 
 
-# Head dims of the bench's "16k tokens per batch" sweep (and of the forward plot).
-SWEEP_HEAD_DIMS = (64, 96, 128, 256)
-
-
-def bench_shapes() -> list[tuple[str, Shape]]:
-    """The (origin, shape) list of benches/attention.rs::shapes(), in its order.
-
-    The bench's JSON has no origin, but its --filter matches the printed label,
-    which starts with the origin ("sweep", "seed-L4", ...). Replicating the list
-    lets --filter mean the same thing here and gives the table an origin column.
-    Shapes not found here (the bench changed) get origin "other"; nothing breaks.
-    The sweep uses heads = 2048 // head_dim (D=96: 21 heads, hidden 2016), as the
-    bench does. The bench's "policy-*" rows are not here: read_jsonl skips them.
-    The bench's JSON lines now carry their origin; this list serves older files.
-    """
-    out: list[tuple[str, Shape]] = []
-
-    def fwd(dtype, batch, heads, seqlen, head_dim, causal, origin):
-        out.append((origin, Shape("forward", dtype, batch, heads, heads, seqlen, seqlen, head_dim, causal)))
-
-    def dec(batch, heads, kv_heads, cache, head_dim, origin, seqlen_q=1):
-        # The bench's decode shapes are f16 with the causal flag set.
-        out.append((origin, Shape("decode", "f16", batch, heads, kv_heads, seqlen_q, cache, head_dim, True)))
-
-    fwd("f16", 4, 16, 4096, 128, False, "floor")
-    for dtype in ("f16", "bf16"):
-        for head_dim in SWEEP_HEAD_DIMS:
-            for causal in (False, True):
-                for seqlen in (512, 1024, 2048, 4096, 8192, 16384):
-                    fwd(dtype, 16384 // seqlen, 2048 // head_dim, seqlen, head_dim, causal, "sweep")
-    for b, h, s in ((1, 1, 128), (4, 8, 128), (8, 8, 128), (8, 8, 256), (16, 8, 512)):
-        fwd("f16", b, h, s, 64, True, "seed-L4")
-    fwd("f16", 1, 8, 512, 64, False, "seed-3060")
-    for s in (512, 1024, 2048, 4096, 8192):
-        fwd("f16", 8, 32, s, 64, False, "seed-A100")
-    for s in (64, 128, 256, 512, 1024):
-        fwd("f16", 1, 9, s, 64, True, "seed-SmolLM")
-    for kv_heads, origin in ((8, "decode-gqa"), (32, "decode-mha")):
-        for batch in (1, 8, 32):
-            for cache in (1024, 4096, 16384, 65536):
-                dec(batch, 32, kv_heads, cache, 128, origin)
-    # The bench's paged decode rows ("decode-paged") are not in its JSON.
-    for cache in (256, 512, 1024, 2048, 4096):
-        dec(1, 9, 9, cache, 64, "seed-SmolLM")
-    for heads, kv_heads, head_dim in DECODE_GRAPH_HEADS:
-        for seqlen_q in (1, 4):
-            for batch in (1, 4, 8, 32):
-                for cache in (256, 1024, 4096, 16384, 65536):
-                    if 4.0 * batch * cache * kv_heads * head_dim <= DECODE_GRAPH_MAX_BYTES:
-                        dec(batch, heads, kv_heads, cache, head_dim, "decode-graph", seqlen_q)
-    return out
-
-
-_ORIGINS: dict[Shape, list[str]] | None = None
-
-
-def origins_of(shape: Shape) -> list[str]:
-    global _ORIGINS
-    if _ORIGINS is None:
-        _ORIGINS = {}
-        for origin, s in bench_shapes():
-            _ORIGINS.setdefault(s, [])
-            if origin not in _ORIGINS[s]:
-                _ORIGINS[s].append(origin)
-    return _ORIGINS.get(shape, ["other"])
-
-
 def shape_label(s: Shape, origin: str | None = None) -> str:
-    """The bench's label (Shape::label in benches/attention.rs)."""
+    """The bench's label (Shape::label in benches/attention.rs), for lines without "label"."""
     body = (f"{s.kernel} {s.dtype} b{s.batch} h{s.heads}/{s.kv_heads} "
             f"q{s.seqlen_q} k{s.seqlen_k} d{s.head_dim}{' causal' if s.causal else ''}")
     return f"{origin} {body}" if origin else body
 
 
 def matches_filter(e: dict, needle: str | None) -> bool:
-    # A shape listed under two origins (the "floor" shape is also a sweep point)
-    # matches if either label contains the substring, as either bench line would.
-    return needle is None or any(needle in shape_label(e["shape"], o) for o in e["origins"])
+    # A shape the bench ran under two origins (the "floor" shape is also a sweep
+    # point) matches if either line's label contains the substring, as in the bench.
+    return needle is None or any(needle in label for label in e["labels"])
 
 
 def flops(s: Shape) -> float:
@@ -308,8 +242,14 @@ def _as_bool(v: Any, key: str) -> bool:
     raise ValueError(f"{key}={v!r} is not a boolean")
 
 
+# The bench's per-row numbers besides the time, kept as reported (None when absent).
+BENCH_EXTRAS = ("tflops", "gbps", "tokens_per_s", "max_abs_err", "abs_tol", "check_error", "mem_bytes",
+                "mem_used_delta_bytes")
+
+
 def parse_row(obj: Any) -> dict:
-    """One bench JSON object -> {"shape", "timing", "origin", "median_ms", "tflops", "gbps"}; raises on bad rows."""
+    """One bench JSON object -> {"shape", "timing", "origin", "label", "median_ms", *BENCH_EXTRAS};
+    raises on bad rows."""
     if not isinstance(obj, dict):
         raise ValueError("not a JSON object")
     kernel = obj["kernel"]
@@ -331,9 +271,10 @@ def parse_row(obj: Any) -> dict:
     timing = obj.get("timing", "events")
     if timing not in TIMINGS:
         raise ValueError(f"unknown timing {timing!r}")
-    origin = obj.get("origin")
-    return {"shape": shape, "timing": timing, "origin": origin if isinstance(origin, str) else None,
-            "median_ms": ms, "tflops": obj.get("tflops"), "gbps": obj.get("gbps")}
+    origin = obj.get("origin") if isinstance(obj.get("origin"), str) else "other"
+    label = obj.get("label") if isinstance(obj.get("label"), str) else shape_label(shape, origin)
+    return {"shape": shape, "timing": timing, "origin": origin, "label": label, "median_ms": ms,
+            **{k: obj.get(k) for k in BENCH_EXTRAS}}
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:
@@ -388,23 +329,23 @@ def merge(variants: dict[str, list[dict]]) -> list[dict]:
     one timing (the "floor" shape and seed-A100 S=2048 are also sweep points), so
     duplicates are expected: the first measurement is kept and later ones are
     recorded in dup_ms (and flagged in the table when they disagree by more
-    than 5%). Origins come from the rows, or from bench_shapes() for rows
-    without one (older bench files).
+    than 5%). Origins and labels come from the rows: an entry keeps every
+    distinct one (older bench files without them: "other", rebuilt labels).
     """
     entries: dict[tuple[Shape, str], dict] = {}
     for name, rows in variants.items():
         for r in rows:
             s = r["shape"]
             e = entries.setdefault((s, r["timing"]), {"shape": s, "timing": r["timing"], "origins": [],
-                                                      "results": {}, "baselines": {}})
-            for o in [r["origin"]] if r.get("origin") else origins_of(s):
-                if o not in e["origins"]:
-                    e["origins"].append(o)
+                                                      "labels": [], "results": {}, "baselines": {}})
+            for key, value in (("origins", r["origin"]), ("labels", r["label"])):
+                if value not in e[key]:
+                    e[key].append(value)
             res = e["results"].get(name)
             if res is None:
                 e["results"][name] = {
                     "median_ms": r["median_ms"], "dup_ms": [],
-                    "reported_tflops": r.get("tflops"), "reported_gbps": r.get("gbps"),
+                    **{("reported_" + k if k in ("tflops", "gbps") else k): r.get(k) for k in BENCH_EXTRAS},
                 }
             else:
                 res["dup_ms"].append(r["median_ms"])
@@ -983,7 +924,7 @@ def summarize(entries: list[dict], names: list[str], modes: list[str]) -> dict:
                 d["rows"] = len(rows)
                 d["baseline_timer"] = matched_timer(timing, modes)
                 d["slower_than_fa2"] = [
-                    {"label": shape_label(e["shape"], e["origins"][0]),
+                    {"label": e["labels"][0],
                      "vs_fa2": e["results"][name]["vs_matched"]["fa2"]}
                     for e in slower]
                 out.setdefault(name, {}).setdefault(kernel, {})[timing] = d
@@ -1014,6 +955,21 @@ def fmt_rate(x: float | None, kernel: str) -> str:
 
 def fmt_pct(x: float | None) -> str:
     return "—" if x is None else f"{x:.0f}%"
+
+
+def fmt_extra(key: str, res: dict) -> str:
+    """tokens/s (k/M), max error (bold "!" above abs_tol, "**NaN**" if not finite) or memory (10^6 B)."""
+    x = res.get(key)
+    if key == "max_abs_err":
+        if x is None:
+            return "**NaN**" if res.get("check_error") else "—"
+        tol = res.get("abs_tol")
+        return f"**{x:.1e}!**" if tol is not None and x > tol else f"{x:.1e}"
+    if x is None:
+        return "—"
+    if key == "tokens_per_s":
+        return f"{x / 1e6:.2f}M" if x >= 1e6 else f"{x / 1e3:.1f}k"
+    return f"{x / 1e6:.1f}" if x < 1e8 else f"{x / 1e6:.0f}"
 
 
 def md_escape(text: str) -> str:
@@ -1138,6 +1094,15 @@ def _shape_table(rows: list[dict], kernel: str, timing: str, names: list[str],
     headers += [f"{disp} ms ({m})" for _, disp, m in columns]
     headers += [f"{primary}/{disp} ({m})" for _, disp, m in columns]
     headers += [f"{primary} {unit}", "% matmul" if kernel == "forward" else "% copy"]
+    # The bench's own extra columns, where its lines carry them (newer benches).
+    extras = [(key, head) for key, head in (("tokens_per_s", "tokens/s"), ("max_abs_err", "max err"),
+                                             ("mem_bytes", "mem MB"))
+              if any(e["results"].get(primary, {}).get(key) is not None
+                     or (key == "max_abs_err" and e["results"].get(primary, {}).get("check_error"))
+                     for e in rows)]
+    if kernel == "forward":  # prefill tokens/s adds little next to TFLOP/s
+        extras = [x for x in extras if x[0] != "tokens_per_s"]
+    headers += [f"{primary} {head}" for _, head in extras]
     for name in labels:
         headers += [f"{name} ms", f"{name}/FA2 ({fa2_mode})"]
     headers += ["origin", "notes"]
@@ -1151,6 +1116,7 @@ def _shape_table(rows: list[dict], kernel: str, timing: str, names: list[str],
         r += [fmt_ms(e["baselines"].get(k, {}).get("ms")) for k, _, _ in columns]
         r += [fmt_ratio(res.get(f"vs_{k}")) for k, _, _ in columns]
         r += [fmt_rate(res.get("rate"), kernel), fmt_pct(res.get("pct_ceiling"))]
+        r += [fmt_extra(key, res) for key, _ in extras]
         for name in labels:
             lr = e["results"].get(name, {})
             r += [fmt_ms(lr.get("median_ms")), fmt_ratio(lr.get("vs_matched", {}).get("fa2"))]
@@ -1228,15 +1194,14 @@ def plot_forward(entries: list[dict], names: list[str], env: dict, ceilings: dic
     # The "16k tokens per batch" sweep: B*S = 16384, square. Where two shapes land on
     # one point, the hidden-2048 one (the sweep's) wins.
     sel = [e for e in entries if e["shape"].kernel == "forward" and e["shape"].seqlen_q == e["shape"].seqlen_k
-           and e["shape"].batch * e["shape"].seqlen_q == 16384 and e["shape"].head_dim in SWEEP_HEAD_DIMS
-           and e["timing"] == timing]
+           and e["shape"].batch * e["shape"].seqlen_q == 16384 and e["timing"] == timing]
     sel.sort(key=lambda e: e["shape"].heads != 2048 // e["shape"].head_dim)
     if not sel:
         return False
     plt = _pyplot()
     dtypes = [d for d in DTYPE_ORDER if any(e["shape"].dtype == d for e in sel)]
     colors = _impl_styles(names)
-    dims = [d for d in SWEEP_HEAD_DIMS if any(e["shape"].head_dim == d for e in sel)]
+    dims = sorted({e["shape"].head_dim for e in sel})
     fig, axes = plt.subplots(len(dims), 2, figsize=(13, 4.5 * len(dims)), squeeze=False)
     for r, d in enumerate(dims):
         for c, causal in enumerate((False, True)):
@@ -1320,7 +1285,7 @@ def write_outputs(out: Path, env: dict, ceilings: dict, entries: list[dict], nam
     files["markdown"].write_text(md, encoding="utf-8")
     rows = []
     for e in entries:
-        r = {**e["shape"]._asdict(), "timing": e["timing"], "origins": e["origins"], "label": shape_label(e["shape"]),
+        r = {**e["shape"]._asdict(), "timing": e["timing"], "origins": e["origins"], "labels": e["labels"],
              "flops": flops(e["shape"]), "kv_bytes": kv_bytes(e["shape"]), "io_bytes": io_bytes(e["shape"]),
              "rate_unit": rate_unit(e["shape"].kernel), "results": e["results"], "baselines": e["baselines"]}
         rows.append(r)
@@ -1351,6 +1316,20 @@ def write_outputs(out: Path, env: dict, ceilings: dict, entries: list[dict], nam
 # --------------------------------------------------------------------------
 # --self-test: the whole reporting path on fabricated numbers, no torch
 # --------------------------------------------------------------------------
+
+
+def _fake_bench_shapes() -> list[tuple[str, Shape]]:
+    """(origin, shape) of a fabricated bench run (test data, not the bench's list): sweep points and
+    GQA 32/8 decode for the plots, a shape under two origins (floor, sweep), decode shapes timed both
+    ways (decode-gqa, decode-graph) and the shapes _fake_baselines fails (seed-L4, SmolLM 9/3 D=64)."""
+    return [("floor", Shape("forward", "f16", 4, 16, 16, 4096, 4096, 128, False)),
+            *(("sweep", Shape("forward", dt, 16384 // s, 2048 // d, 2048 // d, s, s, d, c))
+              for dt in DTYPE_ORDER for d in (64, 128) for c in (False, True) for s in (1024, 4096, 16384)),
+            ("seed-L4", Shape("forward", "f16", 1, 1, 1, 128, 128, 64, True)),
+            *(("decode-gqa", Shape("decode", "f16", b, 32, 8, 1, cache, 128, True))
+              for b in (1, 8) for cache in (1024, 16384, 65536)),
+            *(("decode-graph", Shape("decode", "f16", b, h, hkv, sq, cache, d, True))
+              for h, hkv, d in ((32, 8, 128), (9, 3, 64)) for sq in (1, 4) for b in (1, 8) for cache in (1024, 16384))]
 
 
 def _fake_ms(s: Shape, rng: random.Random, timing: str = "events") -> float:
@@ -1480,23 +1459,20 @@ def _graph_timer_checks() -> None:
 
 
 def _unit_checks(tmp: Path) -> None:
-    # Shape list replica: 340 bench lines (`--list` without the 28 policy and paged
-    # rows), 315 distinct shapes (the floor shape and seed-A100 S=2048 are also
-    # sweep points; 23 decode-graph cells are also decode-gqa/mha cells); 198
-    # decode-graph cells (200 less the two MHA B=32 L=64k ones).
-    shapes = bench_shapes()
-    assert len(shapes) == 340 and len({s for _, s in shapes}) == 315, len(shapes)
-    assert sum(o == "decode-graph" for o, _ in shapes) == 198
-    assert Shape("forward", "bf16", 4, 21, 21, 4096, 4096, 96, True) in {s for _, s in shapes}
-    assert Shape("forward", "f16", 1, 8, 8, 16384, 16384, 256, False) in {s for _, s in shapes}
-    assert Shape("decode", "f16", 32, 32, 8, 4, 65536, 256, True) in {s for _, s in shapes}
-    assert Shape("decode", "f16", 32, 32, 32, 1, 65536, 128, True) not in {s for o, s in shapes if o == "decode-graph"}
+    # Origins and labels come from the lines: a shape the bench ran under two
+    # origins (floor and sweep) keeps both, --filter matches either label, and a
+    # line without "label" gets the one the bench would print.
     floor = Shape("forward", "f16", 4, 16, 16, 4096, 4096, 128, False)
-    assert origins_of(floor) == ["floor", "sweep"]
-    fe = {"shape": floor, "origins": origins_of(floor)}
+    assert shape_label(floor, "sweep") == "sweep forward f16 b4 h16/16 q4096 k4096 d128"
+    line = {**floor._asdict(), "median_ms": 2.0}
+    fe = merge({"ours": [parse_row({**line, "origin": "floor", "label": "floor forward f16 b4 h16/16 q4096 k4096 "
+                                    "d128"}), parse_row({**line, "origin": "sweep"})]})[0]
+    assert fe["origins"] == ["floor", "sweep"] and fe["labels"][1] == shape_label(floor, "sweep")
     assert matches_filter(fe, "floor") and matches_filter(fe, "sweep forward f16 b4")
     assert not matches_filter(fe, "seed-L4") and not matches_filter(fe, "causal")
-    assert shape_label(floor, "sweep") == "sweep forward f16 b4 h16/16 q4096 k4096 d128"
+    assert parse_row(line)["origin"] == "other" and parse_row(line)["label"].startswith("other forward")
+    # The bench's label wins over the rebuilt one (it carries the policy, page size, ...).
+    assert parse_row({**line, "label": "x forward paged16"})["label"] == "x forward paged16"
     assert abs(flops(floor) - 549.76e9) < 1e8  # docs/perf-notes.md: 550 G
     dec = Shape("decode", "f16", 8, 32, 8, 1, 16384, 128, True)
     assert kv_bytes(dec) == 536870912  # perf notes: 537 MB
@@ -1543,7 +1519,8 @@ def _unit_checks(tmp: Path) -> None:
              json.dumps({**good, "policy": "softcap50", "origin": "policy-scores", "median_ms": 2.2}),
              json.dumps({**good, "policy": "none", "origin": "policy-scores", "median_ms": 2.1}),
              # Timing: graph rows are kept apart from the events rows of the same shape.
-             json.dumps({**good, "timing": "graph", "origin": "floor", "median_ms": 1.8}),
+             json.dumps({**good, "timing": "graph", "origin": "floor", "median_ms": 1.8, "max_abs_err": 0.02,
+                         "abs_tol": 0.002, "mem_bytes": 268435456}),
              json.dumps({**good, "timing": "cudagraph"})]
     p = tmp / "unit.jsonl"
     p.write_text("\n".join(lines) + "\n")
@@ -1551,15 +1528,15 @@ def _unit_checks(tmp: Path) -> None:
     rows = read_jsonl(p)
     assert len(rows) == 3, rows
     assert rows[1]["shape"].dtype == "bf16" and rows[1]["shape"].causal is True
-    assert rows[0]["timing"] == "events" and rows[0]["origin"] is None
-    assert rows[2]["timing"] == "graph" and rows[2]["origin"] == "floor"
+    assert rows[0]["timing"] == "events" and rows[0]["origin"] == "other" and rows[0]["max_abs_err"] is None
+    assert rows[2]["timing"] == "graph" and rows[2]["origin"] == "floor" and rows[2]["mem_bytes"] == 268435456
 
     # Merge: one entry per (shape, timing); duplicates keep the first time;
     # ratios are baseline / ours, vs_matched against the baseline timed the same way.
     entries = merge({"ours": [rows[0], {**rows[0], "median_ms": 2.5}, rows[2]], "v0": [rows[0]]})
     assert [e["timing"] for e in entries] == ["events", "graph"]
     assert entries[0]["results"]["ours"]["dup_ms"] == [2.5] and entries[1]["results"]["ours"]["dup_ms"] == []
-    assert entries[0]["origins"] == ["floor", "sweep"] and entries[1]["origins"] == ["floor"]
+    assert entries[0]["origins"] == ["other"] and entries[1]["origins"] == ["floor"]
     baselines = {"fa2": {"ms": 4.0, "notes": []}, "cudnn": {"ms": 1.0, "notes": []},
                  "fa2_graph": {"ms": 3.6, "notes": []}, "cudnn_graph": {"ms": None, "notes": [], "error": "x"}}
     for e in entries:
@@ -1582,6 +1559,10 @@ def _unit_checks(tmp: Path) -> None:
     env = {"timers": {m: Timer.DESCRIPTIONS[m] for m in modes}}
     md = render_markdown(env, ceilings, entries, ["ours", "v0"], {}, None, summary)
     assert "## Forward, ours timed with graph" in md and "| FA2 ms (graph) |" in md and "ours/FA2 (do_bench)" in md
+    # The bench's extra columns: shown where its lines have them, an error above abs_tol flagged.
+    assert "| ours max err | ours mem MB |" in md and "| **2.0e-02!** | 268 |" in md
+    assert fmt_extra("tokens_per_s", {"tokens_per_s": 2.5e6}) == "2.50M"
+    assert fmt_extra("max_abs_err", {"max_abs_err": None, "check_error": "O[...] = NaN"}) == "**NaN**"
     # Without a graph timer, graph rows have no matched baseline ("not run"), never a do_bench one.
     only = {"fa2": baselines["fa2"], "cudnn": baselines["cudnn"]}
     for e in entries:
@@ -1611,20 +1592,29 @@ def self_test(args: argparse.Namespace) -> int:
         # percentages here would not mean what the bench's numbers mean.
         for r in ours:
             s, ms = r["shape"], r["median_ms"]
-            for key, mine in (("tflops", flops(s) / (ms * 1e-3) / 1e12), ("gbps", io_bytes(s) / (ms * 1e-3) / 1e9)):
+            for key, mine in (("tflops", flops(s) / (ms * 1e-3) / 1e12), ("gbps", io_bytes(s) / (ms * 1e-3) / 1e9),
+                              ("tokens_per_s", s.batch * s.seqlen_q / (ms * 1e-3))):
                 if r.get(key) is not None and abs(r[key] - mine) > 1e-6 * max(1.0, abs(mine)):
-                    raise AssertionError(f"{shape_label(s)}: bench {key}={r[key]} but formula gives {mine}")
-        info(f"{len(ours)} rows of {args.ours}: bench tflops/gbps match this script's formulas")
+                    raise AssertionError(f"{r['label']}: bench {key}={r[key]} but formula gives {mine}")
+        info(f"{len(ours)} rows of {args.ours}: bench tflops/gbps/tokens_per_s match this script's formulas")
     else:
         # Fabricate a bench file and read it back, so the JSONL path is exercised too.
         fake = out / "fake-ours.jsonl"
         with open(fake, "w") as f:
-            for origin, s in bench_shapes():
+            for n, (origin, s) in enumerate(_fake_bench_shapes()):
                 timing = "graph" if origin == "decode-graph" else "events"
                 ms = _fake_ms(s, rng, timing)
-                f.write(json.dumps({**s._asdict(), "median_ms": ms, "tflops": flops(s) / (ms * 1e-3) / 1e12,
-                                    "gbps": io_bytes(s) / (ms * 1e-3) / 1e9, "timing": timing,
-                                    "origin": origin}) + "\n")
+                tol = 4 / 2048 if s.dtype == "f16" else 4 / 256
+                line = {**s._asdict(), "median_ms": ms, "tflops": flops(s) / (ms * 1e-3) / 1e12,
+                        "gbps": io_bytes(s) / (ms * 1e-3) / 1e9, "timing": timing, "origin": origin,
+                        "label": shape_label(s, origin), "tokens_per_s": s.batch * s.seqlen_q / (ms * 1e-3),
+                        "max_abs_err": tol * rng.uniform(0.02, 0.5), "abs_tol": tol,
+                        "mem_bytes": int(io_bytes(s)), "mem_used_delta_bytes": int(io_bytes(s) * 8)}
+                if n % 7 == 3:  # an older bench's line: no label, no extra columns
+                    line = {k: v for k, v in line.items() if k not in ("label", *BENCH_EXTRAS[2:])}
+                if n == 5:
+                    line.update(max_abs_err=None, check_error="O[token 0, head 3, 17] = NaN, want 1.2e-2")
+                f.write(json.dumps(line) + "\n")
         ours = read_jsonl(fake)
         sources["ours"] = str(fake)
     variants = {"ours": ours}
@@ -1772,8 +1762,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     unknown = [e for e in entries if e["origins"] == ["other"]]
     if unknown:
-        warn(f"{len(unknown)} shapes are not in this script's copy of the bench's shape list "
-             "(origin 'other'); update bench_shapes() if the bench changed")
+        warn(f"{len(unknown)} shapes come from lines without an \"origin\" (an older bench): origin 'other', "
+             "labels rebuilt from the shape keys")
 
     modes = args.timer or ["do_bench"] + (["graph"] if any(e["timing"] == "graph" for e in entries) else [])
     try:
@@ -1795,7 +1785,7 @@ def main(argv: list[str] | None = None) -> int:
         e["baselines"] = measured[s]
         got = ", ".join(f"{disp} ({m}) " + (fmt_ms(e['baselines'][k]['ms']) + " ms" if e["baselines"][k]["ms"]
                                             else "failed") for k, disp, m in baseline_columns(modes))
-        info(f"[{i}/{len(entries)}] {shape_label(s, e['origins'][0])} ({e['timing']}): {got}")
+        info(f"[{i}/{len(entries)}] {e['labels'][0]} ({e['timing']}): {got}")
     # A timer can fall back from do_bench mid-run (an old triton); report the one used.
     env["timers"] = tb.timer_descriptions()
     write_outputs(out, env, ceilings, entries, list(variants), sources, bench)

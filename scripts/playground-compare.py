@@ -18,7 +18,11 @@ import sys
 
 # Smallest change flagged: process-to-process variation of unchanged code.
 FLOOR = 0.03
-RESULT_FIELDS = {"median_ms", "tflops", "gbps", "splits", "ring_stages", "versus"}
+# Keys of a bench line that are measurements (or, like "label", derived from the
+# shape keys and absent from older files), not part of the row's identity.
+RESULT_FIELDS = {"median_ms", "tflops", "gbps", "splits", "ring_stages", "versus", "full_over_window_time",
+                 "varlen_over_fixed_tflops", "overhead_pct", "plain_ms", "label", "tokens_per_s", "max_abs_err",
+                 "ref_max_abs", "abs_tol", "checked_rows", "check_error", "mem_bytes", "mem_used_delta_bytes"}
 
 
 def ptxas_rows(path):
