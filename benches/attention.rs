@@ -121,8 +121,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use flash_attn::{
-    AlibiSlopes, AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut, TensorRef,
-    Varlen, Window,
+    reference, AlibiSlopes, AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut,
+    TensorRef, Varlen, Window,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -806,25 +806,6 @@ struct Check {
     nonfinite: Option<String>,
 }
 
-/// Dot product in four interleaved sums (the order differs from a plain
-/// sum by rounding only; four independent chains run several times faster).
-fn dot(a: &[f64], b: &[f64]) -> f64 {
-    let mut acc = [0.0; 4];
-    let (a4, b4) = (a.chunks_exact(4), b.chunks_exact(4));
-    let tail: f64 = a4
-        .remainder()
-        .iter()
-        .zip(b4.remainder())
-        .map(|(x, y)| x * y)
-        .sum();
-    for (x, y) in a4.zip(b4) {
-        for k in 0..4 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    acc.iter().sum::<f64>() + tail
-}
-
 /// The largest |O - O_ref| the GPU tests accept (4 units of the dtype's
 /// rounding at |O| <= 1; tests/gpu.rs).
 fn abs_tol(dtype: Dtype) -> f64 {
@@ -928,7 +909,9 @@ impl CheckSpec {
         }
     }
 
-    /// The f64 reference of O for query `i` of sequence `seq`, head `h`.
+    /// The f64 reference of O for query `i` of sequence `seq`, head `h`:
+    /// `flash_attn::reference`'s row, with Q, K and V read from the host's
+    /// view of the inputs on demand (a long cache is never widened whole).
     fn reference_row(&self, x: &HostInputs, seq: usize, i: usize, h: usize) -> Vec<f64> {
         let d = self.head_dim;
         let q_seq = self.seqs[seq];
@@ -936,48 +919,19 @@ impl CheckSpec {
         let kv_start = |j: usize| (self.key_row(seq, j) * self.kv_heads + kv_head) * d;
         let mut q = vec![0.0; d];
         x.q.read(((q_seq.q_start + i) * self.heads + h) * d, &mut q);
-        // Query i sits on key position i + n - sq (bottom-right alignment).
-        let (diag, n) = ((i + q_seq.n) as i64 - q_seq.sq as i64, q_seq.n as i64);
-        let lo = self.mask.left.map_or(0, |l| diag - l as i64).clamp(0, n);
-        let hi = self
-            .mask
-            .right
-            .map_or(n, |r| diag + r as i64 + 1)
-            .clamp(lo, n);
-        let mut row = vec![0.0; d];
-        let scores: Vec<f64> = (lo..hi)
-            .map(|j| {
-                x.k.read(kv_start(j as usize), &mut row);
-                let mut s = self.scale * dot(&q, &row);
-                if let Some(c) = self.softcap {
-                    s = c * (s / c).tanh();
-                }
-                if let Some(slopes) = &self.alibi {
-                    s -= slopes[h] * (diag - j).abs() as f64;
-                }
-                s
-            })
-            .collect();
-        let sink = self.sinks.as_ref().map(|s| s[h]);
-        let max = scores
-            .iter()
-            .copied()
-            .chain(sink)
-            .fold(f64::NEG_INFINITY, f64::max);
-        let mut out = vec![0.0; d];
-        if max == f64::NEG_INFINITY {
-            return out; // nothing to attend to: O = 0
-        }
-        let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
-        let sum = weights.iter().sum::<f64>() + sink.map_or(0.0, |s| (s - max).exp());
-        for (j, w) in (lo..hi).zip(&weights) {
-            x.v.read(kv_start(j as usize), &mut row);
-            let p = w / sum;
-            for (o, v) in out.iter_mut().zip(&row) {
-                *o += p * v;
-            }
-        }
-        out
+        let spec = reference::RowSpec {
+            window: self.mask,
+            scale: self.scale,
+            softcap: self.softcap,
+            alibi_slope: self.alibi.as_ref().map(|s| s[h]),
+            sink: self.sinks.as_ref().map(|s| s[h]),
+            query: i,
+            seqlen_q: q_seq.sq,
+            seqlen_k: q_seq.n,
+        };
+        let key = |j: usize, buf: &mut [f64]| x.k.read(kv_start(j), buf);
+        let value = |j: usize, buf: &mut [f64]| x.v.read(kv_start(j), buf);
+        reference::output_row(&spec, &q, key, value).0
     }
 
     /// Compares `got(token row, head)` (one row of O, D values) with the
@@ -1329,7 +1283,7 @@ fn run_paged<T: AttnElement>(
 /// `flash_attn::reference` on small problems of every row kind, its row
 /// sampling, and its verdicts on a good and a poisoned output.
 fn self_test() {
-    use flash_attn::reference::{self, Extras};
+    use flash_attn::reference::Extras;
     use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
     // A tile shorter than the buffers and not a multiple of D, so that rows
     // wrap around it as they do on the device.

@@ -23,7 +23,8 @@
 //! Entry points: [`attention`]/[`attention_ext`] (fixed layout),
 //! [`decode`]/[`decode_ext`] (a cache with per-sequence lengths), [`varlen`]
 //! (packed sequences), [`probabilities`] (P itself) and [`merge_states`] (the
-//! exact combination of two partial results over disjoint keys).
+//! exact combination of two partial results over disjoint keys); each row is
+//! [`softmax_row`]/[`output_row`], public for inputs read on demand.
 use crate::validate::{DecodeShape, ForwardShape, VarlenShape, Window};
 use std::ops::Range;
 
@@ -81,15 +82,133 @@ struct Seq {
     n: usize,
 }
 
+/// What the softmax of one query row depends on besides its query and the
+/// keys: the mask, the score policies, and where the row sits.
+#[derive(Clone, Copy, Debug)]
+pub struct RowSpec {
+    /// The mask, `causal` folded in ([`Window::effective`]).
+    pub window: Window,
+    /// Multiplies q·k.
+    pub scale: f64,
+    /// Softcap `c` of `c * tanh(s / c)`.
+    pub softcap: Option<f64>,
+    /// The row's ALiBi slope (its batch entry's and head's).
+    pub alibi_slope: Option<f64>,
+    /// The row's head's sink logit.
+    pub sink: Option<f64>,
+    /// The query's index within its sequence.
+    pub query: usize,
+    /// Queries in the sequence.
+    pub seqlen_q: usize,
+    /// Keys in use in the sequence.
+    pub seqlen_k: usize,
+}
+
+impl RowSpec {
+    /// Where the query sits among the keys: `query + seqlen_k - seqlen_q`,
+    /// signed because it is negative when there are more queries than keys.
+    fn diagonal(&self) -> i128 {
+        self.query as i128 + self.seqlen_k as i128 - self.seqlen_q as i128
+    }
+
+    /// The keys the query sees: `diagonal - left <= j <= diagonal + right`
+    /// within `0..seqlen_k`, an unbounded side reaching the end of the keys.
+    pub fn visible(&self) -> Range<usize> {
+        let d = self.diagonal();
+        let n = self.seqlen_k as i128;
+        let lo = self.window.left.map_or(0, |l| d - l as i128).clamp(0, n);
+        let hi = self
+            .window
+            .right
+            .map_or(n, |r| d + r as i128 + 1)
+            .clamp(lo, n);
+        lo as usize..hi as usize
+    }
+}
+
 /// Softmax of one query row over the keys it sees.
-struct Row {
+#[derive(Clone, Debug, PartialEq)]
+pub struct RowSoftmax {
     /// The visible keys (indices within the sequence), a possibly empty range.
-    keys: Range<usize>,
+    pub keys: Range<usize>,
     /// Probabilities of `keys`, in order.
-    p: Vec<f64>,
+    pub p: Vec<f64>,
     /// Natural-log softmax denominator (sink included); -inf when the row has
     /// nothing to attend to.
-    lse: f64,
+    pub lse: f64,
+}
+
+/// The softmax of one query row: `q` is its query vector and `key(j, buf)`
+/// writes key `j` of its sequence (of the query's KV head) into `buf`. Every
+/// entry point of this module computes its rows here; callers whose inputs are
+/// too large to hold in f64 (the bench checks sampled rows of long caches)
+/// call it directly with inputs read on demand.
+pub fn softmax_row(
+    spec: &RowSpec,
+    q: &[f64],
+    mut key: impl FnMut(usize, &mut [f64]),
+) -> RowSoftmax {
+    let keys = spec.visible();
+    let mut k = vec![0.0; q.len()];
+    let scores: Vec<f64> = keys
+        .clone()
+        .map(|j| {
+            key(j, &mut k);
+            let mut s = spec.scale * q.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>();
+            if let Some(c) = spec.softcap {
+                s = c * (s / c).tanh();
+            }
+            if let Some(slope) = spec.alibi_slope {
+                let distance = (spec.diagonal() - j as i128).abs();
+                s += -slope * distance as f64;
+            }
+            s
+        })
+        .collect();
+    // Subtracting the maximum (the sink included) keeps exp() from overflowing;
+    // a sink is one more logit in the denominator, with no value attached.
+    let max = scores
+        .iter()
+        .copied()
+        .chain(spec.sink)
+        .fold(f64::NEG_INFINITY, f64::max);
+    if max == f64::NEG_INFINITY {
+        // Nothing to attend to (exp(-inf - -inf) would be NaN).
+        return RowSoftmax {
+            p: vec![0.0; keys.len()],
+            keys,
+            lse: f64::NEG_INFINITY,
+        };
+    }
+    let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>()
+        + spec.sink.map_or(0.0, |s| (s - max).exp());
+    let p = scores.iter().map(|s| (s - max).exp() / sum).collect();
+    RowSoftmax {
+        keys,
+        p,
+        lse: max + sum.ln(),
+    }
+}
+
+/// O and LSE of one query row, as [`softmax_row`], with `value(j, buf)`
+/// reading V like `key` reads K. Only visible keys contribute, so whatever
+/// lies behind the mask (even a non-finite value) cannot reach the output.
+pub fn output_row(
+    spec: &RowSpec,
+    q: &[f64],
+    key: impl FnMut(usize, &mut [f64]),
+    mut value: impl FnMut(usize, &mut [f64]),
+) -> (Vec<f64>, f64) {
+    let row = softmax_row(spec, q, key);
+    let mut o = vec![0.0; q.len()];
+    let mut v = vec![0.0; q.len()];
+    for (j, &pj) in row.keys.zip(&row.p) {
+        value(j, &mut v);
+        for (oc, vc) in o.iter_mut().zip(&v) {
+            *oc += pj * vc;
+        }
+    }
+    (o, row.lse)
 }
 
 impl<'a> Problem<'a> {
@@ -162,26 +281,6 @@ impl<'a> Problem<'a> {
         &t[start..start + self.head_dim]
     }
 
-    /// Where query `i` sits among the keys: `i + n - sq`, signed because it is
-    /// negative when there are more queries than keys.
-    fn diagonal(seq: &Seq, i: usize) -> i128 {
-        i as i128 + seq.n as i128 - seq.sq as i128
-    }
-
-    /// The keys query `i` sees: `diagonal - left <= j <= diagonal + right`
-    /// within `0..n`, an unbounded side reaching the end of the keys.
-    fn visible(&self, seq: &Seq, i: usize) -> Range<usize> {
-        let d = Self::diagonal(seq, i);
-        let n = seq.n as i128;
-        let lo = self.window.left.map_or(0, |l| d - l as i128).clamp(0, n);
-        let hi = self
-            .window
-            .right
-            .map_or(n, |r| d + r as i128 + 1)
-            .clamp(lo, n);
-        lo as usize..hi as usize
-    }
-
     fn alibi_slope(&self, seq: &Seq, h: usize) -> Option<f64> {
         let slopes = self.extras.alibi_slopes?;
         Some(if slopes.len() == self.heads {
@@ -191,50 +290,32 @@ impl<'a> Problem<'a> {
         })
     }
 
-    /// The score of query `i` and key `j` (both within `seq`), every policy
-    /// applied: scale, softcap, then ALiBi.
-    fn score(&self, seq: &Seq, i: usize, h: usize, j: usize) -> f64 {
-        let q = self.q_row(seq.q_start + i, h);
-        let k = self.kv_row(self.k, seq.k_start + j, h);
-        let mut s = self.scale * q.iter().zip(k).map(|(a, b)| a * b).sum::<f64>();
-        if let Some(c) = self.softcap {
-            s = c * (s / c).tanh();
+    fn spec(&self, seq: &Seq, i: usize, h: usize) -> RowSpec {
+        RowSpec {
+            window: self.window,
+            scale: self.scale,
+            softcap: self.softcap,
+            alibi_slope: self.alibi_slope(seq, h),
+            sink: self.extras.sinks.map(|s| s[h]),
+            query: i,
+            seqlen_q: seq.sq,
+            seqlen_k: seq.n,
         }
-        if let Some(slope) = self.alibi_slope(seq, h) {
-            let distance = (Self::diagonal(seq, i) - j as i128).abs();
-            s += -slope * distance as f64;
-        }
-        s
     }
 
-    fn row(&self, seq: &Seq, i: usize, h: usize) -> Row {
-        let keys = self.visible(seq, i);
-        let scores: Vec<f64> = keys.clone().map(|j| self.score(seq, i, h, j)).collect();
-        // A sink is one more logit in the denominator, with no value attached.
-        let sink = self.extras.sinks.map(|s| s[h]);
-        // Subtracting the maximum (the sink included) keeps exp() from
-        // overflowing.
-        let max = scores
-            .iter()
-            .copied()
-            .chain(sink)
-            .fold(f64::NEG_INFINITY, f64::max);
-        if max == f64::NEG_INFINITY {
-            // Nothing to attend to (exp(-inf - -inf) would be NaN).
-            return Row {
-                p: vec![0.0; keys.len()],
-                keys,
-                lse: f64::NEG_INFINITY,
-            };
-        }
-        let sum: f64 = scores.iter().map(|s| (s - max).exp()).sum::<f64>()
-            + sink.map_or(0.0, |s| (s - max).exp());
-        let p = scores.iter().map(|s| (s - max).exp() / sum).collect();
-        Row {
-            keys,
-            p,
-            lse: max + sum.ln(),
-        }
+    /// Reads row `j` of `seq`'s keys (or values) of query head `h` from `t`.
+    fn reader<'t>(
+        &'t self,
+        t: &'t [f64],
+        seq: &'t Seq,
+        h: usize,
+    ) -> impl FnMut(usize, &mut [f64]) + 't {
+        move |j, buf| buf.copy_from_slice(self.kv_row(t, seq.k_start + j, h))
+    }
+
+    fn row(&self, seq: &Seq, i: usize, h: usize) -> RowSoftmax {
+        let q = self.q_row(seq.q_start + i, h);
+        softmax_row(&self.spec(seq, i, h), q, self.reader(self.k, seq, h))
     }
 
     /// O (`q_rows` rows, rows no sequence owns left 0) and LSE (`lse_len`
@@ -254,17 +335,17 @@ impl<'a> Problem<'a> {
         for seq in seqs {
             for h in 0..h_n {
                 for i in 0..seq.sq {
-                    let row = self.row(seq, i, h);
-                    lse[lse_index(seq, h, i)] = row.lse;
+                    let q = self.q_row(seq.q_start + i, h);
+                    let spec = self.spec(seq, i, h);
+                    let (row_o, row_lse) = output_row(
+                        &spec,
+                        q,
+                        self.reader(self.k, seq, h),
+                        self.reader(v, seq, h),
+                    );
+                    lse[lse_index(seq, h, i)] = row_lse;
                     let out_start = ((seq.q_start + i) * h_n + h) * d;
-                    let out = &mut o[out_start..out_start + d];
-                    // Only visible keys contribute, so whatever lies behind the
-                    // mask (even a non-finite value) cannot reach the output.
-                    for (j, &pj) in row.keys.zip(&row.p) {
-                        for (oc, vc) in out.iter_mut().zip(self.kv_row(v, seq.k_start + j, h)) {
-                            *oc += pj * vc;
-                        }
-                    }
+                    o[out_start..out_start + d].copy_from_slice(&row_o);
                 }
             }
         }
