@@ -68,11 +68,12 @@ pub const CUBINS: [(&str, PtxArch); 5] = [
     ("flash_attn_sm90.cu13.cubin", PtxArch::Sm90),
 ];
 
+fn hex(digest: &[u8]) -> String {
+    digest.iter().map(|b| format!("{b:02x}")).collect()
+}
+
 fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    hex(&Sha256::digest(bytes))
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, String> {
@@ -101,11 +102,7 @@ pub fn source_hash(package_dir: &Path) -> Result<String, String> {
         hasher.update(read(&package_dir.join(rel))?);
         hasher.update([0]);
     }
-    Ok(hasher
-        .finalize()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect())
+    Ok(hex(&hasher.finalize()))
 }
 
 fn collect_files(root: &Path, dir: &Path, out: &mut Vec<String>) -> Result<(), String> {
