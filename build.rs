@@ -1,5 +1,6 @@
 //! Provides the kernels to the host crate: writes into `$OUT_DIR` the PTX of
-//! every module (`flash_attn_sm80.ptx`, `flash_attn_sm90.ptx`, embedded with
+//! every module (`flash_attn_sm80.ptx`, `flash_attn_sm90.ptx`,
+//! `flash_attn_sm90a.ptx`, embedded with
 //! `include_str!`), its manifest, and the committed cubins that were
 //! assembled from exactly that PTX (empty files for the others, whose GPUs
 //! then JIT the PTX).

@@ -30,7 +30,7 @@ use crate::validate::{
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
 #[repr(transparent)]
-struct ByValue<T>(T);
+pub(crate) struct ByValue<T>(pub(crate) T);
 // SAFETY: both parameter structs are #[repr(C)] plain data that the kernels
 // declare as their single by-value parameter.
 unsafe impl DeviceRepr for ByValue<AttnParams> {}

@@ -11,12 +11,14 @@ use flash_attn_kernels::config::PtxArch;
 
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.ptx"));
+const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.ptx"));
 
 /// The PTX text of a module; [`PtxArch::for_device`] picks the module.
 pub fn ptx_text(arch: PtxArch) -> &'static str {
     match arch {
         PtxArch::Sm80 => PTX_SM80,
         PtxArch::Sm90 => PTX_SM90,
+        PtxArch::Sm90a => PTX_SM90A,
     }
 }
 

@@ -34,6 +34,7 @@ mod attention;
 pub mod candle;
 mod driver;
 mod error;
+pub mod hopper;
 mod kernels;
 pub mod reference;
 mod tensor;

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Assembles the committed PTX (kernels-gpu/ptx/flash_attn_smXY.ptx) with
 # `ptxas -v -arch=sm_XY` and prints registers, stack frame and spills per entry.
-# Fails if an attention kernel (flash_fwd_*, flash_decode_*, flash_combine_*)
-# has a stack frame or spills, or if the PTX uses local memory at all.
+# Fails if an attention kernel or Hopper probe (flash_fwd_*, flash_decode_*,
+# flash_combine_*, flash_probe_*) has a stack frame or spills, if the PTX uses
+# local memory at all, or if ptxas reports a C75xx (wgmma/setmaxnreg) issue.
 # ptxas: see scripts/ptxas.sh. An optional argument names another folder of
 # flash_attn_smXY.ptx files (scripts/playground.sh reports HEAD's PTX so).
 set -euo pipefail
@@ -41,6 +42,15 @@ for ptx in "${ptx_files[@]}"; do
         echo "ptxas-check: ptxas failed on $ptx" >&2
         exit 1
     fi
+    # C75xx: ptxas serialised `wgmma`s or injected fences (C7515, C7519:
+    # registers of an in-flight wgmma touched, or a branch between fence and
+    # wgmma), or ignored `setmaxnreg` (C7508). CUDA 13.0's ptxas reports
+    # C7519; 13.5's does not.
+    if grep -n 'C75[0-9][0-9]' "$tmp/$name.log" | head -n 5 >"$tmp/c75"; [[ -s "$tmp/c75" ]]; then
+        echo "ptxas-check: $ptx: ptxas warns about wgmma/setmaxnreg code:" >&2
+        cat "$tmp/c75" >&2
+        fail=1
+    fi
     # ptxas -v prints, per entry:
     #   ptxas info : Compiling entry function 'NAME' for 'sm_80'
     #   ptxas info : Function properties for NAME
@@ -51,7 +61,7 @@ for ptx in "${ptx_files[@]}"; do
             if (entry == "") return
             printf "%-6s %-32s %5s %6s %12s %11s %8s\n", arch, entry, regs, stack, st, ld, bars
             # "?" (output not understood) counts as a failure too.
-            if (entry ~ /^flash_(fwd|decode|combine)_/ && (stack != "0" || st != "0" || ld != "0"))
+            if (entry ~ /^flash_(fwd|decode|combine|probe)_/ && (stack != "0" || st != "0" || ld != "0"))
                 bad = bad " " entry
             entry = ""
         }

@@ -50,6 +50,7 @@ pinned_ptxas() {
     echo "$dir/$inner"
 }
 ptxas12=$(pinned_ptxas 12.4.131 nvidia-cuda-nvcc-cu12 nvidia/cuda_nvcc/bin/ptxas)
+# .ci/run also runs scripts/ptxas-check.sh with this ptxas (it reports C7519).
 ptxas13=$(pinned_ptxas 13.0.88 nvidia-cuda-nvcc nvidia/cu13/bin/ptxas)
 version="$("$ptxas12" --version | tail -n 1); $("$ptxas13" --version | tail -n 1)"
 

@@ -26,6 +26,7 @@ ptx_dir=kernels-gpu/ptx
 declare -A files=(
     [flash_attn_sm80.ptx]=flash_attn_sm80.ptx
     [flash_attn_sm90.ptx]=flash_attn_sm90.ptx
+    [flash_attn_sm90a.ptx]=flash_attn_sm90a.ptx
     [ptx-manifest.json]=manifest.json
 )
 

@@ -1686,6 +1686,7 @@ mod config {
             KernelKind::Combine => "combine",
             KernelKind::Append => return "flash_append_kv".into(),
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
+            KernelKind::Probe => panic!("probes are HOPPER_ENTRIES, not ENTRIES: {e:?}"),
         };
         let p = e.policies;
         format!(
@@ -1696,6 +1697,31 @@ mod config {
             word(p.score),
             word(p.seq)
         )
+    }
+
+    /// The sm_90a module's entries: probes only, named after their shape,
+    /// one warpgroup each; the module is for compute capability 9.0 alone.
+    #[test]
+    fn hopper_entries_are_named_probes() {
+        use flash_attn_kernels::config::{PtxArch, HOPPER_ENTRIES, PROBE_THREADS};
+        let mut names = HashSet::new();
+        for e in HOPPER_ENTRIES {
+            assert_eq!(e.kind, KernelKind::Probe, "{e:?}");
+            assert!(names.insert(e.name), "duplicate {}", e.name);
+            let want = if e.name.starts_with("flash_probe_tma_") {
+                format!("flash_probe_tma_hd{}", e.head_dim)
+            } else {
+                let k = e.name.rsplit_once("_k").unwrap().1;
+                format!("flash_probe_wgmma_{}_n{}_k{k}", e.dtype.name(), e.head_dim)
+            };
+            assert_eq!(e.name, want);
+            assert_eq!(e.threads(PtxArch::Sm90a), PROBE_THREADS);
+        }
+        assert_eq!(PtxArch::Sm90a.entries(), HOPPER_ENTRIES);
+        assert_eq!(PtxArch::Sm90.entries(), ENTRIES);
+        assert!(PtxArch::hopper_device(9, 0));
+        assert!(!PtxArch::hopper_device(9, 1) && !PtxArch::hopper_device(10, 0));
+        assert!(!PtxArch::hopper_device(8, 0));
     }
 
     #[test]
@@ -2529,6 +2555,76 @@ mod index {
             for chunk in 0..8u32 {
                 let (r, c) = row_pairs(row, chunk);
                 assert_eq!(row_pairs(r, c), (row, chunk));
+            }
+        }
+    }
+
+    /// The SW128 layout (TMA's 128-byte swizzle, what `wgmma` reads) maps a
+    /// tile's 16-byte chunks one to one onto its bytes, 64 columns per group,
+    /// each 8-row atom inside its own 1024-byte block, and 8 consecutive rows
+    /// of one chunk onto 8 different 16-byte bank groups.
+    #[test]
+    fn sw128_layout_is_a_bijection_onto_whole_atoms() {
+        for rows in [64u32, 80, 128, 176] {
+            for cols in [64u32, 128, 176, 256] {
+                let groups = cols.div_ceil(64);
+                let bytes = groups * rows * SW128_ROW_BYTES;
+                let mut seen = vec![false; (bytes / 16) as usize];
+                for r in 0..rows {
+                    for c in 0..cols / 8 {
+                        let o = sw128_offset(r, c, rows);
+                        assert!(
+                            o % 16 == 0 && o < bytes,
+                            "rows {rows} cols {cols}: ({r}, {c}) -> {o}"
+                        );
+                        assert!(!std::mem::replace(&mut seen[(o / 16) as usize], true));
+                        let atom = (c / 8) * rows * SW128_ROW_BYTES + (r / 8) * SW128_ATOM_BYTES;
+                        assert!((atom..atom + SW128_ATOM_BYTES).contains(&o));
+                    }
+                }
+                for c in 0..8 {
+                    let mut banks: Vec<u32> = (0..8)
+                        .map(|r| sw128_offset(r, c, rows) % 128 / 16)
+                        .collect();
+                    banks.sort_unstable();
+                    banks.dedup();
+                    assert_eq!(banks.len(), 8);
+                }
+            }
+        }
+    }
+
+    /// The descriptor fields, and each k-step's start address against the
+    /// layout: K-major step kk starts at chunk 2kk of row 0, MN-major step kk
+    /// at row 16kk; the MN-major leading offset is one column group.
+    #[test]
+    fn wgmma_descriptors_address_the_sw128_layout() {
+        let field = |d: u64, lo: u32, bits: u32| (d >> lo) & ((1 << bits) - 1);
+        let d = gmma_desc(0x1_2340, 0x5600, 1024);
+        assert_eq!(field(d, 0, 14), 0x1_2340 >> 4);
+        assert_eq!(field(d, 16, 14), 0x5600 >> 4);
+        assert_eq!(field(d, 32, 14), 1024 >> 4);
+        assert_eq!(field(d, 49, 3), 0, "base offset: tiles are atom-aligned");
+        assert_eq!(field(d, 62, 2), 1, "128-byte swizzle");
+        let tile = 3 * SW128_ATOM_BYTES;
+        for rows in [64u32, 80, 128, 176] {
+            for kk in 0..16u32 {
+                let k = k_major_desc(tile, rows, kk);
+                assert_eq!(
+                    field(k, 0, 14) << 4,
+                    (tile + sw128_offset(0, 2 * kk, rows)) as u64
+                );
+                assert_eq!(field(k, 32, 14) << 4, SW128_ATOM_BYTES as u64);
+                if 16 * kk < rows {
+                    let m = mn_major_desc(tile, rows, kk);
+                    assert_eq!(
+                        field(m, 0, 14) << 4,
+                        (tile + sw128_offset(16 * kk, 0, rows)) as u64
+                    );
+                    let group = sw128_offset(0, 8, rows) - sw128_offset(0, 0, rows);
+                    assert_eq!(field(m, 16, 14) << 4, group as u64);
+                    assert_eq!(field(m, 32, 14) << 4, SW128_ATOM_BYTES as u64);
+                }
             }
         }
     }

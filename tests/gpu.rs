@@ -14,13 +14,15 @@
 use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use flash_attn::hopper::probes::Probes;
 use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
-use flash_attn_kernels::config::{AttnTile, KernelKind};
+use flash_attn_kernels::config::{AttnTile, KernelKind, HOPPER_ENTRIES};
+use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
 use proptest::prelude::*;
@@ -31,6 +33,8 @@ use rand::{Rng, SeedableRng};
 struct Gpu {
     stream: Arc<CudaStream>,
     fa: FlashAttention,
+    /// The sm_90a module's probes, on compute capability 9.0 only.
+    hopper: Option<Probes>,
 }
 
 fn open_gpu() -> Option<Gpu> {
@@ -42,9 +46,11 @@ fn open_gpu() -> Option<Gpu> {
     }
     let ctx = CudaContext::new(0).expect("a GPU is present, so its context must open");
     let fa = FlashAttention::new(&ctx).expect("a GPU is present, so the module must load");
+    let hopper = Probes::new(&ctx).expect("on compute capability 9.0 the sm_90a module must load");
     Some(Gpu {
         stream: ctx.default_stream(),
         fa,
+        hopper,
     })
 }
 
@@ -1750,6 +1756,158 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
     v
 }
 
+/// The `wgmma` probe shapes, (dtype, N, K), from the module's entry list.
+fn wgmma_probe_shapes() -> Vec<(Dtype, usize, usize)> {
+    HOPPER_ENTRIES
+        .iter()
+        .filter_map(|e| {
+            let rest = e.name.strip_prefix("flash_probe_wgmma_")?;
+            let (_, nk) = rest.split_once("_n")?;
+            let (n, k) = nk.split_once("_k")?;
+            Some((e.dtype, n.parse().ok()?, k.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Every `wgmma` probe in each form its shape allows (SS with a K-major B
+/// needs K % 64 == 0, RS with an MN-major B N % 64 == 0) against the host
+/// product of the same rounded inputs. Accumulation is f32 in some order:
+/// |err| <= 2^-20 · Σ|a·b| + 2^-30 per element; a wrong descriptor, layout or
+/// fence gives errors of the size of the values themselves.
+fn run_wgmma_probes(gpu: &Gpu) -> Result<(), String> {
+    fn one<T: AttnElement>(
+        gpu: &Gpu,
+        n: usize,
+        k: usize,
+        mode: u32,
+        seed: u64,
+    ) -> Result<(), String> {
+        let probes = gpu.hopper.as_ref().unwrap();
+        let s = &gpu.stream;
+        let e = |x: cudarc::driver::DriverError| x.to_string();
+        let mut rng = StdRng::seed_from_u64(seed);
+        let a: Vec<T> = random_values(&mut rng, 64 * k);
+        let b: Vec<T> = random_values(&mut rng, n * k);
+        let (a_d, b_d) = (s.clone_htod(&a).map_err(e)?, s.clone_htod(&b).map_err(e)?);
+        let mut c_d = s.clone_htod(&vec![f32::NAN; 64 * n]).map_err(e)?;
+        probes
+            .wgmma_gemm(s, n, k, mode, &a_d, &b_d, &mut c_d)
+            .map_err(|e| e.to_string())?;
+        let c = s.clone_dtoh(&c_d).map_err(e)?;
+        for i in 0..64 {
+            for j in 0..n {
+                let (mut want, mut mag) = (0.0f64, 0.0f64);
+                for kk in 0..k {
+                    let bv = if mode == ProbeGemmParams::RS_MN_MAJOR {
+                        b[kk * n + j]
+                    } else {
+                        b[j * k + kk]
+                    };
+                    let p = a[i * k + kk].to_f64() * bv.to_f64();
+                    want += p;
+                    mag += p.abs();
+                }
+                let got = c[i * n + j] as f64;
+                // NaN (an unwritten element) fails too.
+                let within = (got - want).abs() <= mag * 2f64.powi(-20) + 2f64.powi(-30);
+                if !within {
+                    return Err(format!(
+                        "wgmma {:?} n{n} k{k} mode {mode}: C[{i}][{j}] = {got}, want {want}",
+                        T::DTYPE
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+    let shapes = wgmma_probe_shapes();
+    if shapes.len() < 4 {
+        return Err(format!(
+            "expected the wgmma probes in HOPPER_ENTRIES, found {shapes:?}"
+        ));
+    }
+    for (i, &(dtype, n, k)) in shapes.iter().enumerate() {
+        let modes = [
+            (k % 64 == 0).then_some(ProbeGemmParams::SS_K_MAJOR),
+            (n % 64 == 0).then_some(ProbeGemmParams::RS_MN_MAJOR),
+        ];
+        for mode in modes.into_iter().flatten() {
+            match dtype {
+                Dtype::F16 => one::<f16>(gpu, n, k, mode, i as u64)?,
+                Dtype::Bf16 => one::<bf16>(gpu, n, k, mode, i as u64)?,
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The TMA probes: [S, H, D] through the two-stage ring in tiles of `rows`
+/// rows, over enough tiles for several phase flips of each barrier, with a
+/// partial last tile; the threads' copy must equal the input (zeros past S)
+/// and the TMA-stored copy must equal it byte for byte. `map_source`: the
+/// maps by value (read in param space) or from global memory.
+fn run_tma_probes(gpu: &Gpu, map_source: u32) -> Result<(), String> {
+    let probes = gpu.hopper.as_ref().unwrap();
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let mut rng = StdRng::seed_from_u64(17);
+    for (d, rows, seqlen, heads) in [
+        (64, 64, 1000, 3),
+        (128, 176, 2000, 2),
+        (256, 80, 777, 2),
+        (128, 128, 128, 1),
+    ] {
+        {
+            let src: Vec<f16> = random_values(&mut rng, seqlen * heads * d);
+            let padded = seqlen.div_ceil(rows) * rows;
+            let src_d = s.clone_htod(&src).map_err(e)?;
+            let mut copied_d = s
+                .clone_htod(&vec![nan::<f16>(); padded * heads * d])
+                .map_err(e)?;
+            let mut stored_d = s
+                .clone_htod(&vec![nan::<f16>(); seqlen * heads * d])
+                .map_err(e)?;
+            probes
+                .tma_copy(
+                    s,
+                    d,
+                    rows,
+                    seqlen,
+                    heads,
+                    map_source,
+                    &src_d,
+                    &mut copied_d,
+                    &mut stored_d,
+                )
+                .map_err(|e| format!("tma d{d} rows {rows} maps from {map_source}: {e}"))?;
+            let what = format!("tma d{d} rows {rows} S {seqlen} H {heads} maps from {map_source}");
+            let copied = s.clone_dtoh(&copied_d).map_err(e)?;
+            let stored = s.clone_dtoh(&stored_d).map_err(e)?;
+            let bits = |x: &f16| x.to_bits();
+            if let Some(i) = (0..seqlen * heads * d).find(|&i| bits(&stored[i]) != bits(&src[i])) {
+                return Err(format!(
+                    "{what}: stored[{i}] = {}, want {}",
+                    stored[i], src[i]
+                ));
+            }
+            for i in 0..padded * heads * d {
+                let want = if i < seqlen * heads * d {
+                    bits(&src[i])
+                } else {
+                    0
+                };
+                if bits(&copied[i]) != want {
+                    return Err(format!(
+                        "{what}: copied[{i}] = {:#06x}, want {want:#06x}",
+                        bits(&copied[i])
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let gpu = Arc::new(open_gpu());
@@ -1875,6 +2033,7 @@ fn main() {
             stream: gpu.stream.clone(),
             fa: FlashAttention::new_with(gpu.fa.context(), ModuleChoice::Ptx)
                 .map_err(|e| e.to_string())?,
+            hopper: None,
         };
         if ptx.fa.loaded_code() != LoadedCode::Ptx(gpu.fa.ptx_arch().target_cpu()) {
             return Err(format!("ModuleChoice::Ptx loaded {:?}", ptx.fa.loaded_code()).into());
@@ -1987,12 +2146,38 @@ fn main() {
         },
     ));
 
+    let have_hopper = gpu.as_ref().as_ref().is_some_and(|g| g.hopper.is_some());
+    let mut hopper_trials = Vec::new();
+    for (name, run) in [
+        (
+            "hopper_wgmma_probes",
+            run_wgmma_probes as fn(&Gpu) -> Result<(), String>,
+        ),
+        ("hopper_tma_probes_maps_global", |g| {
+            run_tma_probes(g, ProbeTmaParams::MAPS_GLOBAL)
+        }),
+        ("hopper_tma_probes_maps_param", |g| {
+            run_tma_probes(g, ProbeTmaParams::MAPS_PARAM)
+        }),
+    ] {
+        let g = gpu.clone();
+        hopper_trials.push(Trial::test(name, move || {
+            run(g.as_ref().as_ref().unwrap()).map_err(Failed::from)
+        }));
+    }
     let trials: Vec<Trial> = trials
         .into_iter()
         .map(|t| t.with_ignored_flag(!have_gpu))
+        .chain(
+            hopper_trials
+                .into_iter()
+                .map(|t| t.with_ignored_flag(!have_hopper)),
+        )
         .collect();
     if !have_gpu {
         eprintln!("no CUDA device found: every GPU test is ignored");
+    } else if !have_hopper {
+        eprintln!("not compute capability 9.0: the sm_90a (Hopper) tests are ignored");
     }
     libtest_mimic::run(&args, trials).exit();
 }

@@ -25,7 +25,7 @@ use std::{format, println, vec};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::config::{Entry, PtxArch, ENTRIES};
+use crate::config::{Entry, PtxArch};
 
 /// This package's directory: `kernels-gpu/` of a checkout, or the unpacked
 /// crate in cargo's registry cache. Both hold the sources and the artifacts.
@@ -443,7 +443,38 @@ fn build_module(
             asm.display()
         ));
     }
-    add_launch_bounds(&ptx, arch)
+    let ptx = add_launch_bounds(&ptx, arch)?;
+    Ok(match arch {
+        PtxArch::Sm90a => align_tensor_map_params(&ptx),
+        PtxArch::Sm80 | PtxArch::Sm90 => ptx,
+    })
+}
+
+/// Raises the alignment of every entry's first parameter that is tensor maps
+/// to the 128 bytes nvcc declares for a `CUtensorMap` (TMA requires 64),
+/// which rustc cannot declare (`#[repr(align(64))]` on a by-value kernel
+/// parameter is an internal compiler error; `params::TensorMap` is
+/// `align(16)`). At 16 the driver may place the map at a 16-byte boundary of
+/// the parameter bank, and TMA faults with a misaligned address (seen on H100). In the `sm_90a`
+/// module a first parameter of a multiple of 128 bytes at alignment 16 is
+/// tensor maps by convention (`kernels::entries`); nothing else changes.
+pub fn align_tensor_map_params(ptx: &str) -> String {
+    let mut out = String::with_capacity(ptx.len());
+    for line in ptx.split_inclusive('\n') {
+        let decl = line.trim_start();
+        let is_maps = decl
+            .strip_prefix(".param .align 16 .b8 ")
+            .and_then(|rest| rest.split_once("_param_0["))
+            .and_then(|(_, size)| size.split_once(']'))
+            .and_then(|(size, _)| size.parse::<usize>().ok())
+            .is_some_and(|size| size > 0 && size % 128 == 0);
+        if is_maps {
+            out.push_str(&line.replacen(".align 16", ".align 128", 1));
+        } else {
+            out.push_str(line);
+        }
+    }
+    out
 }
 
 /// Variables of an enclosing cargo build that must not leak into the nested
@@ -491,19 +522,20 @@ fn sanitize_env(cmd: &mut Command) {
 /// threads per CTA. Without `.maxntid` ptxas must assume CTAs of up to 1024
 /// threads and limits every kernel to 64 registers per thread; without an
 /// occupancy target it picks its own and may spill to reach it. Everything
-/// else is kept byte for byte. Every entry of [`ENTRIES`] must be defined
+/// else is kept byte for byte. Every entry of [`PtxArch::entries`] must be defined
 /// exactly once, and no other.
 pub fn add_launch_bounds(ptx: &str, arch: PtxArch) -> Result<String, String> {
     let cpu = arch.target_cpu();
-    let mut out = String::with_capacity(ptx.len() + 32 * ENTRIES.len());
+    let entries = arch.entries();
+    let mut out = String::with_capacity(ptx.len() + 32 * entries.len());
     let mut found: Vec<&str> = vec![];
     // The entry whose body has not started yet.
     let mut pending: Option<&Entry> = None;
     for line in ptx.split_inclusive('\n') {
         let trimmed = line.trim();
         if let Some(name) = entry_name(trimmed) {
-            let entry = ENTRIES.iter().find(|e| e.name == name).ok_or_else(|| {
-                format!("{cpu} PTX has entry `{name}`, which is not in config::ENTRIES")
+            let entry = entries.iter().find(|e| e.name == name).ok_or_else(|| {
+                format!("{cpu} PTX has entry `{name}`, which is not in its config entry list")
             })?;
             if found.contains(&name) {
                 return Err(format!("{cpu} PTX defines entry `{name}` twice"));
@@ -533,14 +565,14 @@ pub fn add_launch_bounds(ptx: &str, arch: PtxArch) -> Result<String, String> {
     if pending.is_some() {
         return Err(format!("{cpu} PTX ends inside an entry's parameter list"));
     }
-    let missing: Vec<&str> = ENTRIES
+    let missing: Vec<&str> = entries
         .iter()
         .map(|e| e.name)
         .filter(|n| !found.contains(n))
         .collect();
     if !missing.is_empty() {
         return Err(format!(
-            "{cpu} PTX lacks the entries {missing:?} of config::ENTRIES"
+            "{cpu} PTX lacks the entries {missing:?} of its config entry list"
         ));
     }
     Ok(out)

@@ -106,15 +106,21 @@ pub enum PtxArch {
     Sm80,
     /// `sm_90`: loaded on GPUs that give a CTA 227 KB (H100, H200, B200).
     Sm90,
+    /// `sm_90a`: Hopper's architecture-specific instructions (`wgmma`,
+    /// `setmaxnreg`), which run on compute capability 9.0 only. Loaded there
+    /// beside the `Sm90` module; it holds only [`HOPPER_ENTRIES`].
+    Sm90a,
 }
 
 impl PtxArch {
     /// Every module, in build order.
-    pub const ALL: [PtxArch; 2] = [PtxArch::Sm80, PtxArch::Sm90];
+    pub const ALL: [PtxArch; 3] = [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a];
 
     /// The module this code is being compiled into (device code; on the host
     /// it reads `Sm80` and means nothing).
-    pub const TARGET: PtxArch = if cfg!(target_feature = "sm_90") {
+    pub const TARGET: PtxArch = if cfg!(target_feature = "sm_90a") {
+        PtxArch::Sm90a
+    } else if cfg!(target_feature = "sm_90") {
         PtxArch::Sm90
     } else {
         PtxArch::Sm80
@@ -125,6 +131,7 @@ impl PtxArch {
         match self {
             PtxArch::Sm80 => "sm_80",
             PtxArch::Sm90 => "sm_90",
+            PtxArch::Sm90a => "sm_90a",
         }
     }
 
@@ -133,8 +140,22 @@ impl PtxArch {
     pub const fn max_smem_bytes(self) -> usize {
         match self {
             PtxArch::Sm80 => 99 * 1024,
-            PtxArch::Sm90 => 227 * 1024,
+            PtxArch::Sm90 | PtxArch::Sm90a => 227 * 1024,
         }
+    }
+
+    /// The entry points the module defines.
+    pub const fn entries(self) -> &'static [Entry] {
+        match self {
+            PtxArch::Sm80 | PtxArch::Sm90 => ENTRIES,
+            PtxArch::Sm90a => HOPPER_ENTRIES,
+        }
+    }
+
+    /// Whether a GPU of compute capability `major.minor` runs the `Sm90a`
+    /// module: architecture-specific PTX runs on that exact architecture only.
+    pub const fn hopper_device(major: i32, minor: i32) -> bool {
+        major == 9 && minor == 0
     }
 
     /// The module for a GPU of compute capability `major` whose CTAs may opt
@@ -155,6 +176,11 @@ impl AttnTile {
     /// The tile of a kernel family for a head dimension, `None` when that head
     /// dimension is not compiled.
     pub const fn for_kernel(kind: KernelKind, head_dim: usize, arch: PtxArch) -> Option<AttnTile> {
+        // The same budget as sm_90, whose tiles it would reuse.
+        let arch = match arch {
+            PtxArch::Sm90a => PtxArch::Sm90,
+            a => a,
+        };
         let (warps, split, m_tiles, q_in_regs, block_n, kv_stages, min_ctas_per_sm) =
             match (kind, head_dim, arch) {
                 // Decode is memory-bound with few query rows: one m-tile shared by
@@ -429,6 +455,9 @@ pub enum KernelKind {
     /// Merges two (O, LSE) attention states over disjoint key sets; any head
     /// dim (a multiple of 8).
     Merge,
+    /// A check of one Hopper primitive (`hopper_probes`): the GPU suite runs
+    /// it against a host computation before any kernel relies on it.
+    Probe,
 }
 
 /// Which keys a query row sees (see `kernels::policy`). Ordered from the most
@@ -520,6 +549,7 @@ impl Entry {
             KernelKind::Combine => COMBINE_THREADS,
             KernelKind::Append => APPEND_THREADS,
             KernelKind::Merge => MERGE_THREADS,
+            KernelKind::Probe => PROBE_THREADS,
             _ => self.tile(arch).threads(),
         }
     }
@@ -527,6 +557,7 @@ impl Entry {
     pub const fn smem_bytes(&self, arch: PtxArch) -> usize {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => 0,
+            KernelKind::Probe => PtxArch::Sm90a.max_smem_bytes(),
             _ => self.tile(arch).smem_bytes(),
         }
     }
@@ -534,6 +565,7 @@ impl Entry {
     pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
+            KernelKind::Probe => Some(1),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
     }
@@ -737,6 +769,70 @@ macro_rules! entry_rows {
     };
 }
 attention_variants!(entry_rows);
+
+/// Threads of a probe CTA: one warpgroup, the unit that issues `wgmma`.
+pub const PROBE_THREADS: usize = 128;
+
+/// Bytes the probes' dynamic shared memory is aligned to: a 128-byte-swizzled
+/// tile repeats every 8 rows of 128 bytes, and both `wgmma` descriptors (base
+/// offset 0) and TMA's swizzle address it from a 1024-byte boundary. The
+/// kernels round the window's base up, so a launch adds this much slack.
+pub const SWIZZLE_ATOM_BYTES: usize = 1024;
+
+/// The Hopper primitive checks of the `Sm90a` module, one line each:
+/// `wgmma dtype N K` multiplies a 64 x K by a K x N tile (`m64nNk16`, K/16
+/// steps) both with A and B in shared memory (B K-major, as Kᵀ in Q·Kᵀ;
+/// needs K % 64 == 0) and with A in registers and B MN-major (as V in P·V;
+/// needs N % 64 == 0); `tma D` copies [S, H, D] tiles through a two-stage
+/// TMA + mbarrier ring and back out with a TMA store. The pairs are the
+/// shapes the Hopper forward uses: Q·Kᵀ at D = 128 (176 keys) and 256 (80
+/// keys), P·V at the same, and the 128 x 128 causal tile.
+macro_rules! hopper_probes {
+    ($callback:ident) => {
+        $callback! {
+            wgmma f16 64 64;
+            wgmma f16 128 128;
+            wgmma f16 176 128;
+            wgmma f16 128 176;
+            wgmma f16 80 256;
+            wgmma f16 256 80;
+            wgmma bf16 64 64;
+            wgmma bf16 128 128;
+            wgmma bf16 176 128;
+            wgmma bf16 128 176;
+            wgmma bf16 80 256;
+            wgmma bf16 256 80;
+            tma 64;
+            tma 128;
+            tma 256;
+        }
+    };
+}
+#[allow(unused_imports)] // used by the device crate's entries only
+pub(crate) use hopper_probes;
+
+macro_rules! hopper_rows {
+    ($(wgmma $dtype:ident $n:literal $k:literal;)* $(tma $d:literal;)*) => {
+        /// Every entry point of the `Sm90a` module: the `hopper_probes`.
+        pub const HOPPER_ENTRIES: &[Entry] = &[
+            $(Entry {
+                name: concat!("flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)),
+                kind: KernelKind::Probe,
+                dtype: table_word!(dtype $dtype),
+                head_dim: $n,
+                policies: Policies::PLAIN,
+            },)*
+            $(Entry {
+                name: concat!("flash_probe_tma_hd", stringify!($d)),
+                kind: KernelKind::Probe,
+                dtype: Dtype::F16,
+                head_dim: $d,
+                policies: Policies::PLAIN,
+            },)*
+        ];
+    };
+}
+hopper_probes!(hopper_rows);
 
 /// The first (most specialised) entry of `kind` for `dtype` and `head_dim`
 /// whose policies cover `need`.

@@ -195,3 +195,55 @@ pub const fn row_pairs(row: u32, chunk: u32) -> (u32, u32) {
         (chunk & !1) | ((row >> 3) & 1),
     )
 }
+
+/// Bytes of one row of a 128-byte-swizzled (SW128) tile: 64 f16/bf16 elements.
+pub const SW128_ROW_BYTES: u32 = 128;
+/// Bytes of one SW128 swizzle atom: 8 rows of 128 bytes, the period of the
+/// XOR pattern, to which a tile must be aligned.
+pub const SW128_ATOM_BYTES: u32 = SW128_ROW_BYTES * SWIZZLE_ROWS as u32;
+
+/// Byte offset of 16-byte chunk `chunk` (elements 8·chunk..) of row `row` in
+/// an SW128 tile of `rows` rows, the layout TMA writes with
+/// `CU_TENSOR_MAP_SWIZZLE_128B` and `wgmma` reads: the row's 64-element
+/// column groups are stored one after the other, each as `rows` rows of 128
+/// bytes, and within each 8-row atom chunk c of row r sits at c ^ (r % 8).
+#[inline(always)]
+pub const fn sw128_offset(row: u32, chunk: u32, rows: u32) -> u32 {
+    (chunk / 8) * rows * SW128_ROW_BYTES + row * SW128_ROW_BYTES + swizzle(row, chunk % 8) * 16
+}
+
+/// A `wgmma` shared-memory matrix descriptor of an SW128 tile at `.shared`
+/// address `addr` (1024-byte aligned atoms, base offset 0): bits 0-13
+/// `addr >> 4`, 16-29 the leading-dimension byte offset >> 4, 32-45 the
+/// stride-dimension byte offset >> 4, 62-63 = 1 (128-byte swizzle).
+#[inline(always)]
+pub const fn gmma_desc(addr: u32, leading_bytes: u32, stride_bytes: u32) -> u64 {
+    ((addr as u64 & 0x3_ffff) >> 4)
+        | (((leading_bytes as u64 >> 4) & 0x3fff) << 16)
+        | (((stride_bytes as u64 >> 4) & 0x3fff) << 32)
+        | (1 << 62)
+}
+
+/// Descriptor of k-step `kk` (elements 16·kk..16·kk+15 of the contracted
+/// dimension) of a K-major SW128 tile of `rows` rows at `tile` (Q as A and K
+/// as B of Q·Kᵀ): 16 elements are 32 bytes within the 128-byte row, and every
+/// 4 steps the next column group. LBO is unused for swizzled K-major tiles;
+/// SBO is the 8-row atom.
+#[inline(always)]
+pub const fn k_major_desc(tile: u32, rows: u32, kk: u32) -> u64 {
+    let start = tile + (kk / 4) * rows * SW128_ROW_BYTES + (kk % 4) * 32;
+    gmma_desc(start, 16, SW128_ATOM_BYTES)
+}
+
+/// Descriptor of k-step `kk` (rows 16·kk..16·kk+15) of an MN-major SW128
+/// tile of `rows` rows at `tile` (V as B of P·V, stored as TMA loads it):
+/// the N dimension steps 64 columns at LBO = one column group (`rows` rows),
+/// the k dimension 8 rows at SBO = one atom; a k-step is two atoms.
+#[inline(always)]
+pub const fn mn_major_desc(tile: u32, rows: u32, kk: u32) -> u64 {
+    gmma_desc(
+        tile + kk * 2 * SW128_ATOM_BYTES,
+        rows * SW128_ROW_BYTES,
+        SW128_ATOM_BYTES,
+    )
+}

@@ -20,6 +20,8 @@ pub mod artifacts;
 mod arch;
 #[cfg(target_arch = "nvptx64")]
 mod kernels;
+#[cfg(target_arch = "nvptx64")]
+mod unroll;
 
 #[cfg(target_arch = "nvptx64")]
 #[panic_handler]

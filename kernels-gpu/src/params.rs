@@ -232,3 +232,75 @@ pub struct MergeParams {
     /// 16-byte chunks per row (head_dim / 8).
     pub row_chunks: u32,
 }
+
+/// A TMA tensor map (`CUtensorMap`), as `cuTensorMapEncodeTiled` writes it:
+/// 128 opaque bytes. TMA needs it 64-byte aligned (CUDA 13's header declares
+/// 128, and nvcc's PTX says `.align 128`); rustc's nvptx calling convention
+/// rejects `align(64)` on a by-value kernel parameter (an internal compiler
+/// error), so it is declared with 16 and the PTX build raises the
+/// parameter's alignment (`artifacts::align_tensor_map_params`). The `tma`
+/// probe reads maps both so and from a copy in global memory.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TensorMap(pub [u64; 16]);
+
+/// Parameters of a `wgmma` probe: C = A·B in f32 for one 64 x K by K x N tile.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeGemmParams {
+    /// A [64, K] row-major (K contiguous), f16 or bf16.
+    pub a: u64,
+    /// B: [N, K] row-major (K-major, as K in Q·Kᵀ) when `mode` is
+    /// [`ProbeGemmParams::SS_K_MAJOR`]; [K, N] row-major (MN-major, as V in
+    /// P·V) when it is [`ProbeGemmParams::RS_MN_MAJOR`].
+    pub b: u64,
+    /// f32 C [64, N] row-major.
+    pub c: u64,
+    /// Which `wgmma` form the probe runs.
+    pub mode: u32,
+}
+
+impl ProbeGemmParams {
+    /// A and B from shared memory, B K-major.
+    pub const SS_K_MAJOR: u32 = 0;
+    /// A from registers, B from shared memory, MN-major (`tnspB = 1`).
+    pub const RS_MN_MAJOR: u32 = 1;
+}
+
+/// The tensor maps of a `tma` probe, its first (by-value) kernel parameter.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeTmaMaps {
+    /// Loads: `src` [S, H, D] as the 4-D tensor {D, S, H, 1}, box {64, rows, 1, 1}, 128-byte swizzle.
+    pub load: TensorMap,
+    /// Stores: `stored` [S, H, D], the same geometry.
+    pub store: TensorMap,
+}
+
+/// Parameters of a `tma` probe; grid.x = H, one CTA per head.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ProbeTmaParams {
+    /// A copy of the maps in global memory (64-byte aligned), read when
+    /// `map_source` is [`ProbeTmaParams::MAPS_GLOBAL`].
+    pub maps_global: u64,
+    /// [ceil(S / rows) * rows, H, D]: every tile as the threads read it from
+    /// shared memory (un-swizzled), rows past S included (TMA fills them with zeros).
+    pub copied: u64,
+    /// Tokens S.
+    pub seqlen: u32,
+    /// Heads H.
+    pub heads: u32,
+    /// Rows per TMA box and tile (1..=256).
+    pub rows: u32,
+    /// Where the kernel reads the maps: one of the `MAPS_*` constants.
+    pub map_source: u32,
+}
+
+impl ProbeTmaParams {
+    /// The by-value parameter, through its generic address (`cvta.param`;
+    /// its `.param` state-space address faults with a misaligned address).
+    pub const MAPS_PARAM: u32 = 0;
+    /// The copy at `maps_global`.
+    pub const MAPS_GLOBAL: u32 = 1;
+}

@@ -1,4 +1,4 @@
-//! CTA barriers.
+//! CTA and warp barriers.
 use core::arch::asm;
 
 /// `bar.sync 0;` every thread of the CTA waits here; orders shared-memory
@@ -7,5 +7,26 @@ use core::arch::asm;
 pub fn sync_cta() {
     unsafe {
         asm!("bar.sync 0;", options(nostack));
+    }
+}
+
+/// `bar.warp.sync 0xffffffff;` every lane of the warp waits here; orders
+/// their memory accesses before it against those after it.
+#[inline(always)]
+pub fn sync_warp() {
+    unsafe {
+        asm!("bar.warp.sync 0xffffffff;", options(nostack));
+    }
+}
+
+/// `barrier.sync 0;` as [`sync_cta`] without `.aligned`: the threads may
+/// reach it through different instructions. LLVM may copy a barrier that
+/// follows a one-thread block (barrier set-up) into both arms of the branch;
+/// `bar.sync` is `barrier.sync.aligned`, which must be one instruction for
+/// all threads, and so copied it hung the TMA probe on H100.
+#[inline(always)]
+pub fn sync_cta_divergent() {
+    unsafe {
+        asm!("barrier.sync 0;", options(nostack));
     }
 }

@@ -35,6 +35,18 @@ pub fn st_v2_b32(addr: u32, a: u32, b: u32) {
     }
 }
 
+/// `st.shared.v4.b32 [addr], {a,b,c,d};` 16 bytes, `addr` 16-byte aligned.
+#[inline(always)]
+pub fn st_v4_b32(addr: u32, v: [u32; 4]) {
+    unsafe {
+        asm!(
+            "st.shared.v4.b32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg32) addr, a = in(reg32) v[0], b = in(reg32) v[1], c = in(reg32) v[2], d = in(reg32) v[3],
+            options(nostack),
+        );
+    }
+}
+
 /// `ld.shared.b32 v, [addr];`
 #[inline(always)]
 pub fn ld_b32(addr: u32) -> u32 {

@@ -2,10 +2,10 @@
 //! lse = log Σ_s exp(lse_s) (+ exp(sink_h) with sinks, which carry no
 //! value), for every (b, h, token) row.
 use super::element::Element;
-use super::unroll::unroll;
 use crate::arch::{global, math, special};
 use crate::config::{combine_rows_per_cta, COMBINE_ELEMS_PER_THREAD, COMBINE_SPLIT_GROUP};
 use crate::params::CombineParams;
+use crate::unroll::unroll;
 
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
 const LN_2: f32 = core::f32::consts::LN_2;

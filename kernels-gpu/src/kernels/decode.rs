@@ -16,12 +16,12 @@ use super::mask;
 use super::policy::{Dense, Mask, Modifiers, Scores};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
-use super::unroll::unroll;
 use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
 use crate::config::{
     AttnTile, KernelKind, PtxArch, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
 use crate::params::AttnParams;
+use crate::unroll::unroll;
 
 /// ln(2): converts the log2-domain LSE back to natural log.
 const LN_2: f32 = core::f32::consts::LN_2;

@@ -2,6 +2,8 @@
 use crate::arch::{math, mma};
 
 pub trait Element {
+    /// bf16 rather than f16: picks the element type of a `wgmma`.
+    const BF16: bool;
     /// D += A·B on one m16n8k16 tile with f32 accumulation.
     fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32);
     /// Two f32 rounded to nearest into one packed pair, `lo` first in memory.
@@ -14,6 +16,7 @@ pub struct F16;
 pub struct Bf16;
 
 impl Element for F16 {
+    const BF16: bool = false;
     #[inline(always)]
     fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32) {
         mma::m16n8k16_f16(c, a, b0, b1)
@@ -29,6 +32,7 @@ impl Element for F16 {
 }
 
 impl Element for Bf16 {
+    const BF16: bool = true;
     #[inline(always)]
     fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32) {
         mma::m16n8k16_bf16(c, a, b0, b1)

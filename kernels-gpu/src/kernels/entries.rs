@@ -1,95 +1,98 @@
 //! PTX entry points, one per line of `config::attention_variants` (so the
 //! names match `config::ENTRIES` by construction), plus the append and
-//! merge kernels.
-use super::append::append_kv;
-use super::combine::combine;
-use super::decode::decode;
-use super::element::{Bf16, F16};
-use super::mainloop::attention;
-use super::merge::merge;
-use super::policy::{policies, Causal, Dense, Full, Local, Modified, Plain, Ragged};
-use crate::config::{attention_variants, AttnTile, KernelKind, PtxArch};
-use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
+//! merge kernels; in the `sm_90a` module instead one per line of
+//! `config::hopper_probes` (`config::HOPPER_ENTRIES`).
+#[cfg(not(target_feature = "sm_90a"))]
+mod sm80 {
+    use super::super::append::append_kv;
+    use super::super::combine::combine;
+    use super::super::decode::decode;
+    use super::super::element::{Bf16, F16};
+    use super::super::mainloop::attention;
+    use super::super::merge::merge;
+    use super::super::policy::{policies, Causal, Dense, Full, Local, Modified, Plain, Ragged};
+    use crate::config::{attention_variants, AttnTile, KernelKind, PtxArch};
+    use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
 
-/// Maps the table's words to the policy and element types.
-macro_rules! ty {
-    (f16) => {
-        F16
-    };
-    (bf16) => {
-        Bf16
-    };
-    (full) => {
-        Full
-    };
-    (causal) => {
-        Causal
-    };
-    (local) => {
-        Local
-    };
-    (plain) => {
-        Plain
-    };
-    (modified) => {
-        Modified
-    };
-    (dense) => {
-        Dense
-    };
-    (ragged) => {
-        Ragged
-    };
-}
+    /// Maps the table's words to the policy and element types.
+    macro_rules! ty {
+        (f16) => {
+            F16
+        };
+        (bf16) => {
+            Bf16
+        };
+        (full) => {
+            Full
+        };
+        (causal) => {
+            Causal
+        };
+        (local) => {
+            Local
+        };
+        (plain) => {
+            Plain
+        };
+        (modified) => {
+            Modified
+        };
+        (dense) => {
+            Dense
+        };
+        (ragged) => {
+            Ragged
+        };
+    }
 
-/// The forward tile of a table line.
-macro_rules! forward_tile {
-    ($d:literal, $mask:ident, $score:ident, $seq:ident) => {
-        AttnTile::of_variant(
-            KernelKind::Forward,
-            $d,
-            policies::<ty!($mask), ty!($score), ty!($seq)>(),
-            PtxArch::TARGET,
-        )
-    };
-}
+    /// The forward tile of a table line.
+    macro_rules! forward_tile {
+        ($d:literal, $mask:ident, $score:ident, $seq:ident) => {
+            AttnTile::of_variant(
+                KernelKind::Forward,
+                $d,
+                policies::<ty!($mask), ty!($score), ty!($seq)>(),
+                PtxArch::TARGET,
+            )
+        };
+    }
 
-/// The body of one entry of each kind.
-macro_rules! entry_body {
-    (fwd, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
-        attention::<
-            ty!($t),
-            ty!($mask),
-            ty!($score),
-            ty!($seq),
-            $d,
-            { forward_tile!($d, $mask, $score, $seq).m_tiles },
-            { $d / 16 },
-            { $d / 8 },
-            { forward_tile!($d, $mask, $score, $seq).block_n / 8 },
-        >(&$p)
-    };
-    (decode, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
-        decode::<ty!($t), ty!($mask), ty!($score), $d, { $d / 16 }, { $d / 8 }>(&$p)
-    };
-    (combine, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
-        combine::<ty!($t), $d>(&$p)
-    };
-}
+    /// The body of one entry of each kind.
+    macro_rules! entry_body {
+        (fwd, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+            attention::<
+                ty!($t),
+                ty!($mask),
+                ty!($score),
+                ty!($seq),
+                $d,
+                { forward_tile!($d, $mask, $score, $seq).m_tiles },
+                { $d / 16 },
+                { $d / 8 },
+                { forward_tile!($d, $mask, $score, $seq).block_n / 8 },
+            >(&$p)
+        };
+        (decode, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+            decode::<ty!($t), ty!($mask), ty!($score), $d, { $d / 16 }, { $d / 8 }>(&$p)
+        };
+        (combine, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+            combine::<ty!($t), $d>(&$p)
+        };
+    }
 
-macro_rules! entry_params {
-    (fwd) => {
-        AttnParams
-    };
-    (decode) => {
-        AttnParams
-    };
-    (combine) => {
-        CombineParams
-    };
-}
+    macro_rules! entry_params {
+        (fwd) => {
+            AttnParams
+        };
+        (decode) => {
+            AttnParams
+        };
+        (combine) => {
+            CombineParams
+        };
+    }
 
-macro_rules! device_entries {
+    macro_rules! device_entries {
     ($($kind:ident $dtype:ident $d:literal $mask:ident $score:ident $seq:ident;)*) => {$(
         const _: () = {
             #[export_name = concat!(
@@ -103,20 +106,73 @@ macro_rules! device_entries {
     )*};
 }
 
-attention_variants!(device_entries);
+    attention_variants!(device_entries);
 
-/// Dtype- and head-dim-agnostic: it moves 16-byte chunks.
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_append_kv(p: AppendParams) {
-    append_kv(&p)
+    /// Dtype- and head-dim-agnostic: it moves 16-byte chunks.
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_append_kv(p: AppendParams) {
+        append_kv(&p)
+    }
+
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_merge_f16(p: MergeParams) {
+        merge::<F16>(&p)
+    }
+
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_merge_bf16(p: MergeParams) {
+        merge::<Bf16>(&p)
+    }
 }
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_merge_f16(p: MergeParams) {
-    merge::<F16>(&p)
+#[cfg(target_feature = "sm_90a")]
+mod sm90a {
+    use super::super::element::{Bf16, F16};
+    use super::super::hopper::probe::{tma_copy, wgmma_gemm};
+    use crate::arch::tma::param0_address;
+    use crate::config::hopper_probes;
+    use crate::params::{ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
+
+    macro_rules! element {
+        (f16) => {
+            F16
+        };
+        (bf16) => {
+            Bf16
+        };
+    }
+
+    macro_rules! probe_entries {
+    ($(wgmma $dtype:ident $n:literal $k:literal;)* $(tma $d:literal;)*) => {
+        $(const _: () = {
+            #[export_name = concat!(
+                "flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)
+            )]
+            pub unsafe extern "ptx-kernel" fn entry(p: ProbeGemmParams) {
+                wgmma_gemm::<element!($dtype), $n, $k, { $n / 8 }, { $k / 16 }>(&p)
+            }
+        };)*
+        $(const _: () = {
+            #[export_name = concat!("flash_probe_tma_hd", stringify!($d))]
+            // Tensor maps come first, as every sm_90a entry that takes them:
+            // the PTX build aligns that parameter to 64 bytes
+            // (`artifacts::align_tensor_map_params`).
+            pub unsafe extern "ptx-kernel" fn entry(maps: ProbeTmaMaps, p: ProbeTmaParams) {
+                // The maps are read where the driver put them (param space);
+                // `maps` itself is never touched, which would copy it to
+                // local memory.
+                let _ = &maps;
+                let maps_at = match p.map_source {
+                    ProbeTmaParams::MAPS_GLOBAL => p.maps_global,
+                    _ => param0_address!(concat!("flash_probe_tma_hd", stringify!($d))),
+                };
+                let load = maps_at + core::mem::offset_of!(ProbeTmaMaps, load) as u64;
+                let store = maps_at + core::mem::offset_of!(ProbeTmaMaps, store) as u64;
+                tma_copy::<$d>(&p, load, store)
+            }
+        };)*
+    };
 }
 
-#[no_mangle]
-pub unsafe extern "ptx-kernel" fn flash_merge_bf16(p: MergeParams) {
-    merge::<Bf16>(&p)
+    hopper_probes!(probe_entries);
 }

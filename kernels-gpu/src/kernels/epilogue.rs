@@ -4,10 +4,10 @@ use super::block_info::BlockInfo;
 use super::element::Element;
 use super::lane::Lane;
 use super::smem_tile::SmemTile;
-use super::unroll::unroll;
 use crate::arch::{barrier, global, smem};
 use crate::config::AttnTile;
 use crate::params::AttnParams;
+use crate::unroll::unroll;
 
 /// Final O = acc / l in the output dtype, plus the LSE when requested.
 #[allow(clippy::too_many_arguments)]

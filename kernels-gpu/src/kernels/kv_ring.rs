@@ -8,10 +8,10 @@
 use super::block_info::BlockInfo;
 use super::paging;
 use super::smem_tile::SmemTile;
-use super::unroll::unroll;
 use crate::arch::{barrier, cp_async};
 use crate::config::{AttnTile, CHUNK_BYTES};
 use crate::params::AttnParams;
+use crate::unroll::unroll;
 
 /// Rows whose block-table reads are in flight together in the row-by-row
 /// paged copy; each holds its (page, row) until its copies are issued, and

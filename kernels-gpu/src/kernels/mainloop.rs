@@ -14,10 +14,10 @@ use super::mask;
 use super::policy::{policies, Mask, Modifiers, Scores, Seq};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
-use super::unroll::unroll;
 use crate::arch::{cp_async, global, ldmatrix, smem, special};
 use crate::config::{AttnTile, KernelKind, MaskKind, PtxArch, MMA_K, MMA_M, MMA_N};
 use crate::params::AttnParams;
+use crate::unroll::unroll;
 
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
 

@@ -1,7 +1,7 @@
 //! The attention mask on one S tile held in mma accumulator layout.
 use super::block_info::BlockInfo;
 use super::policy::Mask;
-use super::unroll::unroll;
+use crate::unroll::unroll;
 
 /// Masks the S tile of the lane's CTA rows `rows` (g and g + 8) to the keys
 /// each of them sees; the left bound is compiled in only for masks that

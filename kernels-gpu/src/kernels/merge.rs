@@ -3,10 +3,10 @@
 //! e^lse_b), O = e^(lse_a - lse)·O_a + e^(lse_b - lse)·O_b. A state whose
 //! LSE is -inf saw no key and contributes nothing; both -inf give O = 0.
 use super::element::Element;
-use super::unroll::unroll;
 use crate::arch::{global, math, special};
 use crate::config::MERGE_THREADS;
 use crate::params::{BshStrides, MergeParams};
+use crate::unroll::unroll;
 
 const LOG2_E: f32 = core::f32::consts::LOG2_E;
 const LN_2: f32 = core::f32::consts::LN_2;

@@ -3,21 +3,38 @@
 //! the K/V ring, online softmax, the forward mainloop and the decode
 //! schedule, epilogues, the split-KV combine and state merging. `entries`
 //! instantiates them as named PTX entry points.
+//! The `sm_90a` module (`PtxArch::Sm90a`) compiles only `hopper`; the
+//! others make the `sm_80` and `sm_90` modules.
 
+#[cfg(not(target_feature = "sm_90a"))]
 mod append;
+#[cfg(not(target_feature = "sm_90a"))]
 mod block_info;
+#[cfg(not(target_feature = "sm_90a"))]
 mod combine;
+#[cfg(not(target_feature = "sm_90a"))]
 mod decode;
 mod element;
 mod entries;
+#[cfg(not(target_feature = "sm_90a"))]
 mod epilogue;
+#[cfg(target_feature = "sm_90a")]
+mod hopper;
+#[cfg(not(target_feature = "sm_90a"))]
 mod kv_ring;
+#[cfg(not(target_feature = "sm_90a"))]
 mod lane;
+#[cfg(not(target_feature = "sm_90a"))]
 mod mainloop;
+#[cfg(not(target_feature = "sm_90a"))]
 mod mask;
+#[cfg(not(target_feature = "sm_90a"))]
 mod merge;
+#[cfg(not(target_feature = "sm_90a"))]
 mod paging;
+#[cfg(not(target_feature = "sm_90a"))]
 mod policy;
+#[cfg(not(target_feature = "sm_90a"))]
 mod smem_tile;
+#[cfg(not(target_feature = "sm_90a"))]
 mod softmax;
-mod unroll;

@@ -5,10 +5,10 @@
 //! `config::attention_variants`; a policy that is fixed at compile time costs
 //! nothing where it is off, and the `Local`/`Modified`/`Ragged` policies read
 //! their settings from the launch parameters (uniform branches).
-use super::unroll::unroll;
 use crate::arch::{global, math};
 use crate::config::{MaskKind, Policies, ScoreKind, SeqKind};
 use crate::params::AttnParams;
+use crate::unroll::unroll;
 
 pub trait Mask {
     const KIND: MaskKind;

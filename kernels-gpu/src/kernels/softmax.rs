@@ -5,8 +5,8 @@
 //! sum `l`; the full row sum is reduced across the 4 lanes of the row only
 //! once, in [`OnlineSoftmax::finalize`].
 use super::element::Element;
-use super::unroll::unroll;
 use crate::arch::{math, shfl, vote};
+use crate::unroll::unroll;
 
 /// ln(2): converts log2-domain values back to natural log for the LSE output.
 const LN_2: f32 = core::f32::consts::LN_2;

@@ -1,0 +1,275 @@
+//! The Hopper module (`PtxArch::Sm90a`): architecture-specific PTX that runs
+//! on compute capability 9.0 only, loaded beside the main module there, and
+//! the TMA tensor maps its kernels read.
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::driver::sys::{
+    self, CUfunction_attribute, CUtensorMapDataType, CUtensorMapFloatOOBfill,
+    CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr};
+use cudarc::nvrtc::Ptx;
+use flash_attn_kernels::config::{Dtype, PtxArch, HOPPER_ENTRIES};
+use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap};
+
+use crate::attention::ByValue;
+use crate::error::FlashAttnError;
+use crate::kernels::ptx_text;
+
+// SAFETY: #[repr(C)] plain data that the probe entries take by value.
+unsafe impl DeviceRepr for ByValue<ProbeGemmParams> {}
+unsafe impl DeviceRepr for ByValue<ProbeTmaMaps> {}
+unsafe impl DeviceRepr for ByValue<ProbeTmaParams> {}
+
+/// Elements of one TMA box row under the 128-byte swizzle: the swizzle span
+/// (128 bytes of 16-bit elements) is the widest inner box it allows.
+pub(crate) const TMA_BOX_COLS: usize = 64;
+/// The most rows of one TMA box (the driver's limit per box dimension).
+pub(crate) const TMA_MAX_BOX_ROWS: usize = 256;
+
+/// The `Sm90a` module's functions.
+pub(crate) struct HopperModule {
+    functions: HashMap<&'static str, CudaFunction>,
+}
+
+impl HopperModule {
+    /// Loads the module (the driver JIT-compiles its PTX) and raises every
+    /// entry's dynamic shared-memory limit; `None` unless the device is
+    /// compute capability 9.0.
+    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Option<Self>, FlashAttnError> {
+        let (major, minor) = ctx.compute_capability()?;
+        if !PtxArch::hopper_device(major, minor) {
+            return Ok(None);
+        }
+        let module = ctx.load_module(Ptx::from_src(ptx_text(PtxArch::Sm90a)))?;
+        let mut functions = HashMap::new();
+        for entry in HOPPER_ENTRIES {
+            let function = module
+                .load_function(entry.name)
+                .map_err(|_| FlashAttnError::MissingKernel(entry.name))?;
+            function.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                entry.smem_bytes(PtxArch::Sm90a) as i32,
+            )?;
+            functions.insert(entry.name, function);
+        }
+        Ok(Some(HopperModule { functions }))
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction, FlashAttnError> {
+        self.functions.get(name).ok_or(FlashAttnError::Unsupported {
+            what: "this probe shape",
+            entry: "the sm_90a module",
+        })
+    }
+}
+
+/// A 16-bit tensor {D, S, H, B} (innermost first) for TMA: `base` its device
+/// address, `strides` the byte strides of S, H and B (multiples of 16), boxes
+/// of {64, `box_rows`, 1, 1} with the 128-byte swizzle, out-of-range
+/// elements read as zeros.
+pub(crate) struct TiledTensor {
+    pub base: u64,
+    pub dtype: Dtype,
+    pub dims: [u64; 4],
+    pub strides: [u64; 3],
+    pub box_rows: u32,
+}
+
+/// `cuTensorMapEncodeTiled` of `t`; the driver checks the geometry (16-byte
+/// strides and base, box sizes) and refuses what TMA cannot read.
+pub(crate) fn encode_tensor_map(t: &TiledTensor) -> Result<TensorMap, FlashAttnError> {
+    /// The driver writes the map through a 64-byte-aligned pointer.
+    #[repr(C, align(64))]
+    struct Aligned(sys::CUtensorMap);
+    let mut map = Aligned(sys::CUtensorMap { opaque: [0; 16] });
+    let data_type = match t.dtype {
+        Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        Dtype::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
+    let boxes = [TMA_BOX_COLS as u32, t.box_rows, 1, 1];
+    let element_strides = [1u32; 4];
+    // SAFETY: every pointer is to a live local of the length the rank (4)
+    // implies; the driver only writes `map`.
+    unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map.0,
+            data_type,
+            4,
+            t.base as *mut std::ffi::c_void,
+            t.dims.as_ptr(),
+            t.strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+        .result()?;
+    }
+    Ok(TensorMap(map.0.opaque))
+}
+
+#[doc(hidden)]
+pub mod probes {
+    //! Checks of the Hopper primitives (`config::hopper_probes`) for the
+    //! GPU suite: not part of the supported API.
+    use super::*;
+    use crate::tensor::AttnElement;
+    use cudarc::driver::{
+        CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    };
+    use flash_attn_kernels::config::{PROBE_THREADS, SWIZZLE_ATOM_BYTES};
+
+    /// The Hopper module of one context.
+    pub struct Probes {
+        module: HopperModule,
+    }
+
+    fn length(what: &'static str, expected: usize, got: usize) -> Result<(), FlashAttnError> {
+        if expected == got {
+            Ok(())
+        } else {
+            Err(FlashAttnError::ShapeMismatch {
+                tensor: what,
+                dim: "elements",
+                expected,
+                got,
+            })
+        }
+    }
+
+    impl Probes {
+        /// `None` unless the context's device is compute capability 9.0.
+        pub fn new(ctx: &Arc<CudaContext>) -> Result<Option<Self>, FlashAttnError> {
+            Ok(HopperModule::load(ctx)?.map(|module| Probes { module }))
+        }
+
+        /// C [64, n] (f32) = A [64, k] · B through `flash_probe_wgmma_*`:
+        /// `mode` [`ProbeGemmParams::SS_K_MAJOR`] takes B as [n, k],
+        /// [`ProbeGemmParams::RS_MN_MAJOR`] as [k, n], both row-major.
+        #[allow(clippy::too_many_arguments)]
+        pub fn wgmma_gemm<T: AttnElement>(
+            &self,
+            stream: &Arc<CudaStream>,
+            n: usize,
+            k: usize,
+            mode: u32,
+            a: &CudaSlice<T>,
+            b: &CudaSlice<T>,
+            c: &mut CudaSlice<f32>,
+        ) -> Result<(), FlashAttnError> {
+            let name = format!("flash_probe_wgmma_{}_n{n}_k{k}", T::DTYPE.name());
+            let function = self.module.function(&name)?;
+            length("a", 64 * k, a.len())?;
+            length("b", n * k, b.len())?;
+            length("c", 64 * n, c.len())?;
+            // A's tile is padded to whole 64-column groups (the kernel's layout).
+            let smem = SWIZZLE_ATOM_BYTES + 2 * 64 * k.next_multiple_of(TMA_BOX_COLS) + 2 * n * k;
+            let (a_ptr, _a) = a.device_ptr(stream);
+            let (b_ptr, _b) = b.device_ptr(stream);
+            let (c_ptr, _c) = c.device_ptr_mut(stream);
+            let params = ByValue(ProbeGemmParams {
+                a: a_ptr,
+                b: b_ptr,
+                c: c_ptr,
+                mode,
+            });
+            let cfg = LaunchConfig {
+                grid_dim: (1, 1, 1),
+                block_dim: (PROBE_THREADS as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let mut builder = stream.launch_builder(function);
+            builder.arg(&params);
+            // SAFETY: the buffers hold the sizes the kernel reads and writes.
+            unsafe { builder.launch(cfg) }?;
+            Ok(())
+        }
+
+        /// Copies the [seqlen, heads, d] tensor `src` through the two-stage
+        /// TMA ring of `flash_probe_tma_hd{d}` in tiles of `rows` rows: into
+        /// `copied` ([ceil(seqlen / rows) * rows, heads, d], as the threads
+        /// read the tiles, zero-filled rows included) and `stored` (by TMA
+        /// stores). `map_source`: where the kernel reads the maps, one of
+        /// `ProbeTmaParams::MAPS_*`.
+        #[allow(clippy::too_many_arguments)]
+        pub fn tma_copy<T: AttnElement>(
+            &self,
+            stream: &Arc<CudaStream>,
+            d: usize,
+            rows: usize,
+            seqlen: usize,
+            heads: usize,
+            map_source: u32,
+            src: &CudaSlice<T>,
+            copied: &mut CudaSlice<T>,
+            stored: &mut CudaSlice<T>,
+        ) -> Result<(), FlashAttnError> {
+            let function = self.module.function(&format!("flash_probe_tma_hd{d}"))?;
+            if rows == 0 || rows > TMA_MAX_BOX_ROWS {
+                return Err(FlashAttnError::TooLarge {
+                    what: "rows",
+                    value: rows,
+                    limit: TMA_MAX_BOX_ROWS,
+                });
+            }
+            length("src", seqlen * heads * d, src.len())?;
+            length("stored", seqlen * heads * d, stored.len())?;
+            length(
+                "copied",
+                seqlen.div_ceil(rows) * rows * heads * d,
+                copied.len(),
+            )?;
+            let stage = (2 * rows * d).next_multiple_of(SWIZZLE_ATOM_BYTES);
+            let smem = SWIZZLE_ATOM_BYTES + 2 * stage + 64;
+            let (src_ptr, _s) = src.device_ptr(stream);
+            let (stored_ptr, _t) = stored.device_ptr_mut(stream);
+            let map = |base| {
+                encode_tensor_map(&TiledTensor {
+                    base,
+                    dtype: T::DTYPE,
+                    dims: [d as u64, seqlen as u64, heads as u64, 1],
+                    strides: [
+                        (2 * heads * d) as u64,
+                        (2 * d) as u64,
+                        (2 * seqlen * heads * d) as u64,
+                    ],
+                    box_rows: rows as u32,
+                })
+            };
+            let maps = ProbeTmaMaps {
+                load: map(src_ptr)?,
+                store: map(stored_ptr)?,
+            };
+            let mut global_maps = [0u64; 32];
+            global_maps[..16].copy_from_slice(&maps.load.0);
+            global_maps[16..].copy_from_slice(&maps.store.0);
+            let global_maps = stream.clone_htod(&global_maps)?;
+            let (copied_ptr, _c) = copied.device_ptr_mut(stream);
+            let params = ProbeTmaParams {
+                maps_global: global_maps.device_ptr(stream).0,
+                copied: copied_ptr,
+                seqlen: seqlen as u32,
+                heads: heads as u32,
+                rows: rows as u32,
+                map_source,
+            };
+            let cfg = LaunchConfig {
+                grid_dim: (heads as u32, 1, 1),
+                block_dim: (PROBE_THREADS as u32, 1, 1),
+                shared_mem_bytes: smem as u32,
+            };
+            let (maps, params) = (ByValue(maps), ByValue(params));
+            let mut builder = stream.launch_builder(function);
+            builder.arg(&maps).arg(&params);
+            // SAFETY: the maps and buffers cover what the kernel reads and writes.
+            unsafe { builder.launch(cfg) }?;
+            // The global copy of the maps must outlive the kernel.
+            stream.synchronize()?;
+            Ok(())
+        }
+    }
+}
