@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Packages flash-attn and flash-attn-kernels as `cargo publish` would, reports
-# each .crate's size against crates.io's 10 MiB limit, then unpacks both into
-# a scratch directory and builds and tests flash-attn from the unpacked crates
-# with stable Rust alone: no RUSTC_BOOTSTRAP, FLASH_ATTN_PTX=committed (no
-# kernel toolchain is looked for), the PTX and cubins from the unpacked
-# flash-attn-kernels.
+# Packages flash-attn, flash-attn-kernels and flash-attn-cubins as `cargo
+# publish` would, reports each .crate's size against crates.io's 10 MiB limit,
+# then unpacks them into a scratch directory and builds and tests flash-attn
+# from the unpacked crates with stable Rust alone: no RUSTC_BOOTSTRAP,
+# FLASH_ATTN_PTX=committed (no kernel toolchain is looked for), the PTX from
+# the unpacked flash-attn-kernels and the cubins from flash-attn-cubins.
 #
 #   scripts/package-check.sh [--allow-dirty]
 set -euo pipefail
@@ -29,7 +29,8 @@ cargo package --workspace --no-verify "${allow_dirty[@]}"
 
 limit=$((10 * 1024 * 1024))
 status=0
-for name in flash-attn flash-attn-kernels; do
+crates=(flash-attn flash-attn-kernels flash-attn-cubins)
+for name in "${crates[@]}"; do
     crate=target/package/$name-$version.crate
     bytes=$(stat -c %s "$crate")
     files=$(tar tzf "$crate" | wc -l)
@@ -46,17 +47,18 @@ done
 repo=$PWD
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-for name in flash-attn flash-attn-kernels; do
+for name in "${crates[@]}"; do
     tar xzf "target/package/$name-$version.crate" -C "$scratch"
 done
 echo "package-check: unpacked into $scratch; cargo test there (stable, committed PTX)"
-# The kernels package is not on crates.io yet: the unpacked copy stands in for it.
+# The kernel packages are not on crates.io yet: the unpacked copies stand in for them.
 # The repository's target dir: the dependencies built there are reused (the
 # unpacked flash-attn is another package id, so nothing of it is shared).
 (
     cd "$scratch/flash-attn-$version"
     env -u RUSTC_BOOTSTRAP -u FLASH_ATTN_KERNEL_RUSTC FLASH_ATTN_PTX=committed \
         CARGO_TARGET_DIR="$repo/target" \
-        cargo test --config "patch.crates-io.flash-attn-kernels.path=\"../flash-attn-kernels-$version\""
+        cargo test --config "patch.crates-io.flash-attn-kernels.path=\"../flash-attn-kernels-$version\"" \
+            --config "patch.crates-io.flash-attn-cubins.path=\"../flash-attn-cubins-$version\""
 )
 echo "package-check: OK"

@@ -5,7 +5,8 @@
 #   kernels-gpu/ptx/flash_attn_sm80.ptx -> sm_80 (A100), sm_86 (RTX 30xx, A10),
 #                                          sm_89 (RTX 40xx, L4)
 #   kernels-gpu/ptx/flash_attn_sm90.ptx -> sm_90 (H100, H200), twice
-# into kernels-gpu/cubin/ with a manifest of hashes that build.rs checks.
+# into kernels-cubin/cubin/ (the flash-attn-cubins package) with a manifest
+# of hashes that build.rs checks.
 #
 #   scripts/update-cubins.sh          refresh the committed cubins (then commit)
 #   scripts/update-cubins.sh --check  fail if rebuilding them gives other bytes
@@ -55,7 +56,7 @@ ptxas13=$(pinned_ptxas 13.0.88 nvidia-cuda-nvcc nvidia/cu13/bin/ptxas)
 version="$("$ptxas12" --version | tail -n 1); $("$ptxas13" --version | tail -n 1)"
 
 ptx_dir=kernels-gpu/ptx
-cubin_dir=kernels-gpu/cubin
+cubin_dir=kernels-cubin/cubin
 # cubin -> "arch ptx-module ptxas"
 declare -A jobs=(
     [flash_attn_sm80.cubin]="80 sm80 $ptxas12"

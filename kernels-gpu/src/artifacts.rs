@@ -1,13 +1,14 @@
 //! The kernels' build artifacts, on the host (feature `build`): where this
-//! package keeps its committed PTX and cubins and how they are checked, how
+//! package keeps its committed PTX and how it and the cubins are checked, how
 //! the PTX is built from these sources, and the toolchain that builds it.
 //! flash-attn's build.rs is the caller; nothing here runs on a GPU.
 //!
-//! Files of this package:
-//! - `ptx/flash_attn_sm80.ptx`, `ptx/flash_attn_sm90.ptx` and
+//! Files:
+//! - this package's `ptx/flash_attn_sm{80,90,90a}.ptx` and
 //!   `ptx/manifest.json` ([`PtxManifest`]): written by
 //!   `scripts/update-ptx.sh` from a source build; CI rebuilds and compares.
-//! - `cubin/*.cubin` and `cubin/manifest.json`: assembled from that PTX by
+//! - the `flash-attn-cubins` package's `cubin/*.cubin` and
+//!   `cubin/manifest.json`: assembled from that PTX by
 //!   `scripts/update-cubins.sh` with pinned ptxas versions.
 
 extern crate std;
@@ -32,9 +33,7 @@ use crate::config::{Entry, PtxArch};
 pub const PACKAGE_DIR: &str = env!("CARGO_MANIFEST_DIR");
 /// Committed PTX, relative to [`PACKAGE_DIR`].
 pub const PTX_DIR: &str = "ptx";
-/// Committed cubins, relative to [`PACKAGE_DIR`].
-pub const CUBIN_DIR: &str = "cubin";
-/// The manifest file name in [`PTX_DIR`] and in [`CUBIN_DIR`].
+/// The manifest file name in [`PTX_DIR`] and in the cubin directory.
 pub const MANIFEST: &str = "manifest.json";
 /// Names the rustc that builds the kernels, overriding the search.
 pub const KERNEL_RUSTC_VAR: &str = "FLASH_ATTN_KERNEL_RUSTC";
@@ -254,11 +253,11 @@ pub fn committed_ptx(package_dir: &Path) -> Result<PtxSet, CommittedError> {
     Ok(PtxSet { manifest, modules })
 }
 
-/// Each of [`CUBINS`] with its bytes if the committed cubin is intact and was
-/// assembled from the PTX in `ptx` (by the hashes in `cubin/manifest.json`),
-/// else `None`: a kernel edit never runs stale machine code.
-pub fn matching_cubins(package_dir: &Path, ptx: &PtxSet) -> Vec<(&'static str, Option<Vec<u8>>)> {
-    let dir = package_dir.join(CUBIN_DIR);
+/// Each of [`CUBINS`] with its bytes if the committed cubin in `dir` (the
+/// flash-attn-cubins package's) is intact and was assembled from the PTX in
+/// `ptx` (by the hashes in its `manifest.json`), else `None`: a kernel edit
+/// never runs stale machine code.
+pub fn matching_cubins(dir: &Path, ptx: &PtxSet) -> Vec<(&'static str, Option<Vec<u8>>)> {
     let manifest: Value = fs::read(dir.join(MANIFEST))
         .ok()
         .and_then(|t| serde_json::from_slice(&t).ok())
@@ -588,11 +587,11 @@ fn entry_name(line: &str) -> Option<&str> {
     Some(&rest[..end])
 }
 
-/// Prints `cargo:rerun-if-changed` for everything [`committed_ptx`],
-/// [`matching_cubins`] and [`build_ptx`] read in `package_dir`, and
+/// Prints `cargo:rerun-if-changed` for everything [`committed_ptx`] and
+/// [`build_ptx`] read in `package_dir` (the caller adds the cubin directory), and
 /// `cargo:rerun-if-env-changed` for the toolchain variable.
 pub fn emit_rerun_directives(package_dir: &Path) {
-    for rel in ["src", "Cargo.toml", PTX_DIR, CUBIN_DIR] {
+    for rel in ["src", "Cargo.toml", PTX_DIR] {
         println!("cargo:rerun-if-changed={}", package_dir.join(rel).display());
     }
     println!("cargo:rerun-if-env-changed={KERNEL_RUSTC_VAR}");
