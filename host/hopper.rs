@@ -1,6 +1,7 @@
 //! The Hopper module (`PtxArch::Sm90a`): architecture-specific PTX that runs
-//! on compute capability 9.0 only, loaded beside the main module there, and
-//! the TMA tensor maps its kernels read.
+//! on compute capability 9.0 only, and the TMA tensor maps its kernels read.
+//! So far only [`probes`] loads it; the Hopper forward will be loaded by
+//! `FlashAttention::new` on such GPUs.
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -80,10 +81,8 @@ pub(crate) struct TiledTensor {
 /// `cuTensorMapEncodeTiled` of `t`; the driver checks the geometry (16-byte
 /// strides and base, box sizes) and refuses what TMA cannot read.
 pub(crate) fn encode_tensor_map(t: &TiledTensor) -> Result<TensorMap, FlashAttnError> {
-    /// The driver writes the map through a 64-byte-aligned pointer.
-    #[repr(C, align(64))]
-    struct Aligned(sys::CUtensorMap);
-    let mut map = Aligned(sys::CUtensorMap { opaque: [0; 16] });
+    // cudarc declares the type with the alignment the driver writes it at.
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let data_type = match t.dtype {
         Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         Dtype::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
@@ -94,7 +93,7 @@ pub(crate) fn encode_tensor_map(t: &TiledTensor) -> Result<TensorMap, FlashAttnE
     // implies; the driver only writes `map`.
     unsafe {
         sys::cuTensorMapEncodeTiled(
-            &mut map.0,
+            &mut map,
             data_type,
             4,
             t.base as *mut std::ffi::c_void,
@@ -109,7 +108,7 @@ pub(crate) fn encode_tensor_map(t: &TiledTensor) -> Result<TensorMap, FlashAttnE
         )
         .result()?;
     }
-    Ok(TensorMap(map.0.opaque))
+    Ok(TensorMap(map.opaque))
 }
 
 #[doc(hidden)]
@@ -163,11 +162,23 @@ pub mod probes {
         ) -> Result<(), FlashAttnError> {
             let name = format!("flash_probe_wgmma_{}_n{n}_k{k}", T::DTYPE.name());
             let function = self.module.function(&name)?;
+            // SW128 tiles hold whole 64-column groups: the kernel's shared
+            // memory holds A [64, k] and B exactly only for these.
+            let form_fits = match mode {
+                ProbeGemmParams::SS_K_MAJOR => k % TMA_BOX_COLS == 0,
+                ProbeGemmParams::RS_MN_MAJOR => n % TMA_BOX_COLS == 0,
+                _ => false,
+            };
+            if !form_fits {
+                return Err(FlashAttnError::Unsupported {
+                    what: "this wgmma form (SS needs K % 64 == 0, RS N % 64 == 0)",
+                    entry: "flash_probe_wgmma_*",
+                });
+            }
             length("a", 64 * k, a.len())?;
             length("b", n * k, b.len())?;
             length("c", 64 * n, c.len())?;
-            // A's tile is padded to whole 64-column groups (the kernel's layout).
-            let smem = SWIZZLE_ATOM_BYTES + 2 * 64 * k.next_multiple_of(TMA_BOX_COLS) + 2 * n * k;
+            let smem = SWIZZLE_ATOM_BYTES + 2 * 64 * k + 2 * n * k;
             let (a_ptr, _a) = a.device_ptr(stream);
             let (b_ptr, _b) = b.device_ptr(stream);
             let (c_ptr, _c) = c.device_ptr_mut(stream);
@@ -209,12 +220,20 @@ pub mod probes {
             stored: &mut CudaSlice<T>,
         ) -> Result<(), FlashAttnError> {
             let function = self.module.function(&format!("flash_probe_tma_hd{d}"))?;
-            if rows == 0 || rows > TMA_MAX_BOX_ROWS {
-                return Err(FlashAttnError::TooLarge {
-                    what: "rows",
-                    value: rows,
-                    limit: TMA_MAX_BOX_ROWS,
+            // Whole 8-row swizzle atoms, at most one box.
+            if rows == 0 || rows % 8 != 0 || rows > TMA_MAX_BOX_ROWS {
+                return Err(FlashAttnError::Unsupported {
+                    what: "rows (a multiple of 8 up to 256)",
+                    entry: "flash_probe_tma_*",
                 });
+            }
+            let too_large = FlashAttnError::TooLarge {
+                what: "seqlen x heads",
+                value: seqlen.saturating_mul(heads),
+                limit: i32::MAX as usize / d,
+            };
+            if seqlen.saturating_mul(heads) > i32::MAX as usize / d {
+                return Err(too_large);
             }
             length("src", seqlen * heads * d, src.len())?;
             length("stored", seqlen * heads * d, stored.len())?;
@@ -223,8 +242,16 @@ pub mod probes {
                 seqlen.div_ceil(rows) * rows * heads * d,
                 copied.len(),
             )?;
+            // Two stages, then the four 8-byte mbarriers (the kernel's layout).
             let stage = (2 * rows * d).next_multiple_of(SWIZZLE_ATOM_BYTES);
-            let smem = SWIZZLE_ATOM_BYTES + 2 * stage + 64;
+            let smem = SWIZZLE_ATOM_BYTES + 2 * stage + 4 * 8;
+            if smem > PtxArch::Sm90a.max_smem_bytes() {
+                return Err(FlashAttnError::TooLarge {
+                    what: "shared memory of 2 stages of rows x d",
+                    value: smem,
+                    limit: PtxArch::Sm90a.max_smem_bytes(),
+                });
+            }
             let (src_ptr, _s) = src.device_ptr(stream);
             let (stored_ptr, _t) = stored.device_ptr_mut(stream);
             let map = |base| {
@@ -249,8 +276,9 @@ pub mod probes {
             global_maps[16..].copy_from_slice(&maps.store.0);
             let global_maps = stream.clone_htod(&global_maps)?;
             let (copied_ptr, _c) = copied.device_ptr_mut(stream);
+            let (maps_ptr, _m) = global_maps.device_ptr(stream);
             let params = ProbeTmaParams {
-                maps_global: global_maps.device_ptr(stream).0,
+                maps_global: maps_ptr,
                 copied: copied_ptr,
                 seqlen: seqlen as u32,
                 heads: heads as u32,
@@ -267,8 +295,7 @@ pub mod probes {
             builder.arg(&maps).arg(&params);
             // SAFETY: the maps and buffers cover what the kernel reads and writes.
             unsafe { builder.launch(cfg) }?;
-            // The global copy of the maps must outlive the kernel.
-            stream.synchronize()?;
+            // `global_maps` is freed in stream order, after the kernel.
             Ok(())
         }
     }

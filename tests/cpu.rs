@@ -1841,7 +1841,7 @@ mod config {
             .iter()
             .filter(|e| matches!(e.kind, KernelKind::Forward | KernelKind::Decode));
         let per_arch =
-            attention.flat_map(|e| PtxArch::ALL.map(|a| (e.head_dim, e.kind, a, e.tile(a))));
+            attention.flat_map(|e| PtxArch::ATTENTION.map(|a| (e.head_dim, e.kind, a, e.tile(a))));
         for (hd, kind, arch, t) in per_arch {
             let base = AttnTile::for_kernel(kind, hd, arch).expect("supported head dim has a tile");
             assert!(AttnTile::supports(hd));
@@ -1931,7 +1931,7 @@ mod config {
         }
         assert!(!AttnTile::supports(80));
         assert!(!AttnTile::supports(0));
-        for arch in PtxArch::ALL {
+        for arch in PtxArch::ATTENTION {
             assert!(AttnTile::for_kernel(KernelKind::Decode, 80, arch).is_none());
         }
     }
@@ -1941,7 +1941,7 @@ mod config {
         let attention = ENTRIES
             .iter()
             .filter(|e| matches!(e.kind, KernelKind::Forward | KernelKind::Decode));
-        for (e, arch) in attention.flat_map(|e| PtxArch::ALL.map(|a| (e, a))) {
+        for (e, arch) in attention.flat_map(|e| PtxArch::ATTENTION.map(|a| (e, a))) {
             let t = e.tile(arch);
             assert!(
                 2 <= t.busy_stages && t.busy_stages <= t.kv_stages,
@@ -1976,7 +1976,10 @@ mod config {
 
     #[test]
     fn entries_report_their_tiles() {
-        for (e, a) in ENTRIES.iter().flat_map(|e| PtxArch::ALL.map(|a| (e, a))) {
+        for (e, a) in ENTRIES
+            .iter()
+            .flat_map(|e| PtxArch::ATTENTION.map(|a| (e, a)))
+        {
             match e.kind {
                 KernelKind::Combine => {
                     assert_eq!(e.threads(a), COMBINE_THREADS);
@@ -2056,7 +2059,7 @@ mod config {
         // sm_120 (consumer Blackwell): 99 KB per CTA, so the sm_80 tiles.
         assert_eq!(PtxArch::for_device(12, 99 * 1024), Some(PtxArch::Sm80));
         // Every module's tiles fit the GPUs it is picked for.
-        for arch in PtxArch::ALL {
+        for arch in PtxArch::ATTENTION {
             let smem = ENTRIES.iter().map(|e| e.smem_bytes(arch)).max().unwrap();
             assert!(smem <= arch.max_smem_bytes(), "{arch:?}");
         }

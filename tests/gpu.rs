@@ -1771,9 +1771,11 @@ fn wgmma_probe_shapes() -> Vec<(Dtype, usize, usize)> {
 
 /// Every `wgmma` probe in each form its shape allows (SS with a K-major B
 /// needs K % 64 == 0, RS with an MN-major B N % 64 == 0) against the host
-/// product of the same rounded inputs. Accumulation is f32 in some order:
-/// |err| <= 2^-20 · Σ|a·b| + 2^-30 per element; a wrong descriptor, layout or
-/// fence gives errors of the size of the values themselves.
+/// product of the same rounded inputs, C poisoned with NaN (and the kernel's
+/// accumulators start as NaN: the first k-step must ignore them). The bound
+/// |err| <= 2^-20 · Σ|a·b| + 2^-30 per element is empirical (f32 accumulation
+/// in the tensor cores' order; the worst case at K = 256 is ~2^-16): a wrong
+/// descriptor, layout or fence gives errors of the size of the values.
 fn run_wgmma_probes(gpu: &Gpu) -> Result<(), String> {
     fn one<T: AttnElement>(
         gpu: &Gpu,
@@ -1843,69 +1845,78 @@ fn run_wgmma_probes(gpu: &Gpu) -> Result<(), String> {
 
 /// The TMA probes: [S, H, D] through the two-stage ring in tiles of `rows`
 /// rows, over enough tiles for several phase flips of each barrier, with a
-/// partial last tile; the threads' copy must equal the input (zeros past S)
-/// and the TMA-stored copy must equal it byte for byte. `map_source`: the
-/// maps by value (read in param space) or from global memory.
+/// partial last tile (and one case of a single full tile); the threads' copy
+/// must equal the input (zeros past S) and the TMA-stored copy must equal it
+/// byte for byte; f16 maps, and bf16 for one case. `map_source`: the maps by
+/// value (read in param space) or from global memory.
 fn run_tma_probes(gpu: &Gpu, map_source: u32) -> Result<(), String> {
-    let probes = gpu.hopper.as_ref().unwrap();
-    let s = &gpu.stream;
-    let e = |x: cudarc::driver::DriverError| x.to_string();
-    let mut rng = StdRng::seed_from_u64(17);
-    for (d, rows, seqlen, heads) in [
+    fn one<T: AttnElement>(
+        gpu: &Gpu,
+        (d, rows, seqlen, heads): (usize, usize, usize, usize),
+        map_source: u32,
+        seed: u64,
+    ) -> Result<(), String> {
+        let probes = gpu.hopper.as_ref().unwrap();
+        let s = &gpu.stream;
+        let e = |x: cudarc::driver::DriverError| x.to_string();
+        let what = format!(
+            "tma {:?} d{d} rows {rows} S {seqlen} H {heads} maps from {map_source}",
+            T::DTYPE
+        );
+        let src: Vec<T> = random_values(&mut StdRng::seed_from_u64(seed), seqlen * heads * d);
+        let padded = seqlen.div_ceil(rows) * rows;
+        let src_d = s.clone_htod(&src).map_err(e)?;
+        let mut copied_d = s
+            .clone_htod(&vec![nan::<T>(); padded * heads * d])
+            .map_err(e)?;
+        let mut stored_d = s
+            .clone_htod(&vec![nan::<T>(); seqlen * heads * d])
+            .map_err(e)?;
+        probes
+            .tma_copy(
+                s,
+                d,
+                rows,
+                seqlen,
+                heads,
+                map_source,
+                &src_d,
+                &mut copied_d,
+                &mut stored_d,
+            )
+            .map_err(|e| format!("{what}: {e}"))?;
+        let copied = s.clone_dtoh(&copied_d).map_err(e)?;
+        let stored = s.clone_dtoh(&stored_d).map_err(e)?;
+        // Exact and one to one for every non-NaN value, -0 included.
+        let bits = |x: &T| x.to_f64().to_bits();
+        if let Some(i) = (0..src.len()).find(|&i| bits(&stored[i]) != bits(&src[i])) {
+            return Err(format!(
+                "{what}: stored[{i}] = {:?}, want {:?}",
+                stored[i], src[i]
+            ));
+        }
+        for (i, got) in copied.iter().enumerate() {
+            let want = src.get(i).map_or(0f64.to_bits(), bits);
+            if bits(got) != want {
+                return Err(format!(
+                    "{what}: copied[{i}] = {got:?}, want bits {want:#x}"
+                ));
+            }
+        }
+        Ok(())
+    }
+    for (i, shape) in [
         (64, 64, 1000, 3),
         (128, 176, 2000, 2),
         (256, 80, 777, 2),
         (128, 128, 128, 1),
-    ] {
-        {
-            let src: Vec<f16> = random_values(&mut rng, seqlen * heads * d);
-            let padded = seqlen.div_ceil(rows) * rows;
-            let src_d = s.clone_htod(&src).map_err(e)?;
-            let mut copied_d = s
-                .clone_htod(&vec![nan::<f16>(); padded * heads * d])
-                .map_err(e)?;
-            let mut stored_d = s
-                .clone_htod(&vec![nan::<f16>(); seqlen * heads * d])
-                .map_err(e)?;
-            probes
-                .tma_copy(
-                    s,
-                    d,
-                    rows,
-                    seqlen,
-                    heads,
-                    map_source,
-                    &src_d,
-                    &mut copied_d,
-                    &mut stored_d,
-                )
-                .map_err(|e| format!("tma d{d} rows {rows} maps from {map_source}: {e}"))?;
-            let what = format!("tma d{d} rows {rows} S {seqlen} H {heads} maps from {map_source}");
-            let copied = s.clone_dtoh(&copied_d).map_err(e)?;
-            let stored = s.clone_dtoh(&stored_d).map_err(e)?;
-            let bits = |x: &f16| x.to_bits();
-            if let Some(i) = (0..seqlen * heads * d).find(|&i| bits(&stored[i]) != bits(&src[i])) {
-                return Err(format!(
-                    "{what}: stored[{i}] = {}, want {}",
-                    stored[i], src[i]
-                ));
-            }
-            for i in 0..padded * heads * d {
-                let want = if i < seqlen * heads * d {
-                    bits(&src[i])
-                } else {
-                    0
-                };
-                if bits(&copied[i]) != want {
-                    return Err(format!(
-                        "{what}: copied[{i}] = {:#06x}, want {want:#06x}",
-                        bits(&copied[i])
-                    ));
-                }
-            }
-        }
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        one::<f16>(gpu, shape, map_source, 17 + i as u64)?;
     }
-    Ok(())
+    one::<bf16>(gpu, (128, 176, 2000, 2), map_source, 29)
 }
 
 fn main() {

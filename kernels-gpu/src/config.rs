@@ -107,14 +107,18 @@ pub enum PtxArch {
     /// `sm_90`: loaded on GPUs that give a CTA 227 KB (H100, H200, B200).
     Sm90,
     /// `sm_90a`: Hopper's architecture-specific instructions (`wgmma`,
-    /// `setmaxnreg`), which run on compute capability 9.0 only. Loaded there
-    /// beside the `Sm90` module; it holds only [`HOPPER_ENTRIES`].
+    /// `setmaxnreg`), which run on compute capability 9.0 only. It holds only
+    /// [`HOPPER_ENTRIES`] (so far the primitive probes, which
+    /// `flash_attn::hopper::probes` loads; `FlashAttention` does not yet).
     Sm90a,
 }
 
 impl PtxArch {
     /// Every module, in build order.
     pub const ALL: [PtxArch; 3] = [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a];
+    /// The modules of the attention kernels ([`ENTRIES`]), whose tiles
+    /// [`AttnTile::for_kernel`] sizes.
+    pub const ATTENTION: [PtxArch; 2] = [PtxArch::Sm80, PtxArch::Sm90];
 
     /// The module this code is being compiled into (device code; on the host
     /// it reads `Sm80` and means nothing).
@@ -176,11 +180,6 @@ impl AttnTile {
     /// The tile of a kernel family for a head dimension, `None` when that head
     /// dimension is not compiled.
     pub const fn for_kernel(kind: KernelKind, head_dim: usize, arch: PtxArch) -> Option<AttnTile> {
-        // The same budget as sm_90, whose tiles it would reuse.
-        let arch = match arch {
-            PtxArch::Sm90a => PtxArch::Sm90,
-            a => a,
-        };
         let (warps, split, m_tiles, q_in_regs, block_n, kv_stages, min_ctas_per_sm) =
             match (kind, head_dim, arch) {
                 // Decode is memory-bound with few query rows: one m-tile shared by

@@ -40,6 +40,16 @@ pub fn ld_nc_f32(p: u64) -> f32 {
     r
 }
 
+/// `ld.global.nc.b32 r, [p];` 4 bytes of read-only data (a pair of 16-bit elements).
+#[inline(always)]
+pub fn ld_nc_b32(p: u64) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("ld.global.nc.b32 {r}, [{p}];", r = out(reg32) r, p = in(reg64) p, options(nostack, readonly, pure));
+    }
+    r
+}
+
 /// `ld.global.nc.v4.f32 {a,b,c,d}, [p];` 16 bytes of read-only data.
 #[inline(always)]
 pub fn ld_nc_v4_f32(p: u64) -> [f32; 4] {

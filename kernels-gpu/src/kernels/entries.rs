@@ -155,13 +155,11 @@ mod sm90a {
         $(const _: () = {
             #[export_name = concat!("flash_probe_tma_hd", stringify!($d))]
             // Tensor maps come first, as every sm_90a entry that takes them:
-            // the PTX build aligns that parameter to 64 bytes
+            // the PTX build aligns that parameter to 128 bytes
             // (`artifacts::align_tensor_map_params`).
-            pub unsafe extern "ptx-kernel" fn entry(maps: ProbeTmaMaps, p: ProbeTmaParams) {
+            pub unsafe extern "ptx-kernel" fn entry(_maps: ProbeTmaMaps, p: ProbeTmaParams) {
                 // The maps are read where the driver put them (param space);
-                // `maps` itself is never touched, which would copy it to
-                // local memory.
-                let _ = &maps;
+                // reading `_maps` in Rust would copy it to local memory.
                 let maps_at = match p.map_source {
                     ProbeTmaParams::MAPS_GLOBAL => p.maps_global,
                     _ => param0_address!(concat!("flash_probe_tma_hd", stringify!($d))),

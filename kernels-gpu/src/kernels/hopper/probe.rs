@@ -64,14 +64,16 @@ pub unsafe fn wgmma_gemm<
 ) {
     const M: u32 = 64;
     let (n, k) = (N as u32, K as u32);
+    // The host admits SS only with K % 64 == 0 and RS only with N % 64 == 0:
+    // SW128 tiles hold whole 64-column groups, so these are exact sizes.
     let a_tile = aligned_smem();
-    // A's SW128 tile holds whole 64-column groups: K = 176 takes 192.
-    let b_tile = a_tile + M * k.next_multiple_of(64) * 2;
+    let b_tile = a_tile + M * k * 2;
     let rs = p.mode == ProbeGemmParams::RS_MN_MAJOR;
-    fill_sw128(a_tile, p.a, M, k);
     if rs {
+        // A comes from registers.
         fill_sw128(b_tile, p.b, k, n);
     } else {
+        fill_sw128(a_tile, p.a, M, k);
         fill_sw128(b_tile, p.b, n, k);
     }
     // The tiles were written by ordinary stores; wgmma reads them through
@@ -89,7 +91,7 @@ pub unsafe fn wgmma_gemm<
         unroll::<KS>(|kk| {
             let at = |row: u32, col: u32| {
                 let i = (16 * w + row) * k + 16 * kk as u32 + col;
-                global::ld_nc_f32(p.a + 2 * i as u64).to_bits()
+                global::ld_nc_b32(p.a + 2 * i as u64)
             };
             a[kk] = [
                 at(g, 2 * t),
@@ -99,7 +101,9 @@ pub unsafe fn wgmma_gemm<
             ];
         });
     }
-    let mut d = [[0.0f32; 4]; NT];
+    // NaN: the first k-step's scale_d = 0 must ignore D's old value, as the
+    // forward's S = Q·Kᵀ relies on.
+    let mut d = [[f32::NAN; 4]; NT];
     wgmma::fence_operands(&mut d);
     wgmma::fence_fragments(&mut a);
     // Each form is one straight run fence - wgmmas - commit - wait: a branch
