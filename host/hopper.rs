@@ -11,7 +11,7 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr};
 use cudarc::nvrtc::Ptx;
-use flash_attn_kernels::config::{Dtype, PtxArch, HOPPER_ENTRIES};
+use flash_attn_kernels::config::{Dtype, PtxArch, HOPPER_ENTRIES, SW128_ROW_ELEMS};
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap};
 
 use crate::attention::ByValue;
@@ -23,9 +23,6 @@ unsafe impl DeviceRepr for ByValue<ProbeGemmParams> {}
 unsafe impl DeviceRepr for ByValue<ProbeTmaMaps> {}
 unsafe impl DeviceRepr for ByValue<ProbeTmaParams> {}
 
-/// Elements of one TMA box row under the 128-byte swizzle: the swizzle span
-/// (128 bytes of 16-bit elements) is the widest inner box it allows.
-pub(crate) const TMA_BOX_COLS: usize = 64;
 /// The most rows of one TMA box (the driver's limit per box dimension).
 pub(crate) const TMA_MAX_BOX_ROWS: usize = 256;
 
@@ -87,7 +84,8 @@ pub(crate) fn encode_tensor_map(t: &TiledTensor) -> Result<TensorMap, FlashAttnE
         Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         Dtype::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
     };
-    let boxes = [TMA_BOX_COLS as u32, t.box_rows, 1, 1];
+    // The widest inner box the 128-byte swizzle allows.
+    let boxes = [SW128_ROW_ELEMS as u32, t.box_rows, 1, 1];
     let element_strides = [1u32; 4];
     // SAFETY: every pointer is to a live local of the length the rank (4)
     // implies; the driver only writes `map`.
@@ -120,7 +118,7 @@ pub mod probes {
     use cudarc::driver::{
         CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
     };
-    use flash_attn_kernels::config::{PROBE_THREADS, SWIZZLE_ATOM_BYTES};
+    use flash_attn_kernels::config::{ELEM_BYTES, PROBE_THREADS, SWIZZLE_ATOM_BYTES, WGMMA_M};
 
     /// The Hopper module of one context.
     pub struct Probes {
@@ -165,8 +163,8 @@ pub mod probes {
             // SW128 tiles hold whole 64-column groups: the kernel's shared
             // memory holds A [64, k] and B exactly only for these.
             let form_fits = match mode {
-                ProbeGemmParams::SS_K_MAJOR => k % TMA_BOX_COLS == 0,
-                ProbeGemmParams::RS_MN_MAJOR => n % TMA_BOX_COLS == 0,
+                ProbeGemmParams::SS_K_MAJOR => k % SW128_ROW_ELEMS == 0,
+                ProbeGemmParams::RS_MN_MAJOR => n % SW128_ROW_ELEMS == 0,
                 _ => false,
             };
             if !form_fits {
@@ -178,7 +176,7 @@ pub mod probes {
             length("a", 64 * k, a.len())?;
             length("b", n * k, b.len())?;
             length("c", 64 * n, c.len())?;
-            let smem = SWIZZLE_ATOM_BYTES + 2 * 64 * k + 2 * n * k;
+            let smem = SWIZZLE_ATOM_BYTES + ELEM_BYTES * (WGMMA_M + n) * k;
             let (a_ptr, _a) = a.device_ptr(stream);
             let (b_ptr, _b) = b.device_ptr(stream);
             let (c_ptr, _c) = c.device_ptr_mut(stream);
@@ -243,7 +241,7 @@ pub mod probes {
                 copied.len(),
             )?;
             // Two stages, then the four 8-byte mbarriers (the kernel's layout).
-            let stage = (2 * rows * d).next_multiple_of(SWIZZLE_ATOM_BYTES);
+            let stage = (ELEM_BYTES * rows * d).next_multiple_of(SWIZZLE_ATOM_BYTES);
             let smem = SWIZZLE_ATOM_BYTES + 2 * stage + 4 * 8;
             if smem > PtxArch::Sm90a.max_smem_bytes() {
                 return Err(FlashAttnError::TooLarge {

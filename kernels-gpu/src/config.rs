@@ -772,11 +772,21 @@ attention_variants!(entry_rows);
 /// Threads of a probe CTA: one warpgroup, the unit that issues `wgmma`.
 pub const PROBE_THREADS: usize = 128;
 
-/// Bytes the probes' dynamic shared memory is aligned to: a 128-byte-swizzled
-/// tile repeats every 8 rows of 128 bytes, and both `wgmma` descriptors (base
-/// offset 0) and TMA's swizzle address it from a 1024-byte boundary. The
+/// Rows of one `wgmma` (`m64nNk16`): a warpgroup's share of a tile.
+pub const WGMMA_M: usize = 64;
+
+/// Elements of one row of a 128-byte-swizzled (SW128) tile: a TMA box's
+/// inner size under `CU_TENSOR_MAP_SWIZZLE_128B`, and the column group in
+/// which SW128 tiles store wider rows.
+pub const SW128_ROW_ELEMS: usize = SW128_ROW_BYTES / ELEM_BYTES;
+/// Bytes of one SW128 row: the swizzle's span.
+pub const SW128_ROW_BYTES: usize = 128;
+
+/// Bytes the Hopper kernels' dynamic shared memory is aligned to: an SW128
+/// tile repeats every [`SWIZZLE_ROWS`] rows, and both `wgmma` descriptors
+/// (base offset 0) and TMA's swizzle address it from that boundary. The
 /// kernels round the window's base up, so a launch adds this much slack.
-pub const SWIZZLE_ATOM_BYTES: usize = 1024;
+pub const SWIZZLE_ATOM_BYTES: usize = SW128_ROW_BYTES * SWIZZLE_ROWS;
 
 /// The Hopper primitive checks of the `Sm90a` module, one line each:
 /// `wgmma dtype N K` multiplies a 64 x K by a K x N tile (`m64nNk16`, K/16

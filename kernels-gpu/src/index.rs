@@ -196,11 +196,12 @@ pub const fn row_pairs(row: u32, chunk: u32) -> (u32, u32) {
     )
 }
 
-/// Bytes of one row of a 128-byte-swizzled (SW128) tile: 64 f16/bf16 elements.
-pub const SW128_ROW_BYTES: u32 = 128;
-/// Bytes of one SW128 swizzle atom: 8 rows of 128 bytes, the period of the
-/// XOR pattern, to which a tile must be aligned.
-pub const SW128_ATOM_BYTES: u32 = SW128_ROW_BYTES * SWIZZLE_ROWS as u32;
+/// [`config::SW128_ROW_BYTES`](crate::config::SW128_ROW_BYTES) as the u32 of
+/// shared-memory addresses.
+pub const SW128_ROW_BYTES: u32 = crate::config::SW128_ROW_BYTES as u32;
+/// [`config::SWIZZLE_ATOM_BYTES`](crate::config::SWIZZLE_ATOM_BYTES) (the
+/// period of the XOR pattern, to which a tile must be aligned) as a u32.
+pub const SW128_ATOM_BYTES: u32 = crate::config::SWIZZLE_ATOM_BYTES as u32;
 
 /// Byte offset of 16-byte chunk `chunk` (elements 8·chunk..) of row `row` in
 /// an SW128 tile of `rows` rows, the layout TMA writes with

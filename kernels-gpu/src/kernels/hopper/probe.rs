@@ -3,8 +3,8 @@
 //! mbarrier ring. Each is the smallest kernel that uses the primitive the
 //! way the Hopper forward does.
 use crate::arch::{barrier, fence, global, mbarrier, smem, special, tma, wgmma};
-use crate::config::{PROBE_THREADS, SWIZZLE_ATOM_BYTES};
-use crate::index::{k_major_desc, mn_major_desc, sw128_offset};
+use crate::config::{PROBE_THREADS, SW128_ROW_ELEMS, WGMMA_M};
+use crate::index::{k_major_desc, mn_major_desc, sw128_offset, SW128_ATOM_BYTES, SW128_ROW_BYTES};
 use crate::kernels::element::Element;
 use crate::params::{ProbeGemmParams, ProbeTmaParams};
 use crate::unroll::unroll;
@@ -32,7 +32,7 @@ fn wait_or_trap(bar: u32, parity: u32) {
 /// The dynamic shared memory's base rounded up to a swizzle atom.
 #[inline(always)]
 fn aligned_smem() -> u32 {
-    let a = SWIZZLE_ATOM_BYTES as u32;
+    let a = SW128_ATOM_BYTES;
     (smem::base() + a - 1) & !(a - 1)
 }
 
@@ -62,7 +62,7 @@ pub unsafe fn wgmma_gemm<
 >(
     p: &ProbeGemmParams,
 ) {
-    const M: u32 = 64;
+    const M: u32 = WGMMA_M as u32;
     let (n, k) = (N as u32, K as u32);
     // The host admits SS only with K % 64 == 0 and RS only with N % 64 == 0:
     // SW128 tiles hold whole 64-column groups, so these are exact sizes.
@@ -150,14 +150,14 @@ pub unsafe fn wgmma_gemm<
 #[inline(always)]
 pub unsafe fn tma_copy<const D: usize>(p: &ProbeTmaParams, load_map: u64, store_map: u64) {
     const STAGES: u32 = 2;
-    let groups = D as u32 / 64;
+    let groups = (D / SW128_ROW_ELEMS) as u32;
     let rows = p.rows;
     let stage_bytes = rows * D as u32 * 2;
     let head = special::block_idx_x() as i32;
     let tid = special::thread_idx_x();
     let tiles = p.seqlen.div_ceil(rows);
     let base = aligned_smem();
-    let stage = |s: u32| base + s * stage_bytes.next_multiple_of(SWIZZLE_ATOM_BYTES as u32);
+    let stage = |s: u32| base + s * stage_bytes.next_multiple_of(SW128_ATOM_BYTES);
     let bars = stage(STAGES);
     let full = |s: u32| bars + 8 * s;
     let empty = |s: u32| bars + 8 * (STAGES + s);
@@ -181,8 +181,18 @@ pub unsafe fn tma_copy<const D: usize>(p: &ProbeTmaParams, load_map: u64, store_
         wait_or_trap(empty(s), (i / STAGES + 1) & 1);
         mbarrier::arrive_expect_tx(full(s), stage_bytes);
         for c in 0..groups {
-            let coord = [64 * c as i32, (i * rows) as i32, head, 0];
-            tma::load_4d(stage(s) + c * rows * 128, load_map, coord, full(s));
+            let coord = [
+                (c as usize * SW128_ROW_ELEMS) as i32,
+                (i * rows) as i32,
+                head,
+                0,
+            ];
+            tma::load_4d(
+                stage(s) + c * rows * SW128_ROW_BYTES,
+                load_map,
+                coord,
+                full(s),
+            );
         }
     };
     if tid == 0 {
@@ -207,8 +217,13 @@ pub unsafe fn tma_copy<const D: usize>(p: &ProbeTmaParams, load_map: u64, store_
         }
         if tid == 0 {
             for c in 0..groups {
-                let coord = [64 * c as i32, (i * rows) as i32, head, 0];
-                tma::store_4d(store_map, coord, stage(s) + c * rows * 128);
+                let coord = [
+                    (c as usize * SW128_ROW_ELEMS) as i32,
+                    (i * rows) as i32,
+                    head,
+                    0,
+                ];
+                tma::store_4d(store_map, coord, stage(s) + c * rows * SW128_ROW_BYTES);
             }
             tma::store_commit();
             tma::store_wait_read();
