@@ -100,7 +100,10 @@
 //! events|graph` (every selected row timed that way), `--quick` (fewer
 //! repetitions), `--module cubin|ptx` (load the embedded cubin, the default,
 //! or JIT the PTX; the first line says which was loaded and how long
-//! `FlashAttention::new` took), `--splits N` (decode rows split their keys N ways, lowered
+//! `FlashAttention::new` took), `--forward-path auto|sm80` (on compute
+//! capability 9.0, `sm80` runs every forward row on the `mma.sync` kernels
+//! instead of the Hopper ones, to compare both; the first line says which),
+//! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
 //! `"ring_stages"`), `--json PATH`, `--plot PATH.png` (after the run, draw
@@ -1599,6 +1602,14 @@ fn main() {
             std::process::exit(2);
         }
     });
+    let hopper_forward = match value_of("--forward-path").as_deref() {
+        None | Some("auto") => true,
+        Some("sm80") => false,
+        Some(other) => {
+            eprintln!("--forward-path wants auto or sm80, not {other:?}");
+            std::process::exit(2);
+        }
+    };
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -1660,6 +1671,7 @@ fn main() {
     let load_start = std::time::Instant::now();
     let fa = FlashAttention::new_with(&ctx, module_choice).expect("load flash-attn kernels");
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
+    fa.set_hopper_forward(hopper_forward);
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
@@ -1677,13 +1689,18 @@ fn main() {
         }
     };
     println!(
-        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms",
+        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}",
         ctx.name().unwrap_or_default(),
         fa.compute_capability().0,
         fa.compute_capability().1,
         fa.num_sms(),
         flash_attn::PTX_SOURCE,
-        fa.loaded_code()
+        fa.loaded_code(),
+        if fa.hopper_forward() {
+            "the Hopper kernels where they cover the row (wgmma + TMA)"
+        } else {
+            "the mma.sync kernels"
+        }
     );
     if let Some(dir) = std::path::Path::new(&json_path).parent() {
         std::fs::create_dir_all(dir).ok();

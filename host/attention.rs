@@ -1,6 +1,7 @@
 //! The host API: one [`FlashAttention`] per context loads the PTX once, caches
 //! every entry point, and launches after validation.
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
@@ -10,16 +11,17 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    combine_rows_per_cta, find_entry, AttnTile, Dtype, Entry, KernelKind, MaskKind, Policies,
-    PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP, ENTRIES,
-    MAX_SPLITS, MERGE_THREADS,
+    combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, KernelKind,
+    MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
+    COMBINE_SPLIT_GROUP, ENTRIES, MAX_SPLITS, MERGE_THREADS,
 };
 use flash_attn_kernels::index::FastDiv;
 use flash_attn_kernels::params::{
-    AppendParams, AttnParams, BshStrides, CombineParams, MergeParams,
+    AppendParams, AttnParams, BshStrides, CombineParams, HopperFwdMaps, MergeParams,
 };
 
 use crate::error::FlashAttnError;
+use crate::hopper::{self, encode_tensor_map, HopperModule, TiledTensor};
 use crate::kernels::{cubins_for, ptx_text};
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
@@ -88,6 +90,11 @@ pub struct FlashAttention {
     compute_capability: (i32, i32),
     arch: PtxArch,
     loaded: LoadedCode,
+    /// The `Sm90a` module, on compute capability 9.0 unless
+    /// [`hopper::FORCE_SM80_ENV`] is set.
+    hopper: Option<HopperModule>,
+    /// Whether forward calls that a Hopper entry covers use it.
+    hopper_forward: AtomicBool,
 }
 
 /// How a decode launch is split and buffered.
@@ -399,6 +406,11 @@ impl FlashAttention {
                 },
             );
         }
+        let hopper = if hopper::forced_off() {
+            None
+        } else {
+            HopperModule::load(ctx)?
+        };
         Ok(FlashAttention {
             ctx: ctx.clone(),
             kernels,
@@ -406,7 +418,25 @@ impl FlashAttention {
             compute_capability: (major, minor),
             arch,
             loaded,
+            hopper_forward: AtomicBool::new(hopper.is_some()),
+            hopper,
         })
+    }
+
+    /// Whether forward calls run on the Hopper kernels (`wgmma` + TMA,
+    /// compute capability 9.0) where one covers the call; the others, and
+    /// every call on other GPUs, run on the `mma.sync` kernels.
+    pub fn hopper_forward(&self) -> bool {
+        self.hopper_forward.load(Ordering::Relaxed)
+    }
+
+    /// Switches the Hopper forward of this instance off (to compare both
+    /// paths in one process) or back on, for the calls issued after it;
+    /// without the Hopper module (another GPU, or
+    /// [`hopper::FORCE_SM80_ENV`]) it stays off.
+    pub fn set_hopper_forward(&self, on: bool) {
+        self.hopper_forward
+            .store(on && self.hopper.is_some(), Ordering::Relaxed);
     }
 
     /// The CUDA context the kernels were loaded into.
@@ -646,12 +676,70 @@ impl FlashAttention {
             num_pages: paging.num_pages as u32,
             ..policy.params
         };
+        if packed.cu_seqlens_q == 0
+            && self.launch_hopper_forward::<T>(stream, t, shape, policy.need, params)?
+        {
+            return Ok(());
+        }
         let grid = (
             shape.seqlen_q.div_ceil(tile.block_m) as u32,
             shape.heads as u32,
             shape.batch as u32,
         );
         self.launch(stream, kernel, grid, ByValue(params))
+    }
+
+    /// Runs a dense forward call on the Hopper kernels if this instance
+    /// uses them, an entry covers the call and TMA can address the tensors
+    /// (the driver refuses a map, e.g. for a zero stride, and the call then
+    /// stays on the `mma.sync` path). Returns whether it launched.
+    fn launch_hopper_forward<T: AttnElement>(
+        &self,
+        stream: &CudaStream,
+        t: &Bound,
+        shape: &ForwardShape,
+        need: Policies,
+        params: AttnParams,
+    ) -> Result<bool, FlashAttnError> {
+        let Some(module) = self.hopper.as_ref().filter(|_| self.hopper_forward()) else {
+            return Ok(false);
+        };
+        let Some(entry) = find_hopper_entry(T::DTYPE, shape.head_dim, need) else {
+            return Ok(false);
+        };
+        let tile = entry.hopper_tile();
+        let map = |x: &TensorInfo, seqlen: usize, heads: usize, box_rows: usize| {
+            let s = &x.layout.strides;
+            let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
+            encode_tensor_map(&TiledTensor {
+                base: x.addr,
+                dtype: T::DTYPE,
+                dims: [
+                    shape.head_dim as u64,
+                    seqlen as u64,
+                    heads as u64,
+                    shape.batch as u64,
+                ],
+                strides: [bytes(s[1]), bytes(s[2]), bytes(s[0])],
+                box_rows: box_rows as u32,
+            })
+            .ok()
+        };
+        let maps = (
+            map(&t.q, shape.seqlen_q, shape.heads, tile.block_m),
+            map(&t.k, shape.seqlen_k, shape.kv_heads, tile.block_n),
+            map(&t.v, shape.seqlen_k, shape.kv_heads, tile.block_n),
+        );
+        let (Some(q), Some(k), Some(v)) = maps else {
+            return Ok(false);
+        };
+        let grid = (
+            shape.seqlen_q.div_ceil(tile.block_m) as u32,
+            shape.heads as u32,
+            shape.batch as u32,
+        );
+        module.launch_forward(stream, entry, HopperFwdMaps { q, k, v }, params, grid)?;
+        Ok(true)
     }
 
     /// Merges two attention states over disjoint key sets into the state over

@@ -1,7 +1,7 @@
 //! The Hopper module (`PtxArch::Sm90a`): architecture-specific PTX that runs
 //! on compute capability 9.0 only, and the TMA tensor maps its kernels read.
-//! So far only [`probes`] loads it; the Hopper forward will be loaded by
-//! `FlashAttention::new` on such GPUs.
+//! `FlashAttention::new` loads it on such GPUs for the Hopper forward (unless
+//! [`FORCE_SM80_ENV`] is set); [`probes`] loads it for the primitive checks.
 use std::collections::HashMap;
 use std::sync::Arc;
 
@@ -9,10 +9,14 @@ use cudarc::driver::sys::{
     self, CUfunction_attribute, CUtensorMapDataType, CUtensorMapFloatOOBfill,
     CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
-use cudarc::driver::{CudaContext, CudaFunction, DeviceRepr};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
-use flash_attn_kernels::config::{Dtype, PtxArch, HOPPER_ENTRIES, SW128_ROW_ELEMS};
-use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap};
+use flash_attn_kernels::config::{Dtype, Entry, PtxArch, HOPPER_ENTRIES, SW128_ROW_ELEMS};
+use flash_attn_kernels::params::{
+    AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap,
+};
 
 use crate::attention::ByValue;
 use crate::error::FlashAttnError;
@@ -22,6 +26,19 @@ use crate::kernels::ptx_text;
 unsafe impl DeviceRepr for ByValue<ProbeGemmParams> {}
 unsafe impl DeviceRepr for ByValue<ProbeTmaMaps> {}
 unsafe impl DeviceRepr for ByValue<ProbeTmaParams> {}
+// SAFETY: #[repr(C)] plain data, the Hopper forward's first parameter.
+unsafe impl DeviceRepr for ByValue<HopperFwdMaps> {}
+
+/// Set to `1`, [`crate::FlashAttention::new`] does not load the Hopper
+/// module: every forward call runs on the `Sm90` module's `mma.sync`
+/// kernels, as on GPUs other than compute capability 9.0.
+/// [`crate::FlashAttention::set_hopper_forward`] switches one instance.
+pub const FORCE_SM80_ENV: &str = "FLASH_ATTN_FORCE_SM80";
+
+/// Whether [`FORCE_SM80_ENV`] asks for the `Sm90` forward.
+pub(crate) fn forced_off() -> bool {
+    std::env::var(FORCE_SM80_ENV).is_ok_and(|v| v == "1")
+}
 
 /// The most rows of one TMA box (the driver's limit per box dimension).
 pub(crate) const TMA_MAX_BOX_ROWS: usize = 256;
@@ -55,9 +72,36 @@ impl HopperModule {
         Ok(Some(HopperModule { functions }))
     }
 
+    /// Launches the Hopper forward `entry` over Q, K and V (in `params`, whose
+    /// strides and sizes validation checked; `maps` their tensor maps) on a
+    /// grid of `grid` CTAs.
+    pub(crate) fn launch_forward(
+        &self,
+        stream: &CudaStream,
+        entry: &Entry,
+        maps: HopperFwdMaps,
+        params: AttnParams,
+        grid: (u32, u32, u32),
+    ) -> Result<(), FlashAttnError> {
+        let function = self.function(entry.name)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (entry.threads(PtxArch::Sm90a) as u32, 1, 1),
+            shared_mem_bytes: entry.smem_bytes(PtxArch::Sm90a) as u32,
+        };
+        let (maps, params) = (ByValue(maps), ByValue(params));
+        let mut builder = stream.launch_builder(function);
+        builder.arg(&maps).arg(&params);
+        // SAFETY: the entry takes (HopperFwdMaps, AttnParams) by value; the
+        // maps cover exactly the validated tensors, and validation bounded
+        // every address the kernel derives from the parameters.
+        unsafe { builder.launch(cfg) }?;
+        Ok(())
+    }
+
     fn function(&self, name: &str) -> Result<&CudaFunction, FlashAttnError> {
         self.functions.get(name).ok_or(FlashAttnError::Unsupported {
-            what: "this probe shape",
+            what: "this entry",
             entry: "the sm_90a module",
         })
     }
@@ -115,9 +159,7 @@ pub mod probes {
     //! GPU suite: not part of the supported API.
     use super::*;
     use crate::tensor::AttnElement;
-    use cudarc::driver::{
-        CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
-    };
+    use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
     use flash_attn_kernels::config::{ELEM_BYTES, PROBE_THREADS, SWIZZLE_ATOM_BYTES, WGMMA_M};
 
     /// The Hopper module of one context.

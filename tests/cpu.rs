@@ -1686,7 +1686,9 @@ mod config {
             KernelKind::Combine => "combine",
             KernelKind::Append => return "flash_append_kv".into(),
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
-            KernelKind::Probe => panic!("probes are HOPPER_ENTRIES, not ENTRIES: {e:?}"),
+            KernelKind::Probe | KernelKind::WgmmaForward => {
+                panic!("{e:?} belongs to HOPPER_ENTRIES, not ENTRIES")
+            }
         };
         let p = e.policies;
         format!(
@@ -1699,15 +1701,34 @@ mod config {
         )
     }
 
-    /// The sm_90a module's entries: probes only, named after their shape,
-    /// one warpgroup each; the module is for compute capability 9.0 alone.
+    /// The sm_90a module's entries: the Hopper forward, named as the table's
+    /// forward lines with `wgmma_` and sized by its `HopperTile`, and the
+    /// probes, named after their shape, one warpgroup each; the module is
+    /// for compute capability 9.0 alone.
     #[test]
-    fn hopper_entries_are_named_probes() {
+    fn hopper_entries_are_named_by_the_table() {
         use flash_attn_kernels::config::{PtxArch, HOPPER_ENTRIES, PROBE_THREADS};
         let mut names = HashSet::new();
         for e in HOPPER_ENTRIES {
-            assert_eq!(e.kind, KernelKind::Probe, "{e:?}");
             assert!(names.insert(e.name), "duplicate {}", e.name);
+            if e.kind == KernelKind::WgmmaForward {
+                let p = e.policies;
+                let want = format!(
+                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}",
+                    e.dtype.name(),
+                    e.head_dim,
+                    word(p.mask),
+                    word(p.score),
+                    word(p.seq)
+                );
+                assert_eq!(e.name, want);
+                let t = e.hopper_tile();
+                assert_eq!(e.threads(PtxArch::Sm90a), t.threads());
+                assert_eq!(e.smem_bytes(PtxArch::Sm90a), t.smem_bytes());
+                assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(1));
+                continue;
+            }
+            assert_eq!(e.kind, KernelKind::Probe, "{e:?}");
             let want = if e.name.starts_with("flash_probe_tma_") {
                 format!("flash_probe_tma_hd{}", e.head_dim)
             } else {
@@ -1722,6 +1743,66 @@ mod config {
         assert!(PtxArch::hopper_device(9, 0));
         assert!(!PtxArch::hopper_device(9, 1) && !PtxArch::hopper_device(10, 0));
         assert!(!PtxArch::hopper_device(8, 0));
+    }
+
+    /// Every Hopper tile fits the module's shared memory with its alignment
+    /// slack; each K/V stage and Q start on a swizzle atom (TMA's SW128 and
+    /// the `wgmma` descriptors address the tiles from such a boundary); the
+    /// barriers are 8-byte aligned past the last tile; registers add up.
+    #[test]
+    fn hopper_tiles_fit_and_align() {
+        use flash_attn_kernels::config::{HopperTile, PtxArch, SWIZZLE_ATOM_BYTES, WGMMA_M};
+        let atom = SWIZZLE_ATOM_BYTES;
+        let mut seen = 0;
+        for e in HOPPER_ENTRIES
+            .iter()
+            .filter(|e| e.kind == KernelKind::WgmmaForward)
+        {
+            let t = e.hopper_tile();
+            seen += 1;
+            assert!(t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes(), "{t:?}");
+            assert_eq!(t.block_m, HopperTile::CONSUMERS * WGMMA_M);
+            assert!(
+                t.block_n % 16 == 0 && t.block_n <= 256 && t.head_dim % 64 == 0,
+                "{t:?}"
+            );
+            for s in 0..t.stages {
+                assert_eq!(t.k_offset(s) % atom, 0, "{t:?}");
+                assert_eq!(t.v_offset(s) % atom, 0, "{t:?}");
+                assert!(t.k_offset(s) >= t.q_bytes());
+            }
+            assert_eq!(t.v_offset(0), t.k_offset(t.stages));
+            assert_eq!(t.barrier(0), t.v_offset(t.stages));
+            assert_eq!(t.barriers(), 1 + 4 * t.stages);
+            assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()));
+        }
+        assert!(seen > 0);
+        let (p, c) = (
+            HopperTile::PRODUCER_REGS as usize,
+            HopperTile::CONSUMER_REGS as usize,
+        );
+        assert!(128 * p + HopperTile::CONSUMERS * 128 * c <= 65536);
+        assert!(p % 8 == 0 && c % 8 == 0);
+    }
+
+    /// Dispatch to the Hopper path: the first table line that covers a call,
+    /// none for what it lacks (head dims, policies), so those stay on sm_90.
+    #[test]
+    fn hopper_dispatch_covers_only_its_lines() {
+        let need = |mask, score, seq| Policies { mask, score, seq };
+        let plain = |mask| need(mask, ScoreKind::Plain, SeqKind::Dense);
+        for dtype in DTYPES {
+            let full = find_hopper_entry(dtype, 128, plain(MaskKind::Full)).unwrap();
+            assert_eq!(full.policies.mask, MaskKind::Full);
+            let causal = find_hopper_entry(dtype, 128, plain(MaskKind::Causal)).unwrap();
+            assert_eq!(causal.policies.mask, MaskKind::Causal);
+            assert!(find_hopper_entry(dtype, 64, plain(MaskKind::Full)).is_none());
+            assert!(find_hopper_entry(dtype, 128, plain(MaskKind::Local)).is_none());
+            let modified = need(MaskKind::Full, ScoreKind::Modified, SeqKind::Dense);
+            assert!(find_hopper_entry(dtype, 128, modified).is_none());
+            let ragged = need(MaskKind::Full, ScoreKind::Plain, SeqKind::Ragged);
+            assert!(find_hopper_entry(dtype, 128, ragged).is_none());
+        }
     }
 
     #[test]

@@ -1756,6 +1756,68 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
     v
 }
 
+/// On compute capability 9.0 the forward runs on the Hopper kernels unless
+/// `FLASH_ATTN_FORCE_SM80=1` (the suite's second pass) asks otherwise.
+fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
+    let forced = std::env::var(flash_attn::hopper::FORCE_SM80_ENV).is_ok_and(|v| v == "1");
+    if gpu.fa.hopper_forward() == forced {
+        return Err(format!(
+            "hopper_forward() = {} with {}={}",
+            gpu.fa.hopper_forward(),
+            flash_attn::hopper::FORCE_SM80_ENV,
+            forced as u8
+        )
+        .into());
+    }
+    Ok(())
+}
+
+/// Forward cases the Hopper kernels serve (D = 128, plain, dense), with
+/// `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks.
+fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
+    fwd_strategy().prop_map(|c| FwdCase { head_dim: 128, ..c })
+}
+
+/// Sequences of many key blocks (both ring stages reused many times) and
+/// query tiles, in both mask kinds, with Sq != Skv either way.
+fn hopper_long_cases() -> Vec<FwdCase> {
+    let mut v = Vec::new();
+    for causal in [false, true] {
+        for (batch, sq, sk, heads, kv_heads) in [
+            (1, 2049, 2049, 4, 2),
+            (2, 700, 3001, 2, 1),
+            (1, 3001, 700, 2, 2),
+            (3, 128, 128, 1, 1),
+        ] {
+            v.push(FwdCase {
+                batch,
+                seqlen_q: sq,
+                seqlen_k: sk,
+                heads,
+                kv_heads,
+                head_dim: 128,
+                causal,
+                with_lse: true,
+                packed_qkv: false,
+                seed: 13,
+            });
+        }
+        v.push(FwdCase {
+            batch: 2,
+            seqlen_q: 1500,
+            seqlen_k: 1500,
+            heads: 3,
+            kv_heads: 3,
+            head_dim: 128,
+            causal,
+            with_lse: false,
+            packed_qkv: true,
+            seed: 17,
+        });
+    }
+    v
+}
+
 /// The `wgmma` probe shapes, (dtype, N, K), from the module's entry list.
 fn wgmma_probe_shapes() -> Vec<(Dtype, usize, usize)> {
     HOPPER_ENTRIES
@@ -2159,6 +2221,32 @@ fn main() {
 
     let have_hopper = gpu.as_ref().as_ref().is_some_and(|g| g.hopper.is_some());
     let mut hopper_trials = Vec::new();
+    macro_rules! hopper_forward_trials {
+        ($t:ty, $name:literal) => {{
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_random_", $name),
+                move || {
+                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
+                    proptest_trial(&g, case_count(), hopper_fwd_strategy(), run_forward::<$t>)
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_long_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    check_hopper_path(gpu)?;
+                    for c in hopper_long_cases() {
+                        run_forward::<$t>(gpu, &c)?;
+                    }
+                    Ok(())
+                },
+            ));
+        }};
+    }
+    hopper_forward_trials!(f16, "f16");
+    hopper_forward_trials!(bf16, "bf16");
     for (name, run) in [
         (
             "hopper_wgmma_probes",

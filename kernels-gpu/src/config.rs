@@ -108,8 +108,8 @@ pub enum PtxArch {
     Sm90,
     /// `sm_90a`: Hopper's architecture-specific instructions (`wgmma`,
     /// `setmaxnreg`), which run on compute capability 9.0 only. It holds only
-    /// [`HOPPER_ENTRIES`] (so far the primitive probes, which
-    /// `flash_attn::hopper::probes` loads; `FlashAttention` does not yet).
+    /// [`HOPPER_ENTRIES`]: the Hopper forward, which `FlashAttention` loads
+    /// on such GPUs, and the primitive probes of `flash_attn::hopper::probes`.
     Sm90a,
 }
 
@@ -454,9 +454,12 @@ pub enum KernelKind {
     /// Merges two (O, LSE) attention states over disjoint key sets; any head
     /// dim (a multiple of 8).
     Merge,
-    /// A check of one Hopper primitive (`hopper_probes`): the GPU suite runs
+    /// A check of one Hopper primitive (`hopper_entries`): the GPU suite runs
     /// it against a host computation before any kernel relies on it.
     Probe,
+    /// The Hopper forward (`Sm90a` module): TMA loads, `wgmma`, a producer
+    /// warpgroup and [`HopperTile::CONSUMERS`] consumer warpgroups.
+    WgmmaForward,
 }
 
 /// Which keys a query row sees (see `kernels::policy`). Ordered from the most
@@ -538,7 +541,8 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// The attention tile of a forward or decode entry in `arch`'s module.
+    /// The attention tile of a forward or decode entry (not a
+    /// [`KernelKind::WgmmaForward`] one: [`Self::hopper_tile`]) in `arch`'s module.
     pub const fn tile(&self, arch: PtxArch) -> AttnTile {
         AttnTile::of_variant(self.kind, self.head_dim, self.policies, arch)
     }
@@ -549,6 +553,7 @@ impl Entry {
             KernelKind::Append => APPEND_THREADS,
             KernelKind::Merge => MERGE_THREADS,
             KernelKind::Probe => PROBE_THREADS,
+            KernelKind::WgmmaForward => self.hopper_tile().threads(),
             _ => self.tile(arch).threads(),
         }
     }
@@ -557,6 +562,7 @@ impl Entry {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => 0,
             KernelKind::Probe => PtxArch::Sm90a.max_smem_bytes(),
+            KernelKind::WgmmaForward => self.hopper_tile().smem_bytes(),
             _ => self.tile(arch).smem_bytes(),
         }
     }
@@ -564,9 +570,13 @@ impl Entry {
     pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
-            KernelKind::Probe => Some(1),
+            KernelKind::Probe | KernelKind::WgmmaForward => Some(1),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
+    }
+    /// The tile of a [`KernelKind::WgmmaForward`] entry.
+    pub const fn hopper_tile(&self) -> HopperTile {
+        HopperTile::of(self.head_dim, self.policies)
     }
 }
 
@@ -769,8 +779,8 @@ macro_rules! entry_rows {
 }
 attention_variants!(entry_rows);
 
-/// Threads of a probe CTA: one warpgroup, the unit that issues `wgmma`.
-pub const PROBE_THREADS: usize = 128;
+/// Threads of a probe CTA: one warpgroup.
+pub const PROBE_THREADS: usize = WARPGROUP_THREADS;
 
 /// Rows of one `wgmma` (`m64nNk16`): a warpgroup's share of a tile.
 pub const WGMMA_M: usize = 64;
@@ -788,17 +798,120 @@ pub const SW128_ROW_BYTES: usize = 128;
 /// kernels round the window's base up, so a launch adds this much slack.
 pub const SWIZZLE_ATOM_BYTES: usize = SW128_ROW_BYTES * SWIZZLE_ROWS;
 
-/// The Hopper primitive checks of the `Sm90a` module, one line each:
-/// `wgmma dtype N K` multiplies a 64 x K by a K x N tile (`m64nNk16`, K/16
-/// steps) both with A and B in shared memory (B K-major, as Kᵀ in Q·Kᵀ;
-/// needs K % 64 == 0) and with A in registers and B MN-major (as V in P·V;
-/// needs N % 64 == 0); `tma D` copies [S, H, D] tiles through a two-stage
-/// TMA + mbarrier ring and back out with a TMA store. The pairs are the
-/// shapes the Hopper forward uses: Q·Kᵀ at D = 128 (176 keys) and 256 (80
-/// keys), P·V at the same, and the 128 x 128 causal tile.
-macro_rules! hopper_probes {
+/// Threads of a warpgroup: the unit that issues `wgmma` (4 consecutive
+/// warps, the first a multiple of 4).
+pub const WARPGROUP_THREADS: usize = 128;
+
+/// The tile of one Hopper forward CTA (docs/hopper-plan.md §2): a producer
+/// warpgroup whose one thread issues the TMA loads, and [`Self::CONSUMERS`]
+/// warpgroups that each own [`WGMMA_M`] query rows. Shared memory, from a
+/// 1024-byte-aligned base: Q (`block_m` rows), `stages` K tiles, `stages` V
+/// tiles (`block_n` rows each, every tile SW128 in 64-column groups, as TMA
+/// writes it), then the mbarriers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperTile {
+    /// Head dimension D.
+    pub head_dim: usize,
+    /// Query rows per CTA: [`WGMMA_M`] per consumer warpgroup.
+    pub block_m: usize,
+    /// Keys per K/V block: the N of S = Q·Kᵀ and the K of O += P·V.
+    pub block_n: usize,
+    /// Stages of each of the K and V rings.
+    pub stages: usize,
+}
+
+impl HopperTile {
+    /// Consumer warpgroups per CTA.
+    pub const CONSUMERS: usize = 2;
+    /// Registers per thread the producer keeps: it only runs the load loop.
+    pub const PRODUCER_REGS: u32 = 24;
+    /// Registers per consumer thread: what the producer leaves of the 64K,
+    /// (65536 - 128 x 24) / 256 = 244, rounded down to `setmaxnreg`'s
+    /// multiple of 8.
+    pub const CONSUMER_REGS: u32 = 240;
+    /// Index of the Q barrier; the rings' follow (see [`Self::barrier`]).
+    pub const Q_FULL: usize = 0;
+
+    /// The tile of a head dimension; `None` when the Hopper path has none.
+    /// D = 128: 128 x 128 in two stages (S and P of 128 keys beside the 64
+    /// O registers leave room under [`Self::CONSUMER_REGS`]).
+    pub const fn for_head_dim(head_dim: usize, _policies: Policies) -> Option<HopperTile> {
+        match head_dim {
+            128 => Some(HopperTile {
+                head_dim,
+                block_m: Self::CONSUMERS * WGMMA_M,
+                block_n: 128,
+                stages: 2,
+            }),
+            _ => None,
+        }
+    }
+
+    /// [`Self::for_head_dim`] where a missing tile is a build error.
+    pub const fn of(head_dim: usize, policies: Policies) -> HopperTile {
+        match Self::for_head_dim(head_dim, policies) {
+            Some(t) => t,
+            None => panic!("no Hopper tile for this head dim"),
+        }
+    }
+
+    /// Threads per CTA: the producer warpgroup and the consumers.
+    pub const fn threads(self) -> usize {
+        (1 + Self::CONSUMERS) * WARPGROUP_THREADS
+    }
+    /// Bytes of the Q tile.
+    pub const fn q_bytes(self) -> usize {
+        self.block_m * self.head_dim * ELEM_BYTES
+    }
+    /// Bytes of one K or V tile.
+    pub const fn kv_bytes(self) -> usize {
+        self.block_n * self.head_dim * ELEM_BYTES
+    }
+    /// Offset of stage `s`'s K tile.
+    pub const fn k_offset(self, s: usize) -> usize {
+        self.q_bytes() + s * self.kv_bytes()
+    }
+    /// Offset of stage `s`'s V tile.
+    pub const fn v_offset(self, s: usize) -> usize {
+        self.k_offset(self.stages) + s * self.kv_bytes()
+    }
+    /// Barriers: Q full, then K full, K empty, V full, V empty, a ring each.
+    pub const fn barriers(self) -> usize {
+        1 + 4 * self.stages
+    }
+    /// Offset of barrier `i` (8 bytes each).
+    pub const fn barrier(self, i: usize) -> usize {
+        self.v_offset(self.stages) + 8 * i
+    }
+    /// Dynamic shared memory of one CTA, with the slack that lets the kernel
+    /// round its base up to [`SWIZZLE_ATOM_BYTES`].
+    pub const fn smem_bytes(self) -> usize {
+        SWIZZLE_ATOM_BYTES + self.barrier(self.barriers())
+    }
+}
+
+/// The one table of the `Sm90a` module's entries, in three groups:
+///
+/// - `fwd dtype D mask scores seq`: the Hopper forward
+///   ([`KernelKind::WgmmaForward`]), named `flash_wgmma_fwd_...` with the
+///   words of `attention_variants`; dispatch takes the first line that
+///   covers a call, and calls no line covers stay on the `Sm90` module.
+/// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
+///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
+///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
+///   and B MN-major (as V in P·V; needs N % 64 == 0).
+/// - `tma D`: a probe that copies [S, H, D] tiles through a two-stage TMA +
+///   mbarrier ring and back out with a TMA store.
+///
+/// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys)
+/// and 256 (80 keys), P·V at the same, and the 128 x 128 causal tile.
+macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
+            fwd f16 128 full plain dense;
+            fwd f16 128 causal plain dense;
+            fwd bf16 128 full plain dense;
+            fwd bf16 128 causal plain dense;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;
@@ -818,12 +931,30 @@ macro_rules! hopper_probes {
     };
 }
 #[allow(unused_imports)] // used by the device crate's entries only
-pub(crate) use hopper_probes;
+pub(crate) use hopper_entries;
 
 macro_rules! hopper_rows {
-    ($(wgmma $dtype:ident $n:literal $k:literal;)* $(tma $d:literal;)*) => {
-        /// Every entry point of the `Sm90a` module: the `hopper_probes`.
+    (
+        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident;)*
+        $(wgmma $dtype:ident $n:literal $k:literal;)*
+        $(tma $d:literal;)*
+    ) => {
+        /// Every entry point of the `Sm90a` module (`hopper_entries`).
         pub const HOPPER_ENTRIES: &[Entry] = &[
+            $(Entry {
+                name: concat!(
+                    "flash_wgmma_fwd_", stringify!($fdtype), "_hd", stringify!($fd),
+                    "_", stringify!($mask), "_", stringify!($score), "_", stringify!($seq)
+                ),
+                kind: KernelKind::WgmmaForward,
+                dtype: table_word!(dtype $fdtype),
+                head_dim: $fd,
+                policies: Policies {
+                    mask: table_word!(mask $mask),
+                    score: table_word!(score $score),
+                    seq: table_word!(seq $seq),
+                },
+            },)*
             $(Entry {
                 name: concat!("flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)),
                 kind: KernelKind::Probe,
@@ -841,7 +972,18 @@ macro_rules! hopper_rows {
         ];
     };
 }
-hopper_probes!(hopper_rows);
+hopper_entries!(hopper_rows);
+
+/// The first Hopper forward entry for `dtype` and `head_dim` whose policies
+/// cover `need`; `None` sends the call to the `Sm90` module's kernels.
+pub fn find_hopper_entry(dtype: Dtype, head_dim: usize, need: Policies) -> Option<&'static Entry> {
+    HOPPER_ENTRIES.iter().find(|e| {
+        e.kind == KernelKind::WgmmaForward
+            && e.dtype == dtype
+            && e.head_dim == head_dim
+            && e.policies.covers(need)
+    })
+}
 
 /// The first (most specialised) entry of `kind` for `dtype` and `head_dim`
 /// whose policies cover `need`.

@@ -304,3 +304,18 @@ impl ProbeTmaParams {
     /// The copy at `maps_global`.
     pub const MAPS_GLOBAL: u32 = 1;
 }
+
+/// The tensor maps of a Hopper forward launch, its first (by-value) kernel
+/// parameter: Q, K and V as 4-D tensors {D, S, H, B} (innermost first; for
+/// packed sequences {D, total, H, 1}), boxes of {64, rows, 1, 1} with the
+/// 128-byte swizzle, Q's box `block_m` rows and K's and V's `block_n`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HopperFwdMaps {
+    /// Q [B, Sq, H, D].
+    pub q: TensorMap,
+    /// K [B, Skv, Hkv, D].
+    pub k: TensorMap,
+    /// V [B, Skv, Hkv, D].
+    pub v: TensorMap,
+}

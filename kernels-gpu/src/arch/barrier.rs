@@ -30,3 +30,14 @@ pub fn sync_cta_divergent() {
         asm!("barrier.sync 0;", options(nostack));
     }
 }
+
+/// `barrier.sync id, threads;` the `threads` threads (a multiple of 32) that
+/// name barrier `id` (1..=15; 0 is the CTA's) wait for each other. Not
+/// `.aligned`, for the reason of [`sync_cta_divergent`]: the Hopper kernels
+/// reach their named barriers inside warpgroup role branches.
+#[inline(always)]
+pub fn sync_named(id: u32, threads: u32) {
+    unsafe {
+        asm!("barrier.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack));
+    }
+}

@@ -4,8 +4,8 @@
 //!
 //! Shared-memory addresses are 32-bit `.shared` window addresses (what
 //! `cvta.to.shared` yields), which is what `ldmatrix`, `cp.async` and
-//! `ld/st.shared` take. The Hopper families (`fence`, `mbarrier`, `tma`,
-//! `wgmma`) are compiled into the `sm_90a` module only.
+//! `ld/st.shared` take. The Hopper families (`fence`, `mbarrier`,
+//! `setmaxnreg`, `tma`, `wgmma`) are compiled into the `sm_90a` module only.
 
 pub mod barrier;
 pub mod cp_async;
@@ -17,6 +17,8 @@ pub mod math;
 #[cfg(target_feature = "sm_90a")]
 pub mod mbarrier;
 pub mod mma;
+#[cfg(target_feature = "sm_90a")]
+pub mod setmaxnreg;
 pub mod shfl;
 pub mod smem;
 pub mod special;

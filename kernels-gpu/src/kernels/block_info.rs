@@ -4,7 +4,6 @@
 //! and device-side lengths it needs.
 use super::policy::{Mask, Seq};
 use crate::arch::{global, special};
-use crate::config::AttnTile;
 use crate::index::{self, KeyWindow};
 use crate::params::{AttnParams, BshStrides};
 
@@ -32,9 +31,9 @@ pub struct BlockInfo {
     last_token: u32,
     /// Batch index used for addressing (0 for packed sequences) and the first
     /// row of the sequence in Q/O and in K/V.
-    addr_batch: u32,
-    q_start: u32,
-    k_start: u32,
+    pub addr_batch: u32,
+    pub q_start: u32,
+    pub k_start: u32,
     /// Row (b, h, token) of the LSE is `lse_base + h * lse_head_stride + token`.
     lse_base: u64,
     lse_head_stride: u64,
@@ -77,18 +76,20 @@ fn key_range(p: &AttnParams, b: u32) -> (u32, u32) {
 }
 
 impl BlockInfo {
+    /// `block_m` query rows per CTA, keys in blocks of `block_n`.
     /// `heaviest_first` visits query blocks in reverse: with a causal mask the
     /// last blocks see the most keys, and starting them first shortens the tail
     /// of the last wave.
     #[inline(always)]
     pub fn new<M: Mask, L: Seq>(
         p: &AttnParams,
-        tile: AttnTile,
+        block_m: usize,
+        block_n: usize,
         packed: bool,
         heaviest_first: bool,
     ) -> BlockInfo {
-        let bm = tile.block_m as u32;
-        let bn = tile.block_n as u32;
+        let bm = block_m as u32;
+        let bn = block_n as u32;
         let pack = if packed { p.pack.max(1) } else { 1 };
         let splits = p.num_splits.max(1);
         let z = special::block_idx_z();

@@ -45,7 +45,7 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     // The ring depth is the launch's (uniform): the host sizes shared memory for it.
     let tile = tile.with_stages(p.kv_stages as usize);
     let lane = Lane::current();
-    let info = BlockInfo::new::<M, Dense>(p, tile, true, false);
+    let info = BlockInfo::new::<M, Dense>(p, tile.block_m, tile.block_n, true, false);
     let base = smem::base();
     let blocks = info.n_hi - info.n_lo;
     // Blocks are visited from the last to the first, so the one that may need

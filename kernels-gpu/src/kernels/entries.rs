@@ -1,7 +1,38 @@
 //! PTX entry points, one per line of `config::attention_variants` (so the
 //! names match `config::ENTRIES` by construction), plus the append and
 //! merge kernels; in the `sm_90a` module instead one per line of
-//! `config::hopper_probes` (`config::HOPPER_ENTRIES`).
+//! `config::hopper_entries` (`config::HOPPER_ENTRIES`).
+/// Maps the table's words to the policy and element types.
+macro_rules! ty {
+    (f16) => {
+        crate::kernels::element::F16
+    };
+    (bf16) => {
+        crate::kernels::element::Bf16
+    };
+    (full) => {
+        crate::kernels::policy::Full
+    };
+    (causal) => {
+        crate::kernels::policy::Causal
+    };
+    (local) => {
+        crate::kernels::policy::Local
+    };
+    (plain) => {
+        crate::kernels::policy::Plain
+    };
+    (modified) => {
+        crate::kernels::policy::Modified
+    };
+    (dense) => {
+        crate::kernels::policy::Dense
+    };
+    (ragged) => {
+        crate::kernels::policy::Ragged
+    };
+}
+
 #[cfg(not(target_feature = "sm_90a"))]
 mod sm80 {
     use super::super::append::append_kv;
@@ -10,40 +41,9 @@ mod sm80 {
     use super::super::element::{Bf16, F16};
     use super::super::mainloop::attention;
     use super::super::merge::merge;
-    use super::super::policy::{policies, Causal, Dense, Full, Local, Modified, Plain, Ragged};
+    use super::super::policy::policies;
     use crate::config::{attention_variants, AttnTile, KernelKind, PtxArch};
     use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
-
-    /// Maps the table's words to the policy and element types.
-    macro_rules! ty {
-        (f16) => {
-            F16
-        };
-        (bf16) => {
-            Bf16
-        };
-        (full) => {
-            Full
-        };
-        (causal) => {
-            Causal
-        };
-        (local) => {
-            Local
-        };
-        (plain) => {
-            Plain
-        };
-        (modified) => {
-            Modified
-        };
-        (dense) => {
-            Dense
-        };
-        (ragged) => {
-            Ragged
-        };
-    }
 
     /// The forward tile of a table line.
     macro_rules! forward_tile {
@@ -127,39 +127,72 @@ mod sm80 {
 
 #[cfg(target_feature = "sm_90a")]
 mod sm90a {
-    use super::super::element::{Bf16, F16};
+    use super::super::hopper::forward::forward;
     use super::super::hopper::probe::{tma_copy, wgmma_gemm};
+    use super::super::policy::policies;
     use crate::arch::tma::param0_address;
-    use crate::config::hopper_probes;
-    use crate::params::{ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
+    use crate::config::{hopper_entries, HopperTile};
+    use crate::params::{AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
 
-    macro_rules! element {
-        (f16) => {
-            F16
-        };
-        (bf16) => {
-            Bf16
+    macro_rules! fwd_name {
+        ($dtype:ident $d:literal $mask:ident $score:ident $seq:ident) => {
+            concat!(
+                "flash_wgmma_fwd_",
+                stringify!($dtype),
+                "_hd",
+                stringify!($d),
+                "_",
+                stringify!($mask),
+                "_",
+                stringify!($score),
+                "_",
+                stringify!($seq)
+            )
         };
     }
 
-    macro_rules! probe_entries {
-    ($(wgmma $dtype:ident $n:literal $k:literal;)* $(tma $d:literal;)*) => {
+    macro_rules! hopper_device_entries {
+    (
+        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident;)*
+        $(wgmma $dtype:ident $n:literal $k:literal;)*
+        $(tma $d:literal;)*
+    ) => {
+        $(const _: () = {
+            const TILE: HopperTile =
+                HopperTile::of($fd, policies::<ty!($mask), ty!($score), ty!($seq)>());
+            #[export_name = fwd_name!($fdtype $fd $mask $score $seq)]
+            // Tensor maps come first, as in every sm_90a entry that takes
+            // them: the PTX build aligns that parameter to 128 bytes
+            // (`artifacts::align_tensor_map_params`).
+            pub unsafe extern "ptx-kernel" fn entry(_maps: HopperFwdMaps, p: AttnParams) {
+                // The maps are read where the driver put them (param space);
+                // reading `_maps` in Rust would copy it to local memory.
+                let maps = param0_address!(fwd_name!($fdtype $fd $mask $score $seq));
+                forward::<
+                    ty!($fdtype),
+                    ty!($mask),
+                    ty!($score),
+                    ty!($seq),
+                    $fd,
+                    { TILE.block_n / 8 },
+                    { $fd / 8 },
+                    { $fd / 16 },
+                    { TILE.block_n / 16 },
+                    { TILE.stages as u32 },
+                >(&p, maps)
+            }
+        };)*
         $(const _: () = {
             #[export_name = concat!(
                 "flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)
             )]
             pub unsafe extern "ptx-kernel" fn entry(p: ProbeGemmParams) {
-                wgmma_gemm::<element!($dtype), $n, $k, { $n / 8 }, { $k / 16 }>(&p)
+                wgmma_gemm::<ty!($dtype), $n, $k, { $n / 8 }, { $k / 16 }>(&p)
             }
         };)*
         $(const _: () = {
             #[export_name = concat!("flash_probe_tma_hd", stringify!($d))]
-            // Tensor maps come first, as every sm_90a entry that takes them:
-            // the PTX build aligns that parameter to 128 bytes
-            // (`artifacts::align_tensor_map_params`).
             pub unsafe extern "ptx-kernel" fn entry(_maps: ProbeTmaMaps, p: ProbeTmaParams) {
-                // The maps are read where the driver put them (param space);
-                // reading `_maps` in Rust would copy it to local memory.
                 let maps_at = match p.map_source {
                     ProbeTmaParams::MAPS_GLOBAL => p.maps_global,
                     _ => param0_address!(concat!("flash_probe_tma_hd", stringify!($d))),
@@ -172,5 +205,5 @@ mod sm90a {
     };
 }
 
-    hopper_probes!(probe_entries);
+    hopper_entries!(hopper_device_entries);
 }

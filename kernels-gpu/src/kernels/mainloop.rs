@@ -67,7 +67,7 @@ pub fn attention<
     }
     let heaviest_first = matches!(M::KIND, MaskKind::Causal);
     let lane = Lane::current();
-    let info = BlockInfo::new::<M, L>(p, tile, false, heaviest_first);
+    let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
     if L::RAGGED && !info.has_rows() {
         // A packed sequence shorter than the grid's max_seqlen_q.
         return;
@@ -146,7 +146,7 @@ pub fn attention<
 
     // The epilogue rebuilds the block info from the CTA coordinates rather than
     // keeping it live through the loop, which would cost registers there.
-    let info = BlockInfo::new::<M, L>(p, tile, false, heaviest_first);
+    let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
     // Likewise the lane: the O staging addresses are then not the Q load's,
     // kept from the prologue.
     let lane = Lane::current();

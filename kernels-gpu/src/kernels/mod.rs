@@ -3,12 +3,12 @@
 //! the K/V ring, online softmax, the forward mainloop and the decode
 //! schedule, epilogues, the split-KV combine and state merging. `entries`
 //! instantiates them as named PTX entry points.
-//! The `sm_90a` module (`PtxArch::Sm90a`) compiles only `hopper`; the
-//! others make the `sm_80` and `sm_90` modules.
+//! The `sm_90a` module (`PtxArch::Sm90a`) compiles `hopper` and the pieces
+//! it shares with the sm_80 kernels (block info, policies, mask, online
+//! softmax); the rest make the `sm_80` and `sm_90` modules.
 
 #[cfg(not(target_feature = "sm_90a"))]
 mod append;
-#[cfg(not(target_feature = "sm_90a"))]
 mod block_info;
 #[cfg(not(target_feature = "sm_90a"))]
 mod combine;
@@ -26,15 +26,12 @@ mod kv_ring;
 mod lane;
 #[cfg(not(target_feature = "sm_90a"))]
 mod mainloop;
-#[cfg(not(target_feature = "sm_90a"))]
 mod mask;
 #[cfg(not(target_feature = "sm_90a"))]
 mod merge;
 #[cfg(not(target_feature = "sm_90a"))]
 mod paging;
-#[cfg(not(target_feature = "sm_90a"))]
 mod policy;
 #[cfg(not(target_feature = "sm_90a"))]
 mod smem_tile;
-#[cfg(not(target_feature = "sm_90a"))]
 mod softmax;

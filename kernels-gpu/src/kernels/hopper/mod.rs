@@ -1,5 +1,7 @@
-//! The Hopper (sm_90a) module's kernels: `wgmma` and TMA. For now the
-//! primitive probes; the warp-specialised forward (docs/hopper-plan.md)
-//! builds on them.
+//! The Hopper (sm_90a) module's kernels: the warp-specialised forward
+//! (`wgmma` + TMA; docs/hopper-plan.md) and the probes that check its
+//! primitives.
 
+pub mod forward;
 pub mod probe;
+mod ring;

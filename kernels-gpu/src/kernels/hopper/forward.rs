@@ -1,0 +1,296 @@
+//! The Hopper forward CTA (FlashAttention-3's roles; docs/hopper-plan.md):
+//! one thread of the producer warpgroup loads Q once and streams K and V
+//! blocks through two [`TmaRing`]s; each consumer warpgroup owns
+//! [`WGMMA_M`] query rows and runs FlashAttention-2's loop on them with
+//! `wgmma`: S = Q·Kᵀ with both operands in shared memory, the online
+//! softmax in registers, O += P·V with P in registers. Key blocks are
+//! visited from the last to the first, as in the sm_80 mainloop, so the
+//! blocks that need a mask come first.
+//!
+//! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
+//! of its 16 rows, so the online softmax, the mask and P's packing are the
+//! sm_80 kernel's own.
+use super::ring::{wait, TmaRing};
+use crate::arch::{barrier, global, mbarrier, setmaxnreg, smem, special, tma, wgmma};
+use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M};
+use crate::index::{k_major_desc, mn_major_desc, sw128_offset, SW128_ATOM_BYTES, SW128_ROW_BYTES};
+use crate::kernels::block_info::BlockInfo;
+use crate::kernels::element::Element;
+use crate::kernels::mask;
+use crate::kernels::policy::{policies, Mask, Scores, Seq};
+use crate::kernels::softmax::OnlineSoftmax;
+use crate::params::{AttnParams, HopperFwdMaps};
+use crate::unroll::unroll;
+
+/// Warps that release a ring stage: every consumer warp, once its share of
+/// the `wgmma`s that read the stage has completed.
+const RELEASERS: u32 = (HopperTile::CONSUMERS * WARPGROUP_THREADS / WARP_SIZE) as u32;
+
+/// Named barrier of consumer warpgroup c's epilogue: 1 + c (0 is the CTA's).
+const EPILOGUE_BARRIER: u32 = 1;
+
+/// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
+#[derive(Clone, Copy)]
+struct Smem {
+    q: u32,
+    /// Stage 0's K tile; stage s at `k + s * kv_bytes`.
+    k: u32,
+    v: u32,
+    q_full: u32,
+}
+
+/// One Hopper forward CTA. `ST = block_n / 8` (n-tiles of S), `OT = D / 8`
+/// (of O), `QK = D / 16` (k-steps of Q·Kᵀ), `PK = block_n / 16` (of P·V)
+/// and `STAGES` restate the tile because array lengths cannot be computed
+/// from it on stable Rust; they are checked against it at compile time.
+/// `maps` is the generic address of the [`HopperFwdMaps`] parameter.
+#[inline(always)]
+pub unsafe fn forward<
+    T: Element,
+    M: Mask,
+    S: Scores,
+    L: Seq,
+    const D: usize,
+    const ST: usize,
+    const OT: usize,
+    const QK: usize,
+    const PK: usize,
+    const STAGES: u32,
+>(
+    p: &AttnParams,
+    maps: u64,
+) {
+    let tile = const { HopperTile::of(D, policies::<M, S, L>()) };
+    const {
+        let t = HopperTile::of(D, policies::<M, S, L>());
+        assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
+        assert!(STAGES as usize == t.stages && t.block_m == HopperTile::CONSUMERS * WGMMA_M);
+        assert!(
+            !S::MODIFIED && !L::RAGGED,
+            "score modifiers and packed sequences are not on the Hopper path yet"
+        );
+    }
+    let a = SW128_ATOM_BYTES;
+    let base = (smem::base() + a - 1) & !(a - 1);
+    let at = |offset: usize| base + offset as u32;
+    let sm = Smem {
+        q: base,
+        k: at(tile.k_offset(0)),
+        v: at(tile.v_offset(0)),
+        q_full: at(tile.barrier(HopperTile::Q_FULL)),
+    };
+    let ring = |first: usize| {
+        TmaRing::<STAGES>::new(
+            at(tile.barrier(first)),
+            at(tile.barrier(first + tile.stages)),
+        )
+    };
+    let (k_ring, v_ring) = (ring(1), ring(1 + 2 * tile.stages));
+    let tid = special::thread_idx_x();
+    if tid == 0 {
+        mbarrier::init(sm.q_full, 1);
+        k_ring.init(RELEASERS);
+        v_ring.init(RELEASERS);
+        mbarrier::fence_init();
+        for m in 0..3 {
+            tma::prefetch_map(maps + (m * size_of::<crate::params::TensorMap>()) as u64);
+        }
+    }
+    barrier::sync_cta_divergent();
+
+    let heaviest_first = matches!(M::KIND, MaskKind::Causal);
+    let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
+    // One branch per role: ptxas applies `setmaxnreg` only so.
+    if tid < WARPGROUP_THREADS as u32 {
+        setmaxnreg::dec::<{ HopperTile::PRODUCER_REGS }>();
+        if tid == 0 {
+            produce::<D, STAGES>(tile, &info, maps, sm, k_ring, v_ring);
+        }
+    } else {
+        setmaxnreg::inc::<{ HopperTile::CONSUMER_REGS }>();
+        consume::<T, M, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
+    }
+}
+
+/// The load loop: Q once, then K(n) and V(n) for n from `n_hi - 1` down.
+#[inline(always)]
+fn produce<const D: usize, const STAGES: u32>(
+    tile: HopperTile,
+    info: &BlockInfo,
+    maps: u64,
+    sm: Smem,
+    k_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<STAGES>,
+) {
+    let map = |offset: usize| maps + offset as u64;
+    let (q_map, k_map, v_map) = (
+        map(core::mem::offset_of!(HopperFwdMaps, q)),
+        map(core::mem::offset_of!(HopperFwdMaps, k)),
+        map(core::mem::offset_of!(HopperFwdMaps, v)),
+    );
+    let groups = (D / SW128_ROW_ELEMS) as u32;
+    let batch = info.addr_batch as i32;
+    // One box per 64-column group: `rows` rows of 128 bytes at `dst`.
+    let load = |dst: u32, rows: usize, map: u64, row: u32, head: u32, bar: u32| {
+        for c in 0..groups {
+            let coord = [
+                (c as usize * SW128_ROW_ELEMS) as i32,
+                row as i32,
+                head as i32,
+                batch,
+            ];
+            tma::load_4d(dst + c * rows as u32 * SW128_ROW_BYTES, map, coord, bar);
+        }
+    };
+    mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
+    let q_row = info.q_start + info.m0;
+    load(sm.q, tile.block_m, q_map, q_row, info.head_base, sm.q_full);
+
+    let (bn, bytes) = (tile.block_n as u32, tile.kv_bytes() as u32);
+    let blocks = info.n_hi - info.n_lo;
+    for i in 0..blocks {
+        let row = info.k_start + (info.n_hi - 1 - i) * bn;
+        let (s, full) = k_ring.acquire(i, bytes);
+        load(
+            sm.k + s * bytes,
+            tile.block_n,
+            k_map,
+            row,
+            info.kv_head,
+            full,
+        );
+        let (s, full) = v_ring.acquire(i, bytes);
+        load(
+            sm.v + s * bytes,
+            tile.block_n,
+            v_map,
+            row,
+            info.kv_head,
+            full,
+        );
+    }
+}
+
+/// One consumer warpgroup: its 64 rows of O over every key block, then
+/// the epilogue.
+#[inline(always)]
+fn consume<
+    T: Element,
+    M: Mask,
+    const D: usize,
+    const ST: usize,
+    const OT: usize,
+    const QK: usize,
+    const PK: usize,
+    const STAGES: u32,
+>(
+    p: &AttnParams,
+    tile: HopperTile,
+    info: &BlockInfo,
+    sm: Smem,
+    k_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<STAGES>,
+) {
+    let tid = special::thread_idx_x();
+    let c = tid / WARPGROUP_THREADS as u32 - 1;
+    let wg_tid = tid % WARPGROUP_THREADS as u32;
+    let lane = tid % WARP_SIZE as u32;
+    let (g, t) = (lane / 4, lane % 4);
+    // The CTA row of the lane's first accumulator half (the second is + 8).
+    let row0 = c * WGMMA_M as u32 + wg_tid / WARP_SIZE as u32 * 16 + g;
+    let (bm, bn) = (tile.block_m as u32, tile.block_n as u32);
+    let kv_bytes = tile.kv_bytes() as u32;
+    // This warpgroup's rows of Q: the A operand of S = Q·Kᵀ.
+    let q_rows = sm.q + c * WGMMA_M as u32 * SW128_ROW_BYTES;
+
+    wait(sm.q_full, 0);
+    let mut o = [[0f32; 4]; OT];
+    let mut softmax = OnlineSoftmax::new();
+    let blocks = info.n_hi - info.n_lo;
+    let mut i = 0;
+    while i < blocks {
+        let n = info.n_hi - 1 - i;
+        let k_tile = sm.k + k_ring.wait_full(i) * kv_bytes;
+        // S = Q·K(n)ᵀ: one straight run of fence, wgmmas, commit, wait (a
+        // register write or a branch inside it makes ptxas serialise).
+        let mut s = [[0f32; 4]; ST];
+        wgmma::fence_operands(&mut s);
+        wgmma::fence();
+        unroll::<QK>(|kk| {
+            let (a, b) = (
+                k_major_desc(q_rows, bm, kk as u32),
+                k_major_desc(k_tile, bn, kk as u32),
+            );
+            wgmma::ss::<ST, 0>(T::BF16, &mut s, a, b, (kk > 0) as u32);
+        });
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut s);
+        if lane == 0 {
+            k_ring.release(i);
+        }
+
+        if info.block_needs_mask(n, bn) {
+            // Rebuilt per block (see the sm_80 mainloop): kept live, the
+            // rows' key limits would cost registers through the loop.
+            let r0 = special::opaque_u32(row0);
+            let key0 = (n * bn + 2 * t) as i32;
+            mask::apply_rows::<M, ST>(&mut s, key0, info, [r0, r0 + 8]);
+        }
+        softmax.rescale(&s, &mut o, p.scale_log2);
+        // P of k-step kk is the packed S of n-tiles 2kk and 2kk + 1; all of
+        // it is in registers before the P·V fence.
+        let mut pf = [[0u32; 4]; PK];
+        unroll::<PK>(|kk| {
+            pf[kk] = softmax.p_fragment::<T>(&s[2 * kk], &s[2 * kk + 1], p.scale_log2)
+        });
+
+        // O += P·V(n), V MN-major as TMA stored it.
+        let v_tile = sm.v + v_ring.wait_full(i) * kv_bytes;
+        wgmma::fence_operands(&mut o);
+        wgmma::fence_fragments(&mut pf);
+        wgmma::fence();
+        unroll::<PK>(|kk| {
+            let b = mn_major_desc(v_tile, bn, kk as u32);
+            wgmma::rs::<OT, 1>(T::BF16, &mut o, &pf[kk], b, 1);
+        });
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut o);
+        wgmma::fence_fragments(&mut pf);
+        if lane == 0 {
+            v_ring.release(i);
+        }
+        i += 1;
+    }
+
+    let (inv_l, lse) = softmax.finalize(None);
+    if p.lse != 0 && t == 0 {
+        unroll::<2>(|r| {
+            let row = row0 + 8 * r as u32;
+            if let Some(token) = info.token(row) {
+                global::st_f32(p.lse + info.lse_index(row, token) * 4, lse[r]);
+            }
+        });
+    }
+    // O / l through this warpgroup's own Q rows (its last S = Q·Kᵀ has
+    // completed) for 16-byte row stores.
+    unroll::<2>(|r| {
+        let row = row0 + 8 * r as u32;
+        unroll::<OT>(|j| {
+            let v = T::pack(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
+            smem::st_b32(sm.q + sw128_offset(row, j as u32, bm) + 4 * t, v);
+        });
+    });
+    barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
+    let chunks = (D / 8) as u32;
+    for k in 0..(WGMMA_M * D / 8 / WARPGROUP_THREADS) as u32 {
+        let idx = wg_tid + k * WARPGROUP_THREADS as u32;
+        let row = c * WGMMA_M as u32 + idx / chunks;
+        let chunk = idx % chunks;
+        if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
+            let v = smem::ld_v4_b32(sm.q + sw128_offset(row, chunk, bm));
+            global::st_v4_b32(dst + chunk as u64 * 16, v);
+        }
+    }
+}
