@@ -1796,7 +1796,9 @@ mod config {
             assert_eq!(full.policies.mask, MaskKind::Full);
             let causal = find_hopper_entry(dtype, 128, plain(MaskKind::Causal)).unwrap();
             assert_eq!(causal.policies.mask, MaskKind::Causal);
-            assert!(find_hopper_entry(dtype, 64, plain(MaskKind::Full)).is_none());
+            for d in [32, 96, 192] {
+                assert!(find_hopper_entry(dtype, d, plain(MaskKind::Full)).is_none());
+            }
             assert!(find_hopper_entry(dtype, 128, plain(MaskKind::Local)).is_none());
             let modified = need(MaskKind::Full, ScoreKind::Modified, SeqKind::Dense);
             assert!(find_hopper_entry(dtype, 128, modified).is_none());

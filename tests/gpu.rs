@@ -1772,19 +1772,36 @@ fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
     Ok(())
 }
 
-/// Forward cases the Hopper kernels serve (D = 128, plain, dense), with
-/// `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks.
+/// The head dims of the Hopper forward's table lines.
+fn hopper_head_dims() -> Vec<usize> {
+    let mut dims: Vec<usize> = HOPPER_ENTRIES
+        .iter()
+        .filter(|e| e.kind == KernelKind::WgmmaForward)
+        .map(|e| e.head_dim)
+        .collect();
+    dims.sort();
+    dims.dedup();
+    dims
+}
+
+/// Forward cases the Hopper kernels serve (their head dims, plain, dense),
+/// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks.
 fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
-    fwd_strategy().prop_map(|c| FwdCase { head_dim: 128, ..c })
+    (fwd_strategy(), prop::sample::select(hopper_head_dims()))
+        .prop_map(|(c, head_dim)| FwdCase { head_dim, ..c })
 }
 
 /// Sequences of many key blocks (both ring stages reused many times) and
-/// query tiles, in both mask kinds, with Sq != Skv either way.
+/// query tiles, in both mask kinds, with Sq != Skv either way, per Hopper
+/// head dim.
 fn hopper_long_cases() -> Vec<FwdCase> {
     let mut v = Vec::new();
-    for causal in [false, true] {
+    for (causal, head_dim) in [false, true]
+        .into_iter()
+        .flat_map(|c| hopper_head_dims().into_iter().map(move |d| (c, d)))
+    {
         for (batch, sq, sk, heads, kv_heads) in [
-            (1, 2049, 2049, 4, 2),
+            (1, 2049, 2049, 2, 1),
             (2, 700, 3001, 2, 1),
             (1, 3001, 700, 2, 2),
             (3, 128, 128, 1, 1),
@@ -1795,7 +1812,7 @@ fn hopper_long_cases() -> Vec<FwdCase> {
                 seqlen_k: sk,
                 heads,
                 kv_heads,
-                head_dim: 128,
+                head_dim,
                 causal,
                 with_lse: true,
                 packed_qkv: false,
@@ -1804,11 +1821,11 @@ fn hopper_long_cases() -> Vec<FwdCase> {
         }
         v.push(FwdCase {
             batch: 2,
-            seqlen_q: 1500,
-            seqlen_k: 1500,
-            heads: 3,
-            kv_heads: 3,
-            head_dim: 128,
+            seqlen_q: 1100,
+            seqlen_k: 1100,
+            heads: 2,
+            kv_heads: 2,
+            head_dim,
             causal,
             with_lse: false,
             packed_qkv: true,

@@ -832,19 +832,25 @@ impl HopperTile {
     /// Index of the Q barrier; the rings' follow (see [`Self::barrier`]).
     pub const Q_FULL: usize = 0;
 
-    /// The tile of a head dimension; `None` when the Hopper path has none.
-    /// D = 128: 128 x 128 in two stages (S and P of 128 keys beside the 64
-    /// O registers leave room under [`Self::CONSUMER_REGS`]).
+    /// The tile of a head dimension; `None` when the Hopper path has none
+    /// (SW128 tiles hold whole 64-column groups: D = 96 needs the 64-byte
+    /// swizzle, D = 192 a 112-key block; both stay on the sm_90 kernels).
+    /// Per consumer thread, S takes block_n / 2 f32 registers, P block_n / 4
+    /// and O D / 2: D = 64 and 128 take 128-key blocks (O 32-64, S 64,
+    /// P 32); D = 256 takes 80 keys as FlashAttention-3 does (O 128, S 40,
+    /// P 20), and its Q plus two K and V stages then fill 225 of 227 KiB.
     pub const fn for_head_dim(head_dim: usize, _policies: Policies) -> Option<HopperTile> {
-        match head_dim {
-            128 => Some(HopperTile {
-                head_dim,
-                block_m: Self::CONSUMERS * WGMMA_M,
-                block_n: 128,
-                stages: 2,
-            }),
-            _ => None,
-        }
+        let block_n = match head_dim {
+            64 | 128 => 128,
+            256 => 80,
+            _ => return None,
+        };
+        Some(HopperTile {
+            head_dim,
+            block_m: Self::CONSUMERS * WGMMA_M,
+            block_n,
+            stages: 2,
+        })
     }
 
     /// [`Self::for_head_dim`] where a missing tile is a build error.
@@ -908,10 +914,18 @@ impl HopperTile {
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
+            fwd f16 64 full plain dense;
+            fwd f16 64 causal plain dense;
             fwd f16 128 full plain dense;
             fwd f16 128 causal plain dense;
+            fwd f16 256 full plain dense;
+            fwd f16 256 causal plain dense;
+            fwd bf16 64 full plain dense;
+            fwd bf16 64 causal plain dense;
             fwd bf16 128 full plain dense;
             fwd bf16 128 causal plain dense;
+            fwd bf16 256 full plain dense;
+            fwd bf16 256 causal plain dense;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;
