@@ -109,12 +109,45 @@ impl OnlineSoftmax {
         scale_log2: f32,
     ) -> [u32; 4] {
         let (lo, hi) = (self.exp(lo, scale_log2), self.exp(hi, scale_log2));
-        [
-            T::pack(lo[0], lo[1]),
-            T::pack(lo[2], lo[3]),
-            T::pack(hi[0], hi[1]),
-            T::pack(hi[2], hi[3]),
-        ]
+        pack_fragment::<T>(&lo, &hi)
+    }
+
+    /// The online-softmax step of a key block whose O += P·V cannot be
+    /// rescaled yet, because the previous block's `wgmma`s still accumulate
+    /// into O (FlashAttention-3's intra-warpgroup overlap): folds S's row
+    /// maxima into m as [`Self::rescale`] does (lazily), rescales l, and
+    /// overwrites S with P = exp2(S * scale - m), added to l. Returns the
+    /// factor exp2(m_old - m_new) per row that O still needs, `None` when no
+    /// row of the warp moved m.
+    #[inline(always)]
+    pub fn advance<const ST: usize>(
+        &mut self,
+        s: &mut [[f32; 4]; ST],
+        scale_log2: f32,
+    ) -> Option<[f32; 2]> {
+        let mut m_new = [0.0; 2];
+        let mut grows = false;
+        unroll::<2>(|r| {
+            let mut mx = f32::NEG_INFINITY;
+            unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
+            m_new[r] = self.m[r].max(quad_max(mx) * scale_log2);
+            grows |= m_new[r] - self.m[r] > RESCALE_SLACK;
+        });
+        let moved = vote::any(grows);
+        let mut correction = [1.0; 2];
+        if moved {
+            unroll::<2>(|r| {
+                correction[r] = math::ex2(self.m[r] - m_new[r]);
+                self.m[r] = m_new[r];
+                self.l[r] *= correction[r];
+            });
+        }
+        unroll::<ST>(|j| s[j] = self.exp(&s[j], scale_log2));
+        if moved {
+            Some(correction)
+        } else {
+            None
+        }
     }
 
     /// Per row: the running max m (log2 domain; the finite "no key yet" value
@@ -153,4 +186,17 @@ impl OnlineSoftmax {
         });
         (inv, lse)
     }
+}
+
+/// Two consecutive 8-column n-tiles of P in accumulator layout, packed to
+/// 16 bits as the A fragment of one 16-key k-step (see
+/// [`OnlineSoftmax::p_fragment`]).
+#[inline(always)]
+pub fn pack_fragment<T: Element>(lo: &[f32; 4], hi: &[f32; 4]) -> [u32; 4] {
+    [
+        T::pack(lo[0], lo[1]),
+        T::pack(lo[2], lo[3]),
+        T::pack(hi[0], hi[1]),
+        T::pack(hi[2], hi[3]),
+    ]
 }

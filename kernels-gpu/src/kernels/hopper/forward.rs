@@ -5,7 +5,9 @@
 //! `wgmma`: S = Q·Kᵀ with both operands in shared memory, the online
 //! softmax in registers, O += P·V with P in registers. Key blocks are
 //! visited from the last to the first, as in the sm_80 mainloop, so the
-//! blocks that need a mask come first.
+//! blocks that need a mask come first. Within a warpgroup the softmax of
+//! block i runs while the tensor cores still compute P(i-1)·V(i-1)
+//! (FlashAttention-3's intra-warpgroup overlap; see `consume`).
 //!
 //! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
@@ -18,7 +20,7 @@ use crate::kernels::block_info::BlockInfo;
 use crate::kernels::element::Element;
 use crate::kernels::mask;
 use crate::kernels::policy::{policies, Mask, Scores, Seq};
-use crate::kernels::softmax::OnlineSoftmax;
+use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
 
@@ -203,65 +205,109 @@ fn consume<
     // This warpgroup's rows of Q: the A operand of S = Q·Kᵀ.
     let q_rows = sm.q + c * WGMMA_M as u32 * SW128_ROW_BYTES;
 
-    wait(sm.q_full, 0);
-    let mut o = [[0f32; 4]; OT];
-    let mut softmax = OnlineSoftmax::new();
-    let blocks = info.n_hi - info.n_lo;
-    let mut i = 0;
-    while i < blocks {
-        let n = info.n_hi - 1 - i;
-        let k_tile = sm.k + k_ring.wait_full(i) * kv_bytes;
-        // S = Q·K(n)ᵀ: one straight run of fence, wgmmas, commit, wait (a
-        // register write or a branch inside it makes ptxas serialise).
-        let mut s = [[0f32; 4]; ST];
-        wgmma::fence_operands(&mut s);
+    // S = Q·K(i)ᵀ and O += P·V(i) are issued as groups of `wgmma`s, each one
+    // straight run of fence, wgmmas, commit (a register write or a branch
+    // inside it makes ptxas serialise them).
+    let issue_s = |s: &mut [[f32; 4]; ST], k_tile: u32| {
+        wgmma::fence_operands(s);
         wgmma::fence();
         unroll::<QK>(|kk| {
             let (a, b) = (
                 k_major_desc(q_rows, bm, kk as u32),
                 k_major_desc(k_tile, bn, kk as u32),
             );
-            wgmma::ss::<ST, 0>(T::BF16, &mut s, a, b, (kk > 0) as u32);
+            wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
         });
         wgmma::commit_group();
-        wgmma::wait_group::<0>();
-        wgmma::fence_operands(&mut s);
-        if lane == 0 {
-            k_ring.release(i);
-        }
-
+    };
+    // V is MN-major, as TMA stored it; P is all in registers before the fence.
+    let issue_pv = |o: &mut [[f32; 4]; OT], pf: &mut [[u32; 4]; PK], v_tile: u32| {
+        wgmma::fence_operands(o);
+        wgmma::fence_fragments(pf);
+        wgmma::fence();
+        unroll::<PK>(|kk| {
+            let b = mn_major_desc(v_tile, bn, kk as u32);
+            wgmma::rs::<OT, 1>(T::BF16, o, &pf[kk], b, 1);
+        });
+        wgmma::commit_group();
+    };
+    let mask = |s: &mut [[f32; 4]; ST], n: u32| {
         if info.block_needs_mask(n, bn) {
             // Rebuilt per block (see the sm_80 mainloop): kept live, the
             // rows' key limits would cost registers through the loop.
             let r0 = special::opaque_u32(row0);
             let key0 = (n * bn + 2 * t) as i32;
-            mask::apply_rows::<M, ST>(&mut s, key0, info, [r0, r0 + 8]);
+            mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
         }
-        softmax.rescale(&s, &mut o, p.scale_log2);
-        // P of k-step kk is the packed S of n-tiles 2kk and 2kk + 1; all of
-        // it is in registers before the P·V fence.
+    };
+    let pack = |s: &[[f32; 4]; ST]| {
         let mut pf = [[0u32; 4]; PK];
-        unroll::<PK>(|kk| {
-            pf[kk] = softmax.p_fragment::<T>(&s[2 * kk], &s[2 * kk + 1], p.scale_log2)
-        });
+        unroll::<PK>(|kk| pf[kk] = pack_fragment::<T>(&s[2 * kk], &s[2 * kk + 1]));
+        pf
+    };
 
-        // O += P·V(n), V MN-major as TMA stored it.
-        let v_tile = sm.v + v_ring.wait_full(i) * kv_bytes;
-        wgmma::fence_operands(&mut o);
-        wgmma::fence_fragments(&mut pf);
-        wgmma::fence();
-        unroll::<PK>(|kk| {
-            let b = mn_major_desc(v_tile, bn, kk as u32);
-            wgmma::rs::<OT, 1>(T::BF16, &mut o, &pf[kk], b, 1);
-        });
-        wgmma::commit_group();
+    wait(sm.q_full, 0);
+    let mut o = [[0f32; 4]; OT];
+    let mut softmax = OnlineSoftmax::new();
+    let blocks = info.n_hi - info.n_lo;
+    let block = |i: u32| info.n_hi - 1 - i;
+    // P of the block whose P·V is issued next.
+    let mut pf = [[0u32; 4]; PK];
+    if blocks > 0 {
+        let mut s = [[0f32; 4]; ST];
+        issue_s(&mut s, sm.k + k_ring.wait_full(0) * kv_bytes);
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut s);
+        if lane == 0 {
+            k_ring.release(0);
+        }
+        mask(&mut s, block(0));
+        // O is still 0: nothing to rescale.
+        let _ = softmax.advance(&mut s, p.scale_log2);
+        pf = pack(&s);
+    }
+    // FlashAttention-3's intra-warpgroup overlap: S(i) and then P(i-1)·V(i-1)
+    // are in flight together, and the softmax of S(i) runs while the
+    // tensor cores still work on the P·V.
+    let mut i = 1;
+    while i < blocks {
+        let k_tile = sm.k + k_ring.wait_full(i) * kv_bytes;
+        let v_tile = sm.v + v_ring.wait_full(i - 1) * kv_bytes;
+        let mut s = [[0f32; 4]; ST];
+        issue_s(&mut s, k_tile);
+        issue_pv(&mut o, &mut pf, v_tile);
+        // Groups complete in order: S(i) has, P·V may still be running.
+        wgmma::wait_group::<1>();
+        wgmma::fence_operands(&mut s);
+        if lane == 0 {
+            k_ring.release(i);
+        }
+        mask(&mut s, block(i));
+        let correction = softmax.advance(&mut s, p.scale_log2);
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut o);
         wgmma::fence_fragments(&mut pf);
         if lane == 0 {
-            v_ring.release(i);
+            v_ring.release(i - 1);
         }
+        if let Some(c) = correction {
+            unroll::<OT>(|j| unroll::<4>(|e| o[j][e] *= c[e / 2]));
+        }
+        pf = pack(&s);
         i += 1;
+    }
+    if blocks > 0 {
+        issue_pv(
+            &mut o,
+            &mut pf,
+            sm.v + v_ring.wait_full(blocks - 1) * kv_bytes,
+        );
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut o);
+        wgmma::fence_fragments(&mut pf);
+        if lane == 0 {
+            v_ring.release(blocks - 1);
+        }
     }
 
     let (inv_l, lse) = softmax.finalize(None);
