@@ -36,6 +36,10 @@
 //! 9/3 at D=128 (SmolLM: D=64) plus GQA 32/8 at D=256; the two MHA cells at
 //! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
 //!
+//! The `model` rows are issue 11's prefill shapes: one 8k-token prompt,
+//! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128 and SmolLM
+//! (9/3) at D=64, f16 and bf16.
+//!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-scores` (softcap, ALiBi, sinks),
@@ -440,6 +444,16 @@ fn shapes() -> Vec<Shape> {
                     ));
                 }
             }
+        }
+    }
+    // Model prefill (issue 11): Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4)
+    // at D=128, SmolLM (9/3) at D=64; one 8k-token prompt, causal.
+    for dtype in [Dtype::F16, Dtype::Bf16] {
+        for (heads, kv_heads, head_dim) in [(32, 8, 128), (28, 4, 128), (9, 3, 64)] {
+            v.push(Shape {
+                kv_heads,
+                ..fwd(dtype, 1, heads, 8192, head_dim, true, "model")
+            });
         }
     }
     // Seed reports: L4 (fp16, D=64, causal), RTX 3060 (B=1 S=512 D=64; heads

@@ -1794,6 +1794,33 @@ fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
 /// Sequences of many key blocks (both ring stages reused many times) and
 /// query tiles, in both mask kinds, with Sq != Skv either way, per Hopper
 /// head dim.
+/// Grids of several waves (more tiles than an H100/H200 has SMs), with
+/// GQA 9:1 and 6:1, tiles of different key-block counts (causal) and tiles
+/// with none at all where causal rows see no key (Sq > Skv), per Hopper
+/// head dim: the shapes a persistent schedule has to get right.
+fn hopper_many_tile_cases() -> Vec<FwdCase> {
+    let mut v = Vec::new();
+    for causal in [false, true] {
+        for head_dim in hopper_head_dims() {
+            for (batch, sq, sk, heads, kv_heads) in [(2, 260, 333, 72, 8), (2, 700, 150, 48, 8)] {
+                v.push(FwdCase {
+                    batch,
+                    seqlen_q: sq,
+                    seqlen_k: sk,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    with_lse: true,
+                    packed_qkv: false,
+                    seed: 19,
+                });
+            }
+        }
+    }
+    v
+}
+
 fn hopper_long_cases() -> Vec<FwdCase> {
     let mut v = Vec::new();
     for (causal, head_dim) in [false, true]
@@ -2255,6 +2282,18 @@ fn main() {
                     let gpu = g.as_ref().as_ref().unwrap();
                     check_hopper_path(gpu)?;
                     for c in hopper_long_cases() {
+                        run_forward::<$t>(gpu, &c)?;
+                    }
+                    Ok(())
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_many_tiles_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    check_hopper_path(gpu)?;
+                    for c in hopper_many_tile_cases() {
                         run_forward::<$t>(gpu, &c)?;
                     }
                     Ok(())
