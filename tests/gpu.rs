@@ -1791,29 +1791,29 @@ fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
         .prop_map(|(c, head_dim)| FwdCase { head_dim, ..c })
 }
 
-/// Sequences of many key blocks (both ring stages reused many times) and
-/// query tiles, in both mask kinds, with Sq != Skv either way, per Hopper
-/// head dim.
-/// Grids of several waves (more tiles than an H100/H200 has SMs), with
-/// GQA 9:1 and 6:1, tiles of different key-block counts (causal) and tiles
-/// with none at all where causal rows see no key (Sq > Skv), per Hopper
-/// head dim: the shapes a persistent schedule has to get right.
-fn hopper_many_tile_cases() -> Vec<FwdCase> {
+/// Every (batch, Sq, Skv, heads, KV heads) shape in both mask kinds, per
+/// Hopper head dim.
+fn hopper_cases(
+    shapes: &[(usize, usize, usize, usize, usize)],
+    with_lse: bool,
+    packed_qkv: bool,
+    seed: u64,
+) -> Vec<FwdCase> {
     let mut v = Vec::new();
     for causal in [false, true] {
         for head_dim in hopper_head_dims() {
-            for (batch, sq, sk, heads, kv_heads) in [(2, 260, 333, 72, 8), (2, 700, 150, 48, 8)] {
+            for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
                 v.push(FwdCase {
                     batch,
-                    seqlen_q: sq,
-                    seqlen_k: sk,
+                    seqlen_q,
+                    seqlen_k,
                     heads,
                     kv_heads,
                     head_dim,
                     causal,
-                    with_lse: true,
-                    packed_qkv: false,
-                    seed: 19,
+                    with_lse,
+                    packed_qkv,
+                    seed,
                 });
             }
         }
@@ -1821,45 +1821,36 @@ fn hopper_many_tile_cases() -> Vec<FwdCase> {
     v
 }
 
+/// Sequences of many key blocks (both ring stages reused many times) and
+/// query tiles, in both mask kinds, with Sq != Skv either way, and packed
+/// QKV strides.
 fn hopper_long_cases() -> Vec<FwdCase> {
-    let mut v = Vec::new();
-    for (causal, head_dim) in [false, true]
-        .into_iter()
-        .flat_map(|c| hopper_head_dims().into_iter().map(move |d| (c, d)))
-    {
-        for (batch, sq, sk, heads, kv_heads) in [
+    let mut v = hopper_cases(
+        &[
             (1, 2049, 2049, 2, 1),
             (2, 700, 3001, 2, 1),
             (1, 3001, 700, 2, 2),
             (3, 128, 128, 1, 1),
-        ] {
-            v.push(FwdCase {
-                batch,
-                seqlen_q: sq,
-                seqlen_k: sk,
-                heads,
-                kv_heads,
-                head_dim,
-                causal,
-                with_lse: true,
-                packed_qkv: false,
-                seed: 13,
-            });
-        }
-        v.push(FwdCase {
-            batch: 2,
-            seqlen_q: 1100,
-            seqlen_k: 1100,
-            heads: 2,
-            kv_heads: 2,
-            head_dim,
-            causal,
-            with_lse: false,
-            packed_qkv: true,
-            seed: 17,
-        });
-    }
+        ],
+        true,
+        false,
+        13,
+    );
+    v.extend(hopper_cases(&[(2, 1100, 1100, 2, 2)], false, true, 17));
     v
+}
+
+/// Grids of several waves (more tiles than an H100/H200 has SMs), with
+/// GQA 9:1 and 6:1, tiles of different key-block counts (causal) and tiles
+/// with none at all where causal rows see no key (Sq > Skv): the shapes a
+/// persistent schedule has to get right.
+fn hopper_many_tile_cases() -> Vec<FwdCase> {
+    hopper_cases(
+        &[(2, 260, 333, 72, 8), (2, 700, 150, 48, 8)],
+        true,
+        false,
+        19,
+    )
 }
 
 /// The `wgmma` probe shapes, (dtype, N, K), from the module's entry list.
