@@ -1785,25 +1785,52 @@ mod config {
         assert!(p % 8 == 0 && c % 8 == 0);
     }
 
-    /// Dispatch to the Hopper path: the first table line that covers a call,
-    /// none for what it lacks (head dims, policies), so those stay on sm_90.
+    /// Dispatch to the Hopper path: the first table line that covers a call
+    /// (the plain lines for plain calls, `causal modified` for causal
+    /// modifiers, `local modified` for every other dense call), none for
+    /// what it lacks (head dims, packed or paged sequences), so those stay
+    /// on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
         let need = |mask, score, seq| Policies { mask, score, seq };
-        let plain = |mask| need(mask, ScoreKind::Plain, SeqKind::Dense);
+        let dense = |mask, score| need(mask, score, SeqKind::Dense);
+        let (plain, modified) = (ScoreKind::Plain, ScoreKind::Modified);
         for dtype in DTYPES {
-            let full = find_hopper_entry(dtype, 128, plain(MaskKind::Full)).unwrap();
-            assert_eq!(full.policies.mask, MaskKind::Full);
-            let causal = find_hopper_entry(dtype, 128, plain(MaskKind::Causal)).unwrap();
-            assert_eq!(causal.policies.mask, MaskKind::Causal);
-            for d in [32, 96, 192] {
-                assert!(find_hopper_entry(dtype, d, plain(MaskKind::Full)).is_none());
+            for d in [64, 128, 256] {
+                for (call, line) in [
+                    (dense(MaskKind::Full, plain), dense(MaskKind::Full, plain)),
+                    (
+                        dense(MaskKind::Causal, plain),
+                        dense(MaskKind::Causal, plain),
+                    ),
+                    (
+                        dense(MaskKind::Causal, modified),
+                        dense(MaskKind::Causal, modified),
+                    ),
+                    (
+                        dense(MaskKind::Local, plain),
+                        dense(MaskKind::Local, modified),
+                    ),
+                    (
+                        dense(MaskKind::Local, modified),
+                        dense(MaskKind::Local, modified),
+                    ),
+                    (
+                        dense(MaskKind::Full, modified),
+                        dense(MaskKind::Local, modified),
+                    ),
+                ] {
+                    let e = find_hopper_entry(dtype, d, call).unwrap();
+                    assert_eq!(e.policies, line, "{call:?}");
+                }
+                for mask in [MaskKind::Full, MaskKind::Causal, MaskKind::Local] {
+                    let ragged = need(mask, plain, SeqKind::Ragged);
+                    assert!(find_hopper_entry(dtype, d, ragged).is_none());
+                }
             }
-            assert!(find_hopper_entry(dtype, 128, plain(MaskKind::Local)).is_none());
-            let modified = need(MaskKind::Full, ScoreKind::Modified, SeqKind::Dense);
-            assert!(find_hopper_entry(dtype, 128, modified).is_none());
-            let ragged = need(MaskKind::Full, ScoreKind::Plain, SeqKind::Ragged);
-            assert!(find_hopper_entry(dtype, 128, ragged).is_none());
+            for d in [32, 96, 192] {
+                assert!(find_hopper_entry(dtype, d, dense(MaskKind::Full, plain)).is_none());
+            }
         }
     }
 

@@ -1821,6 +1821,16 @@ fn hopper_cases(
     v
 }
 
+/// `policy_fwd_strategy`'s windows, softcaps, ALiBi slopes and sinks at
+/// the head dims the Hopper kernels serve.
+fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
+    (
+        policy_fwd_strategy(),
+        prop::sample::select(hopper_head_dims()),
+    )
+        .prop_map(|(c, head_dim)| PolicyFwdCase { head_dim, ..c })
+}
+
 /// Sequences of many key blocks (both ring stages reused many times) and
 /// query tiles, in both mask kinds, with Sq != Skv either way, and packed
 /// QKV strides.
@@ -2264,6 +2274,19 @@ fn main() {
                 move || {
                     check_hopper_path(g.as_ref().as_ref().unwrap())?;
                     proptest_trial(&g, case_count(), hopper_fwd_strategy(), run_forward::<$t>)
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_policies_random_", $name),
+                move || {
+                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
+                    proptest_trial(
+                        &g,
+                        case_count(),
+                        hopper_policy_strategy(),
+                        run_forward_policy::<$t>,
+                    )
                 },
             ));
             let g = gpu.clone();

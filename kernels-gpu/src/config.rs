@@ -902,6 +902,11 @@ impl HopperTile {
 ///   ([`KernelKind::WgmmaForward`]), named `flash_wgmma_fwd_...` with the
 ///   words of `attention_variants`; dispatch takes the first line that
 ///   covers a call, and calls no line covers stay on the `Sm90` module.
+///   Per head dim: plain full and causal (the hot cases), causal with
+///   score modifiers (softcap, ALiBi, sinks: Gemma 2, Bloom, gpt-oss), and
+///   `local modified` for every other dense call (windows, non-causal
+///   modifiers); packed and paged sequences stay on `Sm90` (TMA boxes do
+///   not stop at a sequence's end).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
@@ -916,16 +921,28 @@ macro_rules! hopper_entries {
         $callback! {
             fwd f16 64 full plain dense;
             fwd f16 64 causal plain dense;
+            fwd f16 64 causal modified dense;
+            fwd f16 64 local modified dense;
             fwd f16 128 full plain dense;
             fwd f16 128 causal plain dense;
+            fwd f16 128 causal modified dense;
+            fwd f16 128 local modified dense;
             fwd f16 256 full plain dense;
             fwd f16 256 causal plain dense;
+            fwd f16 256 causal modified dense;
+            fwd f16 256 local modified dense;
             fwd bf16 64 full plain dense;
             fwd bf16 64 causal plain dense;
+            fwd bf16 64 causal modified dense;
+            fwd bf16 64 local modified dense;
             fwd bf16 128 full plain dense;
             fwd bf16 128 causal plain dense;
+            fwd bf16 128 causal modified dense;
+            fwd bf16 128 local modified dense;
             fwd bf16 256 full plain dense;
             fwd bf16 256 causal plain dense;
+            fwd bf16 256 causal modified dense;
+            fwd bf16 256 local modified dense;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;

@@ -19,7 +19,7 @@ use crate::index::{k_major_desc, mn_major_desc, sw128_offset, SW128_ATOM_BYTES, 
 use crate::kernels::block_info::BlockInfo;
 use crate::kernels::element::Element;
 use crate::kernels::mask;
-use crate::kernels::policy::{policies, Mask, Scores, Seq};
+use crate::kernels::policy::{policies, Mask, Modifiers, Scores, Seq};
 use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
@@ -68,8 +68,8 @@ pub unsafe fn forward<
         assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
         assert!(STAGES as usize == t.stages && t.block_m == HopperTile::CONSUMERS * WGMMA_M);
         assert!(
-            !S::MODIFIED && !L::RAGGED,
-            "score modifiers and packed sequences are not on the Hopper path yet"
+            !L::RAGGED,
+            "packed sequences are not on the Hopper path yet"
         );
     }
     let a = SW128_ATOM_BYTES;
@@ -110,7 +110,7 @@ pub unsafe fn forward<
         }
     } else {
         setmaxnreg::inc::<{ HopperTile::CONSUMER_REGS }>();
-        consume::<T, M, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
+        consume::<T, M, S, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
     }
 }
 
@@ -179,6 +179,7 @@ fn produce<const D: usize, const STAGES: u32>(
 fn consume<
     T: Element,
     M: Mask,
+    S: Scores,
     const D: usize,
     const ST: usize,
     const OT: usize,
@@ -231,12 +232,25 @@ fn consume<
         });
         wgmma::commit_group();
     };
-    let mask = |s: &mut [[f32; 4]; ST], n: u32| {
+    let mods = Modifiers::new::<S>(p);
+    // The CTA's one head: its ALiBi slope is uniform.
+    let slope = if mods.alibi {
+        Modifiers::slope(p, info.batch, info.head_base)
+    } else {
+        0.0
+    };
+    // Score modifiers, then the mask, as the sm_80 mainloop applies them.
+    let mask_scores = |s: &mut [[f32; 4]; ST], n: u32| {
+        let key0 = (n * bn + 2 * t) as i32;
+        if S::MODIFIED && (mods.softcap || mods.alibi) {
+            let r0 = special::opaque_u32(row0);
+            let pos = [r0, r0 + 8].map(|r| info.key_pos(r));
+            mods.apply(p, s, key0, pos, [slope; 2]);
+        }
         if info.block_needs_mask(n, bn) {
             // Rebuilt per block (see the sm_80 mainloop): kept live, the
             // rows' key limits would cost registers through the loop.
             let r0 = special::opaque_u32(row0);
-            let key0 = (n * bn + 2 * t) as i32;
             mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
         }
     };
@@ -261,7 +275,7 @@ fn consume<
         if lane == 0 {
             k_ring.release(0);
         }
-        mask(&mut s, block(0));
+        mask_scores(&mut s, block(0));
         // O is still 0: nothing to rescale.
         let _ = softmax.advance(&mut s, p.scale_log2);
         pf = pack(&s);
@@ -282,7 +296,7 @@ fn consume<
         if lane == 0 {
             k_ring.release(i);
         }
-        mask(&mut s, block(i));
+        mask_scores(&mut s, block(i));
         let correction = softmax.advance(&mut s, p.scale_log2);
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut o);
@@ -310,7 +324,13 @@ fn consume<
         }
     }
 
-    let (inv_l, lse) = softmax.finalize(None);
+    // A sink adds exp(sink) to every row's denominator (policy.rs).
+    let sink = if S::MODIFIED && p.sinks != 0 {
+        Some(global::ld_nc_f32(p.sinks + info.head_base as u64 * 4) * core::f32::consts::LOG2_E)
+    } else {
+        None
+    };
+    let (inv_l, lse) = softmax.finalize(sink.map(|s| [s, s]));
     if p.lse != 0 && t == 0 {
         unroll::<2>(|r| {
             let row = row0 + 8 * r as u32;
