@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
     DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use cudarc::nvrtc::Ptx;
@@ -344,6 +344,32 @@ pub enum ModuleChoice {
     Ptx,
 }
 
+/// `arch`'s module for the context's device: the embedded cubins in order
+/// (with `PreferCubin`), then the PTX. A driver too old for a cubin refuses
+/// it; the next candidate, and last the PTX, follow.
+pub(crate) fn load_module(
+    ctx: &Arc<CudaContext>,
+    arch: PtxArch,
+    choice: ModuleChoice,
+) -> Result<(Arc<CudaModule>, LoadedCode), FlashAttnError> {
+    let (major, minor) = ctx.compute_capability()?;
+    let cubins = match choice {
+        ModuleChoice::PreferCubin => cubins_for(arch, major, minor),
+        ModuleChoice::Ptx => Vec::new(),
+    };
+    let cubin = cubins.iter().find_map(|&(name, bytes)| {
+        let module = ctx.load_module(Ptx::from_binary(bytes.to_vec())).ok()?;
+        Some((module, LoadedCode::Cubin(name)))
+    });
+    match cubin {
+        Some(loaded) => Ok(loaded),
+        None => Ok((
+            ctx.load_module(Ptx::from_src(ptx_text(arch)))?,
+            LoadedCode::Ptx(arch.target_cpu()),
+        )),
+    }
+}
+
 impl FlashAttention {
     /// Loads the kernels for the context's device (its cubin when this build
     /// has one, else the PTX) and caches every entry point. Fails with
@@ -359,24 +385,7 @@ impl FlashAttention {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let arch = PtxArch::for_device(major, smem_optin.max(0) as usize)
             .ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
-        let cubins = match choice {
-            ModuleChoice::PreferCubin => cubins_for(arch, major, minor),
-            ModuleChoice::Ptx => Vec::new(),
-        };
-        // A driver too old for a cubin refuses it; the next candidate, and
-        // last the PTX, follow.
-        let (module, loaded) = match cubins.iter().find_map(|&(name, bytes)| {
-            Some((
-                ctx.load_module(Ptx::from_binary(bytes.to_vec())).ok()?,
-                name,
-            ))
-        }) {
-            Some((module, name)) => (module, LoadedCode::Cubin(name)),
-            None => (
-                ctx.load_module(Ptx::from_src(ptx_text(arch)))?,
-                LoadedCode::Ptx(arch.target_cpu()),
-            ),
-        };
+        let (module, loaded) = load_module(ctx, arch, choice)?;
         let num_sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let mut kernels = HashMap::new();
@@ -409,7 +418,7 @@ impl FlashAttention {
         let hopper = if hopper::forced_off() {
             None
         } else {
-            HopperModule::load(ctx)?
+            HopperModule::load(ctx, choice)?
         };
         Ok(FlashAttention {
             ctx: ctx.clone(),
@@ -454,6 +463,11 @@ impl FlashAttention {
     /// Whether machine code or PTX (JIT-compiled by the driver) was loaded.
     pub fn loaded_code(&self) -> LoadedCode {
         self.loaded
+    }
+    /// Likewise for the Hopper module; `None` when it is not loaded (not
+    /// compute capability 9.0, or `FLASH_ATTN_FORCE_SM80=1`).
+    pub fn hopper_loaded_code(&self) -> Option<LoadedCode> {
+        self.hopper.as_ref().map(|h| h.loaded)
     }
     /// The device's streaming multiprocessors.
     pub fn num_sms(&self) -> usize {

@@ -12,15 +12,13 @@ use cudarc::driver::sys::{
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
 };
-use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{Dtype, Entry, PtxArch, HOPPER_ENTRIES, SW128_ROW_ELEMS};
 use flash_attn_kernels::params::{
     AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap,
 };
 
-use crate::attention::ByValue;
+use crate::attention::{load_module, ByValue, LoadedCode, ModuleChoice};
 use crate::error::FlashAttnError;
-use crate::kernels::ptx_text;
 
 // SAFETY: #[repr(C)] plain data that the probe entries take by value.
 unsafe impl DeviceRepr for ByValue<ProbeGemmParams> {}
@@ -46,18 +44,22 @@ pub(crate) const TMA_MAX_BOX_ROWS: usize = 256;
 /// The `Sm90a` module's functions.
 pub(crate) struct HopperModule {
     functions: HashMap<&'static str, CudaFunction>,
+    pub(crate) loaded: LoadedCode,
 }
 
 impl HopperModule {
-    /// Loads the module (the driver JIT-compiles its PTX) and raises every
-    /// entry's dynamic shared-memory limit; `None` unless the device is
-    /// compute capability 9.0.
-    pub(crate) fn load(ctx: &Arc<CudaContext>) -> Result<Option<Self>, FlashAttnError> {
+    /// Loads the module (its cubin, or the PTX the driver JIT-compiles, as
+    /// `choice` says) and raises every entry's dynamic shared-memory limit;
+    /// `None` unless the device is compute capability 9.0.
+    pub(crate) fn load(
+        ctx: &Arc<CudaContext>,
+        choice: ModuleChoice,
+    ) -> Result<Option<Self>, FlashAttnError> {
         let (major, minor) = ctx.compute_capability()?;
         if !PtxArch::hopper_device(major, minor) {
             return Ok(None);
         }
-        let module = ctx.load_module(Ptx::from_src(ptx_text(PtxArch::Sm90a)))?;
+        let (module, loaded) = load_module(ctx, PtxArch::Sm90a, choice)?;
         let mut functions = HashMap::new();
         for entry in HOPPER_ENTRIES {
             let function = module
@@ -69,7 +71,7 @@ impl HopperModule {
             )?;
             functions.insert(entry.name, function);
         }
-        Ok(Some(HopperModule { functions }))
+        Ok(Some(HopperModule { functions, loaded }))
     }
 
     /// Launches the Hopper forward `entry` over Q, K and V (in `params`, whose
@@ -183,7 +185,7 @@ pub mod probes {
     impl Probes {
         /// `None` unless the context's device is compute capability 9.0.
         pub fn new(ctx: &Arc<CudaContext>) -> Result<Option<Self>, FlashAttnError> {
-            Ok(HopperModule::load(ctx)?.map(|module| Probes { module }))
+            Ok(HopperModule::load(ctx, ModuleChoice::PreferCubin)?.map(|module| Probes { module }))
         }
 
         /// C [64, n] (f32) = A [64, k] · B through `flash_probe_wgmma_*`:

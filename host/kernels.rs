@@ -28,12 +28,16 @@ const CUBIN_SM89: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_s
 const CUBIN_SM90: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.cubin"));
 const CUBIN_SM90_CU13: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.cu13.cubin"));
+const CUBIN_SM90A: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.cubin"));
+const CUBIN_SM90A_CU13: &[u8] =
+    include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.cu13.cubin"));
 
 /// Machine code of `arch`'s module for a GPU of compute capability
 /// `major.minor` that this build carries, in the order to try: SASS runs on
 /// its own major version at the same or a higher minor (sm_87 takes
-/// sm_80's). sm_90 has a CUDA 13.0 cubin (drivers R580+, 2-3% faster) before
-/// the CUDA 12.4 one (R525+); every other cubin is CUDA 12.4's. Empty: the
+/// sm_80's). sm_90 and sm_90a have a CUDA 13.0 cubin (drivers R580+; for
+/// sm_90 2-3% faster) before the CUDA 12.4 one (R525+); every other cubin is
+/// CUDA 12.4's. Empty: the
 /// caller loads the PTX, which the driver JIT-compiles.
 pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, &'static [u8])> {
     let candidates: &[(&'static str, &'static [u8])] = match (arch, major, minor) {
@@ -43,6 +47,10 @@ pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, &
         (PtxArch::Sm90, 9, 0) => &[
             ("sm_90/ptxas-13.0", CUBIN_SM90_CU13),
             ("sm_90/ptxas-12.4", CUBIN_SM90),
+        ],
+        (PtxArch::Sm90a, 9, 0) => &[
+            ("sm_90a/ptxas-13.0", CUBIN_SM90A_CU13),
+            ("sm_90a/ptxas-12.4", CUBIN_SM90A),
         ],
         _ => &[],
     };

@@ -5,6 +5,7 @@
 #   kernels-gpu/ptx/flash_attn_sm80.ptx -> sm_80 (A100), sm_86 (RTX 30xx, A10),
 #                                          sm_89 (RTX 40xx, L4)
 #   kernels-gpu/ptx/flash_attn_sm90.ptx -> sm_90 (H100, H200), twice
+#   kernels-gpu/ptx/flash_attn_sm90a.ptx -> sm_90a (the Hopper forward), twice
 # into kernels-cubin/cubin/ (the flash-attn-cubins package) with a manifest
 # of hashes that build.rs checks.
 #
@@ -64,6 +65,8 @@ declare -A jobs=(
     [flash_attn_sm89.cubin]="89 sm80 $ptxas12"
     [flash_attn_sm90.cubin]="90 sm90 $ptxas12"
     [flash_attn_sm90.cu13.cubin]="90 sm90 $ptxas13"
+    [flash_attn_sm90a.cubin]="90a sm90a $ptxas12"
+    [flash_attn_sm90a.cu13.cubin]="90a sm90a $ptxas13"
 )
 
 tmp=$(mktemp -d)

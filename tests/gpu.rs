@@ -21,7 +21,7 @@ use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
-use flash_attn_kernels::config::{AttnTile, KernelKind, HOPPER_ENTRIES};
+use flash_attn_kernels::config::{AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES};
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -2155,6 +2155,35 @@ fn main() {
         };
         if ptx.fa.loaded_code() != LoadedCode::Ptx(gpu.fa.ptx_arch().target_cpu()) {
             return Err(format!("ModuleChoice::Ptx loaded {:?}", ptx.fa.loaded_code()).into());
+        }
+        // The Hopper module likewise: its first cubin, or with
+        // `ModuleChoice::Ptx` its PTX, which then runs a Hopper forward.
+        if let Some(loaded) = gpu.fa.hopper_loaded_code() {
+            let want = match flash_attn::cubins_for(PtxArch::Sm90a, major, minor).first() {
+                Some(&(name, _)) => LoadedCode::Cubin(name),
+                None => LoadedCode::Ptx(PtxArch::Sm90a.target_cpu()),
+            };
+            if loaded != want {
+                return Err(format!("Hopper module: loaded {loaded:?}, expected {want:?}").into());
+            }
+            let ptx_hopper = ptx.fa.hopper_loaded_code();
+            if ptx_hopper != Some(LoadedCode::Ptx(PtxArch::Sm90a.target_cpu())) {
+                return Err(format!("ModuleChoice::Ptx, Hopper module: {ptx_hopper:?}").into());
+            }
+            check_hopper_path(&ptx)?;
+            let c = FwdCase {
+                batch: 2,
+                seqlen_q: 300,
+                seqlen_k: 555,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: 128,
+                causal: true,
+                with_lse: true,
+                packed_qkv: false,
+                seed: 7,
+            };
+            run_forward::<f16>(&ptx, &c)?;
         }
         let c = DecodeCase {
             batch: 2,

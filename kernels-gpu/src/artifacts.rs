@@ -59,12 +59,14 @@ pub fn ptx_file_name(arch: PtxArch) -> String {
 }
 
 /// The cubins the host embeds: (file name, the PTX module it is assembled from).
-pub const CUBINS: [(&str, PtxArch); 5] = [
+pub const CUBINS: [(&str, PtxArch); 7] = [
     ("flash_attn_sm80.cubin", PtxArch::Sm80),
     ("flash_attn_sm86.cubin", PtxArch::Sm80),
     ("flash_attn_sm89.cubin", PtxArch::Sm80),
     ("flash_attn_sm90.cubin", PtxArch::Sm90),
     ("flash_attn_sm90.cu13.cubin", PtxArch::Sm90),
+    ("flash_attn_sm90a.cubin", PtxArch::Sm90a),
+    ("flash_attn_sm90a.cu13.cubin", PtxArch::Sm90a),
 ];
 
 fn hex(digest: &[u8]) -> String {
