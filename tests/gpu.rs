@@ -2318,30 +2318,24 @@ fn main() {
                     )
                 },
             ));
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_forward_long_", $name),
-                move || {
-                    let gpu = g.as_ref().as_ref().unwrap();
-                    check_hopper_path(gpu)?;
-                    for c in hopper_long_cases() {
-                        run_forward::<$t>(gpu, &c)?;
-                    }
-                    Ok(())
-                },
-            ));
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_forward_many_tiles_", $name),
-                move || {
-                    let gpu = g.as_ref().as_ref().unwrap();
-                    check_hopper_path(gpu)?;
-                    for c in hopper_many_tile_cases() {
-                        run_forward::<$t>(gpu, &c)?;
-                    }
-                    Ok(())
-                },
-            ));
+            let fixed: [(&str, fn() -> Vec<FwdCase>); 2] = [
+                ("long", hopper_long_cases),
+                ("many_tiles", hopper_many_tile_cases),
+            ];
+            for (kind, cases) in fixed {
+                let g = gpu.clone();
+                hopper_trials.push(Trial::test(
+                    format!("hopper_forward_{kind}_{}", $name),
+                    move || {
+                        let gpu = g.as_ref().as_ref().unwrap();
+                        check_hopper_path(gpu)?;
+                        for c in cases() {
+                            run_forward::<$t>(gpu, &c)?;
+                        }
+                        Ok(())
+                    },
+                ));
+            }
         }};
     }
     hopper_forward_trials!(f16, "f16");
