@@ -2590,6 +2590,43 @@ mod index {
         }
 
         #[test]
+        fn origin_sides_hold_for_every_visible_key(
+            sq in 1usize..70, sk in 1usize..300, left in bound(), right in bound(),
+            bn in prop::sample::select(vec![16u32, 32, 64]), bm in prop::sample::select(vec![16u32, 64]),
+        ) {
+            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
+            let mut one_sided = 0;
+            for t0 in (0..sq as u32).step_by(bm as usize) {
+                let t1 = (t0 + bm - 1).min(sq as u32 - 1);
+                for n in 0..(sk as u32).div_ceil(bn) {
+                    let side = origin_side(&keys, t0, t1, n, bn);
+                    if keys.right == 0 {
+                        prop_assert_eq!(side, OriginSide::Left, "a causal block is left of its rows");
+                    }
+                    let mut sides = [false; 2];
+                    for t in t0..=t1 {
+                        let pos = t as i64 + keys.diag as i64;
+                        for j in (n * bn..(n + 1) * bn).filter(|&j| keys.sees(t, j)) {
+                            sides[0] |= (j as i64) < pos;
+                            sides[1] |= (j as i64) > pos;
+                        }
+                    }
+                    match side {
+                        OriginSide::Left => prop_assert!(!sides[1], "t {}..={} block {}", t0, t1, n),
+                        OriginSide::Right => prop_assert!(!sides[0], "t {}..={} block {}", t0, t1, n),
+                        // Both is only a missed shortcut where one side is empty.
+                        OriginSide::Both => {}
+                    }
+                    one_sided += (side != OriginSide::Both) as u32;
+                }
+            }
+            // Full attention over many blocks leaves some blocks one-sided.
+            if keys.left < 0 && keys.right < 0 && sk as u32 >= 4 * bn.max(sq as u32) {
+                prop_assert!(one_sided > 0);
+            }
+        }
+
+        #[test]
         fn packed_ranges_stay_inside_the_tensor(start in any::<i32>(), end in any::<i32>(), total in 0u32..1000) {
             let (s, len) = clamp_range(start, end, total);
             prop_assert!(s <= total && s + len <= total);

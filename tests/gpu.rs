@@ -1831,6 +1831,53 @@ fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
         .prop_map(|(c, head_dim)| PolicyFwdCase { head_dim, ..c })
 }
 
+/// ALiBi over key blocks on either side of every row's origin and across
+/// it (`index::OriginSide`): full attention with Sq = Skv, Sq < Skv and
+/// Sq > Skv, a two-sided window and causal, plain and under a softcap, with
+/// [H] and [B, H] slopes, at every Hopper head dim.
+fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
+    let mut v = Vec::new();
+    let windows = [
+        (false, Window::default()),
+        (true, Window::default()),
+        (
+            false,
+            Window {
+                left: Some(300),
+                right: Some(200),
+            },
+        ),
+    ];
+    for head_dim in hopper_head_dims() {
+        for (i, &(causal, window)) in windows.iter().enumerate() {
+            for (j, &(batch, seqlen_q, seqlen_k)) in
+                [(1, 1000, 1000), (2, 300, 1500), (1, 1500, 300)]
+                    .iter()
+                    .enumerate()
+            {
+                let k = i * 3 + j;
+                v.push(PolicyFwdCase {
+                    batch,
+                    seqlen_q,
+                    seqlen_k,
+                    heads: 2,
+                    kv_heads: 1,
+                    head_dim,
+                    policy: Policy {
+                        causal,
+                        window,
+                        softcap: (k % 2 == 1).then_some(20.0),
+                        alibi: Some(k % 4 >= 2),
+                        sinks: false,
+                    },
+                    seed: 29 + k as u64,
+                });
+            }
+        }
+    }
+    v
+}
+
 /// Sequences of many key blocks (both ring stages reused many times) and
 /// query tiles, in both mask kinds, with Sq != Skv either way, and packed
 /// QKV strides.
@@ -2322,6 +2369,18 @@ fn main() {
                 ("long", hopper_long_cases),
                 ("many_tiles", hopper_many_tile_cases),
             ];
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_alibi_sides_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    check_hopper_path(gpu)?;
+                    for c in hopper_alibi_side_cases() {
+                        run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
+                    }
+                    Ok(())
+                },
+            ));
             for (kind, cases) in fixed {
                 let g = gpu.clone();
                 hopper_trials.push(Trial::test(

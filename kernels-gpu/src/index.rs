@@ -101,6 +101,57 @@ pub fn block_needs_mask(keys: &KeyWindow, t_first: u32, t_last: u32, n: u32, blo
     past_end || right_cut || left_cut
 }
 
+/// Where a key block lies relative to the ALiBi origins of a range of rows
+/// (each token's key position `t + diag`), counting only the keys each row
+/// sees: the bias `-slope · |pos - key|` is linear in the key on one side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OriginSide {
+    /// Every visible key is at or left of its row's origin (every block of a
+    /// causal mask): bias = `slope · (key - pos)`.
+    Left,
+    /// Every visible key is at or right of its row's origin.
+    Right,
+    /// Some row sees keys on both sides: `|pos - key|` per element.
+    Both,
+}
+
+/// The [`OriginSide`] of key block `n` for tokens `t_first..=t_last`. Row
+/// t's visible keys in the block end at `min(end, pos + right, Skv - 1)`, and
+/// that minus `pos` never grows with t, so `t_first` decides `Left`;
+/// likewise `max(start, pos - left, 0) - pos` never grows, so `t_last`
+/// decides `Right`. The window bounds are taken unclamped, so a row that
+/// sees nothing cannot make a later row's keys look one-sided.
+#[inline(always)]
+pub fn origin_side(
+    keys: &KeyWindow,
+    t_first: u32,
+    t_last: u32,
+    n: u32,
+    block_n: u32,
+) -> OriginSide {
+    let start = n as i64 * block_n as i64;
+    let end = start + block_n as i64 - 1;
+    let pos = |t: u32| t as i64 + keys.diag as i64;
+    let (first, last) = (pos(t_first), pos(t_last));
+    let right_end = if keys.right >= 0 {
+        first + keys.right as i64
+    } else {
+        i64::MAX
+    };
+    let left_start = if keys.left >= 0 {
+        last - keys.left as i64
+    } else {
+        i64::MIN
+    };
+    if end.min(right_end).min(keys.seqlen_k as i64 - 1) <= first {
+        OriginSide::Left
+    } else if start.max(left_start).max(0) >= last {
+        OriginSide::Right
+    } else {
+        OriginSide::Both
+    }
+}
+
 /// (start, length) of a packed sequence whose device-side `cu_seqlens`
 /// entries are `start` and `end`, in a tensor of `total` rows: the start is
 /// clamped to `[0, total]` and the end to `[start, total]`.

@@ -248,6 +248,19 @@ impl BlockInfo {
         )
     }
 
+    /// Where key block `n` lies relative to the ALiBi origins of the CTA's
+    /// rows (`index::origin_side`).
+    #[inline(always)]
+    pub fn origin_side(&self, n: u32, block_n: u32) -> index::OriginSide {
+        index::origin_side(
+            &self.keys,
+            self.token_unchecked(0),
+            self.last_token,
+            n,
+            block_n,
+        )
+    }
+
     /// Row `(b, head, token)` of the LSE: [B, H, Sq], or [H, total_q] for
     /// packed sequences.
     #[inline(always)]

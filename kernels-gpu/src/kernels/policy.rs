@@ -135,20 +135,60 @@ impl Modifiers {
         pos: [i32; 2],
         slope: [f32; 2],
     ) {
+        self.softcap(p, s);
+        if self.alibi {
+            alibi(s, key0, pos, slope);
+        }
+    }
+
+    /// The softcap alone (when set): S <- tanh(S · pre).
+    #[inline(always)]
+    pub fn softcap<const ST: usize>(&self, p: &AttnParams, s: &mut [[f32; 4]; ST]) {
         if self.softcap {
             unroll::<ST>(|j| {
                 unroll::<4>(|e| s[j][e] = math::tanh(s[j][e] * p.softcap_pre));
             });
         }
-        if self.alibi {
-            let dist0 = [(pos[0] - key0) as f32, (pos[1] - key0) as f32];
-            unroll::<ST>(|j| {
-                unroll::<4>(|e| {
-                    let offset = (j * 8 + (e & 1)) as f32;
-                    let dist = math::abs(dist0[e / 2] - offset);
-                    s[j][e] = math::fma(-slope[e / 2], dist, s[j][e]);
-                });
-            });
-        }
     }
+}
+
+/// Adds the ALiBi bias `-slope · |pos - key|` to every score (arguments as
+/// in [`Modifiers::apply`]).
+#[inline(always)]
+pub fn alibi<const ST: usize>(s: &mut [[f32; 4]; ST], key0: i32, pos: [i32; 2], slope: [f32; 2]) {
+    let dist0 = [(pos[0] - key0) as f32, (pos[1] - key0) as f32];
+    unroll::<ST>(|j| {
+        unroll::<4>(|e| {
+            let dist = math::abs(dist0[e / 2] - column(j, e));
+            s[j][e] = math::fma(-slope[e / 2], dist, s[j][e]);
+        });
+    });
+}
+
+/// [`alibi`] for a key block that lies on one side of every row's origin
+/// (`index::OriginSide::Left` when `left`, else `Right`): there the bias is
+/// `±slope · (key - key0)`, one FMA with a constant per score, plus a
+/// part `±slope · (key0 - pos)` per row half (and lane: `key0` is the
+/// lane's), returned for the softmax to add to the row
+/// (`OnlineSoftmax::advance`) instead of to every score.
+#[inline(always)]
+pub fn alibi_one_sided<const ST: usize>(
+    s: &mut [[f32; 4]; ST],
+    key0: i32,
+    pos: [i32; 2],
+    slope: [f32; 2],
+    left: bool,
+) -> [f32; 2] {
+    let slope = slope.map(|m| if left { m } else { -m });
+    unroll::<ST>(|j| {
+        unroll::<4>(|e| s[j][e] = math::fma(slope[e / 2], column(j, e), s[j][e]));
+    });
+    [0, 1].map(|r| slope[r] * (key0 - pos[r]) as f32)
+}
+
+/// Key offset of accumulator element `e` of n-tile `j` from the lane's first
+/// column.
+#[inline(always)]
+fn column(j: usize, e: usize) -> f32 {
+    (j * 8 + (e & 1)) as f32
 }

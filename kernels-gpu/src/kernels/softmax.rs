@@ -150,6 +150,52 @@ impl OnlineSoftmax {
         }
     }
 
+    /// [`Self::advance`] for S whose true value is S + `bias` per row half,
+    /// the bias being the lane's own (`policy::alibi_one_sided`: its keys
+    /// differ from the other lanes' of the row): P = exp2((S + bias) * scale
+    /// - m). A copy rather than a generalisation of `advance`: sharing the
+    /// code made LLVM fold the plain kernels' first key block into their loop
+    /// (H100: 5 % slower, docs/perf-notes.md).
+    #[inline(always)]
+    pub fn advance_biased<const ST: usize>(
+        &mut self,
+        s: &mut [[f32; 4]; ST],
+        scale_log2: f32,
+        bias: [f32; 2],
+    ) -> Option<[f32; 2]> {
+        let mut m_new = [0.0; 2];
+        let mut grows = false;
+        unroll::<2>(|r| {
+            let mut mx = f32::NEG_INFINITY;
+            unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
+            // Added before the row's lanes agree on m.
+            m_new[r] = self.m[r].max(quad_max(mx + bias[r]) * scale_log2);
+            grows |= m_new[r] - self.m[r] > RESCALE_SLACK;
+        });
+        let moved = vote::any(grows);
+        let mut correction = [1.0; 2];
+        if moved {
+            unroll::<2>(|r| {
+                correction[r] = math::ex2(self.m[r] - m_new[r]);
+                self.m[r] = m_new[r];
+                self.l[r] *= correction[r];
+            });
+        }
+        let offset = [0, 1].map(|r| math::fma(bias[r], scale_log2, -self.m[r]));
+        unroll::<ST>(|j| {
+            let mut p = [0.0; 4];
+            unroll::<4>(|e| p[e] = math::ex2(math::fma(s[j][e], scale_log2, offset[e / 2])));
+            self.l[0] += p[0] + p[1];
+            self.l[1] += p[2] + p[3];
+            s[j] = p;
+        });
+        if moved {
+            Some(correction)
+        } else {
+            None
+        }
+    }
+
     /// Per row: the running max m (log2 domain; the finite "no key yet" value
     /// for a row that saw no key, whose l is 0) and the full row sum l
     /// (reduced over the row's lanes).

@@ -15,11 +15,13 @@
 use super::ring::{wait, TmaRing};
 use crate::arch::{barrier, global, mbarrier, setmaxnreg, smem, special, tma, wgmma};
 use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M};
-use crate::index::{k_major_desc, mn_major_desc, sw128_offset, SW128_ATOM_BYTES, SW128_ROW_BYTES};
+use crate::index::{
+    k_major_desc, mn_major_desc, sw128_offset, OriginSide, SW128_ATOM_BYTES, SW128_ROW_BYTES,
+};
 use crate::kernels::block_info::BlockInfo;
 use crate::kernels::element::Element;
 use crate::kernels::mask;
-use crate::kernels::policy::{policies, Mask, Modifiers, Scores, Seq};
+use crate::kernels::policy::{self, policies, Mask, Modifiers, Scores, Seq};
 use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
@@ -239,13 +241,24 @@ fn consume<
     } else {
         0.0
     };
-    // Score modifiers, then the mask, as the sm_80 mainloop applies them.
+    // Score modifiers, then the mask, as the sm_80 mainloop applies them;
+    // returns the rows' ALiBi part that the softmax adds (one-sided blocks).
     let mask_scores = |s: &mut [[f32; 4]; ST], n: u32| {
         let key0 = (n * bn + 2 * t) as i32;
-        if S::MODIFIED && (mods.softcap || mods.alibi) {
-            let r0 = special::opaque_u32(row0);
-            let pos = [r0, r0 + 8].map(|r| info.key_pos(r));
-            mods.apply(p, s, key0, pos, [slope; 2]);
+        let mut row_bias = None;
+        if S::MODIFIED {
+            mods.softcap(p, s);
+            if mods.alibi {
+                let r0 = special::opaque_u32(row0);
+                let pos = [r0, r0 + 8].map(|r| info.key_pos(r));
+                match info.origin_side(n, bn) {
+                    OriginSide::Both => policy::alibi(s, key0, pos, [slope; 2]),
+                    side => {
+                        let left = side == OriginSide::Left;
+                        row_bias = Some(policy::alibi_one_sided(s, key0, pos, [slope; 2], left));
+                    }
+                }
+            }
         }
         if info.block_needs_mask(n, bn) {
             // Rebuilt per block (see the sm_80 mainloop): kept live, the
@@ -253,6 +266,7 @@ fn consume<
             let r0 = special::opaque_u32(row0);
             mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
         }
+        row_bias
     };
     let pack = |s: &[[f32; 4]; ST]| {
         let mut pf = [[0u32; 4]; PK];
@@ -275,9 +289,12 @@ fn consume<
         if lane == 0 {
             k_ring.release(0);
         }
-        mask_scores(&mut s, block(0));
+        let row_bias = mask_scores(&mut s, block(0));
         // O is still 0: nothing to rescale.
-        let _ = softmax.advance(&mut s, p.scale_log2);
+        let _ = match row_bias {
+            Some(b) => softmax.advance_biased(&mut s, p.scale_log2, b),
+            None => softmax.advance(&mut s, p.scale_log2),
+        };
         pf = pack(&s);
     }
     // FlashAttention-3's intra-warpgroup overlap: S(i) and then P(i-1)·V(i-1)
@@ -296,8 +313,11 @@ fn consume<
         if lane == 0 {
             k_ring.release(i);
         }
-        mask_scores(&mut s, block(i));
-        let correction = softmax.advance(&mut s, p.scale_log2);
+        let row_bias = mask_scores(&mut s, block(i));
+        let correction = match row_bias {
+            Some(b) => softmax.advance_biased(&mut s, p.scale_log2, b),
+            None => softmax.advance(&mut s, p.scale_log2),
+        };
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut o);
         wgmma::fence_fragments(&mut pf);
