@@ -170,7 +170,7 @@ pub fn alibi<const ST: usize>(s: &mut [[f32; 4]; ST], key0: i32, pos: [i32; 2], 
 /// `±slope · (key - key0)`, one FMA with a constant per score, plus a
 /// part `±slope · (key0 - pos)` per row half (and lane: `key0` is the
 /// lane's), returned for the softmax to add to the row
-/// (`OnlineSoftmax::advance`) instead of to every score.
+/// (`OnlineSoftmax::advance_biased`) instead of to every score.
 #[inline(always)]
 pub fn alibi_one_sided<const ST: usize>(
     s: &mut [[f32; 4]; ST],
