@@ -1,5 +1,5 @@
 //! Provides the kernels to the host crate: writes into `$OUT_DIR` the PTX of
-//! every module (`flash_attn_sm80.ptx`, `flash_attn_sm90.ptx`,
+//! every module (`flash_attn_sm75.ptx`, `flash_attn_sm80.ptx`, `flash_attn_sm90.ptx`,
 //! `flash_attn_sm90a.ptx`, embedded with `include_str!`), its manifest, and
 //! the committed cubins (the `flash-attn-cubins` package, `kernels-cubin/`
 //! here) that were assembled from exactly that PTX (empty files for the

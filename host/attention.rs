@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, KernelKind,
     MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
-    COMBINE_SPLIT_GROUP, ENTRIES, MAX_SPLITS, MERGE_THREADS,
+    COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS,
 };
 use flash_attn_kernels::index::FastDiv;
 use flash_attn_kernels::params::{
@@ -25,10 +25,21 @@ use crate::hopper::{self, encode_tensor_map, HopperModule, TiledTensor};
 use crate::kernels::{cubins_for, ptx_text};
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
-    check_decode, check_forward, check_kvcache, check_merge, check_varlen, check_varlen_paged,
-    AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging, TensorInfo,
-    VarlenShape, Window,
+    check_decode, check_dtype, check_forward, check_kvcache, check_merge, check_varlen,
+    check_varlen_paged, AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging,
+    TensorInfo, VarlenShape, Window,
 };
+
+/// Set to `1`, [`FlashAttention::new`] loads the Turing (`sm_75`) module on
+/// any GPU of compute capability 7.5 or newer (the driver JIT-compiles its
+/// PTX on newer ones), without the Hopper module: how the GPU suite checks
+/// that module on an H100. It says nothing about a T4's speed.
+pub const FORCE_SM75_ENV: &str = "FLASH_ATTN_FORCE_SM75";
+
+/// Whether [`FORCE_SM75_ENV`] asks for the `Sm75` module.
+fn forced_sm75() -> bool {
+    std::env::var(FORCE_SM75_ENV).is_ok_and(|v| v == "1")
+}
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
 #[repr(transparent)]
@@ -373,7 +384,9 @@ pub(crate) fn load_module(
 impl FlashAttention {
     /// Loads the kernels for the context's device (its cubin when this build
     /// has one, else the PTX) and caches every entry point. Fails with
-    /// [`FlashAttnError::UnsupportedArch`] below sm_80.
+    /// [`FlashAttnError::UnsupportedArch`] below sm_75. With
+    /// [`FORCE_SM75_ENV`] set to `1` it loads the Turing module on any such
+    /// GPU (JIT-compiled from PTX on newer ones).
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, FlashAttnError> {
         Self::new_with(ctx, ModuleChoice::PreferCubin)
     }
@@ -383,13 +396,14 @@ impl FlashAttention {
         let (major, minor) = ctx.compute_capability()?;
         let smem_optin = ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let arch = PtxArch::for_device(major, smem_optin.max(0) as usize)
+        let native = PtxArch::for_device(major, minor, smem_optin.max(0) as usize)
             .ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
+        let arch = if forced_sm75() { PtxArch::Sm75 } else { native };
         let (module, loaded) = load_module(ctx, arch, choice)?;
         let num_sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
         let mut kernels = HashMap::new();
-        for entry in ENTRIES {
+        for entry in arch.entries() {
             let function = module
                 .load_function(entry.name)
                 .map_err(|_| FlashAttnError::MissingKernel(entry.name))?;
@@ -415,7 +429,7 @@ impl FlashAttention {
                 },
             );
         }
-        let hopper = if hopper::forced_off() {
+        let hopper = if hopper::forced_off() || arch == PtxArch::Sm75 {
             None
         } else {
             HopperModule::load(ctx, choice)?
@@ -479,6 +493,9 @@ impl FlashAttention {
     }
 
     /// The most specialised kernel of `kind` whose policies cover `need`.
+    /// Every public call checks its dtype against the module first
+    /// ([`check_dtype`]), and the config tests check that the table covers
+    /// every validated problem.
     fn kernel(&self, kind: KernelKind, dtype: Dtype, head_dim: usize, need: Policies) -> &Kernel {
         let entry = find_entry(kind, dtype, head_dim, need)
             .expect("every validated problem has an entry (config tests check the table)");
@@ -502,6 +519,7 @@ impl FlashAttention {
         lse: Option<&mut CudaViewMut<'_, f32>>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
+        check_dtype(self.arch, T::DTYPE)?;
         let t = bind(stream, q, k, v, o);
         let shape = check_forward(&t.q, &t.k, &t.v, &t.o, lse.as_ref().map(|l| l.len()), opts)?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
@@ -559,6 +577,7 @@ impl FlashAttention {
         seqlens: &Varlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
+        check_dtype(self.arch, T::DTYPE)?;
         let (cu_q, _cq_sync) = seqlens.cu_seqlens_q.device_ptr(stream);
         let (cu_k, _ck_sync) = seqlens.cu_seqlens_k.device_ptr(stream);
         let t = bind(stream, q, k, v, o);
@@ -606,6 +625,7 @@ impl FlashAttention {
         seqs: &PagedVarlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
+        check_dtype(self.arch, T::DTYPE)?;
         let (cu_q, _cq_sync) = seqs.cu_seqlens_q.device_ptr(stream);
         let (seqlens_k, _sk_sync) = seqs.seqlens_k.device_ptr(stream);
         let (table, _t_sync) = seqs.block_table.table.device_ptr(stream);
@@ -776,6 +796,7 @@ impl FlashAttention {
         o: &mut TensorMut<'_, T>,
         lse: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<(), FlashAttnError> {
+        check_dtype(self.arch, T::DTYPE)?;
         let (a_ptr, _a_sync) = o_a.data.device_ptr(stream);
         let (b_ptr, _b_sync) = o_b.data.device_ptr(stream);
         let (la_ptr, _la_sync) = lse_a.device_ptr(stream);
@@ -851,13 +872,14 @@ impl FlashAttention {
         };
         let key_blocks = keys.div_ceil(tile.block_n);
         // Every decode variant of a head dim has the same tile and occupancy.
+        // (A dtype the module lacks, whose calls are refused, reads f16's.)
+        let dtype = if self.arch.has_dtype(T::DTYPE) {
+            T::DTYPE
+        } else {
+            Dtype::F16
+        };
         let ctas_per_sm = self
-            .kernel(
-                KernelKind::Decode,
-                T::DTYPE,
-                shape.head_dim,
-                Policies::PLAIN,
-            )
+            .kernel(KernelKind::Decode, dtype, shape.head_dim, Policies::PLAIN)
             .ctas_per_sm;
         let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_SPLITS)
@@ -917,6 +939,7 @@ impl FlashAttention {
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
+        check_dtype(self.arch, T::DTYPE)?;
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
         let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
@@ -1015,6 +1038,7 @@ impl FlashAttention {
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
+        check_dtype(self.arch, T::DTYPE)?;
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (seqlens_ptr, _s_sync) = cache.seqlens.device_ptr(stream);
         let (k_len, v_len) = (cache.k.data.len(), cache.v.data.len());

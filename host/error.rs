@@ -1,6 +1,8 @@
 //! Typed errors. Every user-input error is reported before any launch, and
 //! leaves the output buffers untouched.
 
+use flash_attn_kernels::config::Dtype;
+
 /// Why a call was refused (before any launch) or failed in the driver.
 #[derive(Debug, thiserror::Error)]
 pub enum FlashAttnError {
@@ -179,8 +181,18 @@ pub enum FlashAttnError {
         len: usize,
     },
 
-    /// The GPU is older than Ampere.
-    #[error("GPU compute capability {major}.{minor} is below the required 8.0 (Ampere or newer)")]
+    /// The loaded module has no kernels for this element type: Turing's
+    /// tensor cores (the `sm_75` module) have no bf16.
+    #[error("{} is not supported by the {arch} kernels (sm_75 runs f16; bf16 needs sm_80 or newer)", dtype.name())]
+    UnsupportedDtype {
+        /// The element type asked for.
+        dtype: Dtype,
+        /// The loaded module's target, e.g. `sm_75`.
+        arch: &'static str,
+    },
+
+    /// The GPU is older than Turing.
+    #[error("GPU compute capability {major}.{minor} is below the required 7.5 (Turing or newer)")]
     UnsupportedArch {
         /// Compute capability, major.
         major: i32,

@@ -9,6 +9,7 @@ pub const PTX_SOURCE: &str = env!("FLASH_ATTN_PTX_ORIGIN");
 
 use flash_attn_kernels::config::PtxArch;
 
+const PTX_SM75: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm75.ptx"));
 const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.ptx"));
 const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.ptx"));
 const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.ptx"));
@@ -16,12 +17,14 @@ const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a
 /// The PTX text of a module; [`PtxArch::for_device`] picks the module.
 pub fn ptx_text(arch: PtxArch) -> &'static str {
     match arch {
+        PtxArch::Sm75 => PTX_SM75,
         PtxArch::Sm80 => PTX_SM80,
         PtxArch::Sm90 => PTX_SM90,
         PtxArch::Sm90a => PTX_SM90A,
     }
 }
 
+const CUBIN_SM75: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm75.cubin"));
 const CUBIN_SM80: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.cubin"));
 const CUBIN_SM86: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm86.cubin"));
 const CUBIN_SM89: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm89.cubin"));
@@ -37,10 +40,11 @@ const CUBIN_SM90A_CU13: &[u8] =
 /// its own major version at the same or a higher minor (sm_87 takes
 /// sm_80's). sm_90 and sm_90a have a CUDA 13.0 cubin (drivers R580+; for
 /// sm_90 2-3% faster) before the CUDA 12.4 one (R525+); every other cubin is
-/// CUDA 12.4's. Empty: the
-/// caller loads the PTX, which the driver JIT-compiles.
+/// CUDA 12.4's. Empty: the caller loads the PTX, which the driver
+/// JIT-compiles (the sm_75 module on a newer GPU, for one).
 pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, &'static [u8])> {
     let candidates: &[(&'static str, &'static [u8])] = match (arch, major, minor) {
+        (PtxArch::Sm75, 7, 5) => &[("sm_75/ptxas-12.4", CUBIN_SM75)],
         (PtxArch::Sm80, 8, 0 | 7) => &[("sm_80/ptxas-12.4", CUBIN_SM80)],
         (PtxArch::Sm80, 8, 6) => &[("sm_86/ptxas-12.4", CUBIN_SM86)],
         (PtxArch::Sm80, 8, 9) => &[("sm_89/ptxas-12.4", CUBIN_SM89)],

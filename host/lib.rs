@@ -42,7 +42,7 @@ pub mod validate;
 
 pub use attention::{
     BlockTable, DecodeWorkspace, FlashAttention, KvCache, LoadedCode, ModuleChoice, PagedVarlen,
-    Varlen,
+    Varlen, FORCE_SM75_ENV,
 };
 pub use driver::cuda_device_count;
 pub use error::FlashAttnError;

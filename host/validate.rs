@@ -5,8 +5,8 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE,
-    REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
+    AttnTile, Dtype, PtxArch, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, MAX_SPLITS,
+    PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
 };
 
 /// A sliding window around each query's diagonal (FlashAttention 2.6
@@ -425,6 +425,19 @@ fn check_lse(
         }
     }
     Ok(())
+}
+
+/// Whether the loaded module `arch` has kernels for `dtype` (bf16 needs
+/// sm_80: Turing's tensor cores have none).
+pub fn check_dtype(arch: PtxArch, dtype: Dtype) -> Result<(), FlashAttnError> {
+    if arch.has_dtype(dtype) {
+        Ok(())
+    } else {
+        Err(FlashAttnError::UnsupportedDtype {
+            dtype,
+            arch: arch.target_cpu(),
+        })
+    }
 }
 
 /// Validates a forward call: Q/O [B, Sq, H, D], K/V [B, Skv, Hkv, D].

@@ -2,6 +2,7 @@
 # Assembles the committed PTX into cubins (SASS) for the GPUs people run, so
 # the first `FlashAttention::new` loads machine code instead of waiting ~30 s
 # (H100, 111 entries) for the driver to JIT-compile ~10 MB of PTX:
+#   kernels-gpu/ptx/flash_attn_sm75.ptx -> sm_75 (T4, RTX 20xx)
 #   kernels-gpu/ptx/flash_attn_sm80.ptx -> sm_80 (A100), sm_86 (RTX 30xx, A10),
 #                                          sm_89 (RTX 40xx, L4)
 #   kernels-gpu/ptx/flash_attn_sm90.ptx -> sm_90 (H100, H200), twice
@@ -60,6 +61,7 @@ ptx_dir=kernels-gpu/ptx
 cubin_dir=kernels-cubin/cubin
 # cubin -> "arch ptx-module ptxas"
 declare -A jobs=(
+    [flash_attn_sm75.cubin]="75 sm75 $ptxas12"
     [flash_attn_sm80.cubin]="80 sm80 $ptxas12"
     [flash_attn_sm86.cubin]="86 sm80 $ptxas12"
     [flash_attn_sm89.cubin]="89 sm80 $ptxas12"

@@ -24,6 +24,7 @@ esac
 ptx_dir=kernels-gpu/ptx
 # $OUT_DIR name -> committed name
 declare -A files=(
+    [flash_attn_sm75.ptx]=flash_attn_sm75.ptx
     [flash_attn_sm80.ptx]=flash_attn_sm80.ptx
     [flash_attn_sm90.ptx]=flash_attn_sm90.ptx
     [flash_attn_sm90a.ptx]=flash_attn_sm90a.ptx

@@ -1740,6 +1740,14 @@ mod config {
         }
         assert_eq!(PtxArch::Sm90a.entries(), HOPPER_ENTRIES);
         assert_eq!(PtxArch::Sm90.entries(), ENTRIES);
+        assert_eq!(PtxArch::Sm80.entries(), ENTRIES);
+        // sm_75: ENTRIES less bf16 (no bf16 tensor cores), in table order.
+        let turing: Vec<_> = ENTRIES.iter().filter(|e| e.dtype != Dtype::Bf16).collect();
+        assert_eq!(PtxArch::Sm75.entries().iter().collect::<Vec<_>>(), turing);
+        assert!(!PtxArch::Sm75.has_dtype(Dtype::Bf16) && PtxArch::Sm75.has_dtype(Dtype::F16));
+        for arch in [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a] {
+            assert!(arch.has_dtype(Dtype::Bf16) && arch.has_dtype(Dtype::F16));
+        }
         assert!(PtxArch::hopper_device(9, 0));
         assert!(!PtxArch::hopper_device(9, 1) && !PtxArch::hopper_device(10, 0));
         assert!(!PtxArch::hopper_device(8, 0));
@@ -2159,18 +2167,51 @@ mod config {
     }
 
     #[test]
+    fn bf16_is_refused_by_the_sm75_module_only() {
+        use flash_attn::validate::check_dtype;
+        use flash_attn::FlashAttnError;
+        let err = check_dtype(PtxArch::Sm75, Dtype::Bf16);
+        assert!(
+            matches!(
+                err,
+                Err(FlashAttnError::UnsupportedDtype {
+                    dtype: Dtype::Bf16,
+                    arch: "sm_75"
+                })
+            ),
+            "{err:?}"
+        );
+        assert!(err.unwrap_err().to_string().contains("bf16"));
+        assert!(check_dtype(PtxArch::Sm75, Dtype::F16).is_ok());
+        for arch in [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a] {
+            for dtype in [Dtype::F16, Dtype::Bf16] {
+                assert!(check_dtype(arch, dtype).is_ok());
+            }
+        }
+    }
+
+    #[test]
     fn modules_are_picked_by_capability_and_shared_memory() {
         let h100 = 227 * 1024;
-        assert_eq!(PtxArch::for_device(7, 64 * 1024), None);
-        assert_eq!(PtxArch::for_device(8, 163 * 1024), Some(PtxArch::Sm80));
-        assert_eq!(PtxArch::for_device(8, 99 * 1024), Some(PtxArch::Sm80));
-        assert_eq!(PtxArch::for_device(9, h100), Some(PtxArch::Sm90));
-        assert_eq!(PtxArch::for_device(10, h100), Some(PtxArch::Sm90));
+        // Volta (7.0) and Jetson Xavier (7.2) lack ldmatrix and m16n8k8.
+        assert_eq!(PtxArch::for_device(7, 0, 96 * 1024), None);
+        assert_eq!(PtxArch::for_device(7, 2, 48 * 1024), None);
+        assert_eq!(PtxArch::for_device(6, 1, 48 * 1024), None);
+        assert_eq!(PtxArch::for_device(7, 5, 64 * 1024), Some(PtxArch::Sm75));
+        assert_eq!(PtxArch::for_device(8, 0, 163 * 1024), Some(PtxArch::Sm80));
+        assert_eq!(PtxArch::for_device(8, 6, 99 * 1024), Some(PtxArch::Sm80));
+        assert_eq!(PtxArch::for_device(9, 0, h100), Some(PtxArch::Sm90));
+        assert_eq!(PtxArch::for_device(10, 0, h100), Some(PtxArch::Sm90));
         // sm_120 (consumer Blackwell): 99 KB per CTA, so the sm_80 tiles.
-        assert_eq!(PtxArch::for_device(12, 99 * 1024), Some(PtxArch::Sm80));
+        assert_eq!(PtxArch::for_device(12, 0, 99 * 1024), Some(PtxArch::Sm80));
         // Every module's tiles fit the GPUs it is picked for.
         for arch in PtxArch::ATTENTION {
-            let smem = ENTRIES.iter().map(|e| e.smem_bytes(arch)).max().unwrap();
+            let smem = arch
+                .entries()
+                .iter()
+                .map(|e| e.smem_bytes(arch))
+                .max()
+                .unwrap();
             assert!(smem <= arch.max_smem_bytes(), "{arch:?}");
         }
     }

@@ -1756,16 +1756,33 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
     v
 }
 
+fn env_is_1(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| v == "1")
+}
+
 /// On compute capability 9.0 the forward runs on the Hopper kernels unless
-/// `FLASH_ATTN_FORCE_SM80=1` (the suite's second pass) asks otherwise.
+/// `FLASH_ATTN_FORCE_SM80=1` or `FLASH_ATTN_FORCE_SM75=1` (the suite's
+/// other passes) asks otherwise; the latter also loads the sm_75 module.
 fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
-    let forced = std::env::var(flash_attn::hopper::FORCE_SM80_ENV).is_ok_and(|v| v == "1");
-    if gpu.fa.hopper_forward() == forced {
+    let sm80 = env_is_1(flash_attn::hopper::FORCE_SM80_ENV);
+    let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
+    if sm75 != (gpu.fa.ptx_arch() == PtxArch::Sm75) {
         return Err(format!(
-            "hopper_forward() = {} with {}={}",
+            "module {:?} with {}={}",
+            gpu.fa.ptx_arch(),
+            flash_attn::FORCE_SM75_ENV,
+            sm75 as u8
+        )
+        .into());
+    }
+    if gpu.fa.hopper_forward() == (sm80 || sm75) {
+        return Err(format!(
+            "hopper_forward() = {} with {}={}, {}={}",
             gpu.fa.hopper_forward(),
             flash_attn::hopper::FORCE_SM80_ENV,
-            forced as u8
+            sm80 as u8,
+            flash_attn::FORCE_SM75_ENV,
+            sm75 as u8
         )
         .into());
     }
@@ -2073,6 +2090,71 @@ fn run_tma_probes(gpu: &Gpu, map_source: u32) -> Result<(), String> {
     one::<bf16>(gpu, (128, 176, 2000, 2), map_source, 29)
 }
 
+/// On a module without bf16 (sm_75): forward and decode with an append get
+/// `UnsupportedDtype` before any launch; O and the cache keep their poison.
+fn bf16_refused(gpu: &Gpu) -> Result<(), String> {
+    let s = &gpu.stream;
+    let (b, sq, h, d, lmax) = (2, 3, 4, 64, 32);
+    let ql = Layout::contiguous([b, sq, h, d]);
+    let cl = Layout::contiguous([b, lmax, h, d]);
+    let poison = vec![bf16::from_f32(-7.25); b * sq * h * d];
+    let cache_poison = vec![bf16::from_f32(-3.5); b * lmax * h * d];
+    let q = s.clone_htod(&poison).map_err(|e| e.to_string())?;
+    let mut o = s.clone_htod(&poison).map_err(|e| e.to_string())?;
+    let mut kc = s.clone_htod(&cache_poison).map_err(|e| e.to_string())?;
+    let mut vc = s.clone_htod(&cache_poison).map_err(|e| e.to_string())?;
+    let seqlens = s.clone_htod(&[5i32, 9]).map_err(|e| e.to_string())?;
+    let refused = |r: Result<(), FlashAttnError>, what: &str| match r {
+        Err(FlashAttnError::UnsupportedDtype {
+            dtype: Dtype::Bf16,
+            arch: "sm_75",
+        }) => Ok(()),
+        other => Err(format!("{what}: expected UnsupportedDtype, got {other:?}")),
+    };
+    refused(
+        gpu.fa.forward(
+            s,
+            &TensorRef::new(q.as_view(), ql),
+            &TensorRef::new(q.as_view(), ql),
+            &TensorRef::new(q.as_view(), ql),
+            &mut TensorMut::new(o.as_view_mut(), ql),
+            None,
+            &AttnOptions::default(),
+        ),
+        "forward",
+    )?;
+    let mut cache = KvCache {
+        k: TensorMut::new(kc.as_view_mut(), cl),
+        v: TensorMut::new(vc.as_view_mut(), cl),
+        seqlens: seqlens.as_view(),
+        block_table: None,
+    };
+    let new = TensorRef::new(q.as_view(), ql);
+    refused(
+        gpu.fa.decode_kvcache(
+            s,
+            &TensorRef::new(q.as_view(), ql),
+            &mut cache,
+            Some((&new, &new)),
+            &mut TensorMut::new(o.as_view_mut(), ql),
+            None,
+            &AttnOptions::default(),
+            None,
+        ),
+        "decode_kvcache with append",
+    )?;
+    s.synchronize().map_err(|e| e.to_string())?;
+    if s.clone_dtoh(&o).map_err(|e| e.to_string())? != poison {
+        return Err("O changed after a refused bf16 call".into());
+    }
+    for c in [&kc, &vc] {
+        if s.clone_dtoh(c).map_err(|e| e.to_string())? != cache_poison {
+            return Err("the cache changed after a refused bf16 append".into());
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let gpu = Arc::new(open_gpu());
@@ -2340,7 +2422,34 @@ fn main() {
         },
     ));
 
+    let g = gpu.clone();
+    trials.push(Trial::test("module_and_dtypes_as_configured", move || {
+        let gpu = g.as_ref().as_ref().unwrap();
+        let hopper_gpu = gpu.hopper.is_some();
+        if !hopper_gpu {
+            // check_hopper_path's module half; the Hopper trials check it on 9.0.
+            let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
+            if sm75 != (gpu.fa.ptx_arch() == PtxArch::Sm75) {
+                return Err(
+                    format!("module {:?}, FORCE_SM75={}", gpu.fa.ptx_arch(), sm75 as u8).into(),
+                );
+            }
+        } else {
+            check_hopper_path(gpu)?;
+        }
+        if gpu.fa.ptx_arch().has_dtype(Dtype::Bf16) {
+            return Ok(());
+        }
+        // bf16 on sm_75: a typed error before any launch, outputs and the
+        // cache untouched (the append would run first).
+        bf16_refused(gpu).map_err(Failed::from)
+    }));
+
     let have_hopper = gpu.as_ref().as_ref().is_some_and(|g| g.hopper.is_some());
+    let have_bf16 = gpu
+        .as_ref()
+        .as_ref()
+        .is_some_and(|g| g.fa.ptx_arch().has_dtype(Dtype::Bf16));
     let mut hopper_trials = Vec::new();
     macro_rules! hopper_forward_trials {
         ($t:ty, $name:literal) => {{
@@ -2416,19 +2525,27 @@ fn main() {
             run(g.as_ref().as_ref().unwrap()).map_err(Failed::from)
         }));
     }
+    // The loaded module's dtypes: bf16 trials are ignored on sm_75, whose
+    // refusal of bf16 `module_and_dtypes_as_configured` checks.
+    let lacks_dtype = |t: &Trial| !have_bf16 && t.name().ends_with("_bf16");
     let trials: Vec<Trial> = trials
         .into_iter()
-        .map(|t| t.with_ignored_flag(!have_gpu))
-        .chain(
-            hopper_trials
-                .into_iter()
-                .map(|t| t.with_ignored_flag(!have_hopper)),
-        )
+        .map(|t| {
+            let ignored = !have_gpu || lacks_dtype(&t);
+            t.with_ignored_flag(ignored)
+        })
+        .chain(hopper_trials.into_iter().map(|t| {
+            let ignored = !have_hopper || lacks_dtype(&t);
+            t.with_ignored_flag(ignored)
+        }))
         .collect();
     if !have_gpu {
         eprintln!("no CUDA device found: every GPU test is ignored");
     } else if !have_hopper {
         eprintln!("not compute capability 9.0: the sm_90a (Hopper) tests are ignored");
+    }
+    if have_gpu && !have_bf16 {
+        eprintln!("the loaded module has no bf16 kernels (sm_75): the bf16 trials are ignored");
     }
     libtest_mimic::run(&args, trials).exit();
 }

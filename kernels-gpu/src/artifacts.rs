@@ -59,7 +59,8 @@ pub fn ptx_file_name(arch: PtxArch) -> String {
 }
 
 /// The cubins the host embeds: (file name, the PTX module it is assembled from).
-pub const CUBINS: [(&str, PtxArch); 7] = [
+pub const CUBINS: [(&str, PtxArch); 8] = [
+    ("flash_attn_sm75.cubin", PtxArch::Sm75),
     ("flash_attn_sm80.cubin", PtxArch::Sm80),
     ("flash_attn_sm86.cubin", PtxArch::Sm80),
     ("flash_attn_sm89.cubin", PtxArch::Sm80),
@@ -413,6 +414,10 @@ fn build_module(
     cmd.arg("--")
         .arg("--emit=asm")
         .arg(format!("-Ctarget-cpu={cpu}"))
+        .args(
+            arch.ptx_isa_feature()
+                .map(|f| format!("-Ctarget-feature=+{f}")),
+        )
         .arg(format!("-Cllvm-args=-inline-threshold={INLINE_THRESHOLD}"))
         // Nothing is linked; the `--emit=asm` output is all that is wanted.
         .arg(format!("-Clinker={linker}"));
@@ -447,7 +452,7 @@ fn build_module(
     let ptx = add_launch_bounds(&ptx, arch)?;
     Ok(match arch {
         PtxArch::Sm90a => align_tensor_map_params(&ptx),
-        PtxArch::Sm80 | PtxArch::Sm90 => ptx,
+        PtxArch::Sm75 | PtxArch::Sm80 | PtxArch::Sm90 => ptx,
     })
 }
 

@@ -45,8 +45,10 @@ pub const fn copy_row_lanes(head_dim: usize) -> usize {
     (head_dim / CHUNK_ELEMS).next_power_of_two()
 }
 
-/// Minimum compute capability: `cp.async`, `ldmatrix` and bf16 `mma.sync` are sm_80.
-pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (8, 0);
+/// Minimum compute capability: `ldmatrix` and f16 `mma.sync` are sm_75
+/// (Turing); `cp.async` and bf16 `mma.sync` are sm_80, so the `Sm75` module
+/// copies through registers and has no bf16 kernels.
+pub const MIN_COMPUTE_CAPABILITY: (u32, u32) = (7, 5);
 
 /// How the warps of a CTA share its work.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -101,6 +103,10 @@ pub const WARP_KEYS: usize = MMA_K;
 /// it, so the module bounds their shared memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PtxArch {
+    /// `sm_75` (Turing: T4, RTX 20xx): f16 kernels only (Turing's tensor
+    /// cores have no bf16), `mma.sync.m16n8k8`, global -> shared copies
+    /// through registers (no `cp.async`), tiles within 64 KB per CTA.
+    Sm75,
     /// `sm_80`: loaded on compute capability 8.x, and above 9 where the
     /// `Sm90` tiles do not fit (sm_120 has 99 KB per CTA).
     Sm80,
@@ -115,10 +121,11 @@ pub enum PtxArch {
 
 impl PtxArch {
     /// Every module, in build order.
-    pub const ALL: [PtxArch; 3] = [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a];
-    /// The modules of the attention kernels ([`ENTRIES`]), whose tiles
+    pub const ALL: [PtxArch; 4] = [PtxArch::Sm75, PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a];
+    /// The modules of the attention kernels ([`ENTRIES`], less the dtypes a
+    /// module lacks: [`Self::has_dtype`]), whose tiles
     /// [`AttnTile::for_kernel`] sizes.
-    pub const ATTENTION: [PtxArch; 2] = [PtxArch::Sm80, PtxArch::Sm90];
+    pub const ATTENTION: [PtxArch; 3] = [PtxArch::Sm75, PtxArch::Sm80, PtxArch::Sm90];
 
     /// The module this code is being compiled into (device code; on the host
     /// it reads `Sm80` and means nothing).
@@ -126,23 +133,37 @@ impl PtxArch {
         PtxArch::Sm90a
     } else if cfg!(target_feature = "sm_90") {
         PtxArch::Sm90
-    } else {
+    } else if cfg!(target_feature = "sm_80") {
         PtxArch::Sm80
+    } else {
+        PtxArch::Sm75
     };
 
     /// The `target-cpu` the module is compiled for.
     pub const fn target_cpu(self) -> &'static str {
         match self {
+            PtxArch::Sm75 => "sm_75",
             PtxArch::Sm80 => "sm_80",
             PtxArch::Sm90 => "sm_90",
             PtxArch::Sm90a => "sm_90a",
         }
     }
 
+    /// The PTX ISA the module needs beyond its target's default, as an LLVM
+    /// target feature: sm_75 defaults to ISA 6.3, and `ldmatrix` and
+    /// `mma.sync.m16n8k8` need 6.5 (7.0, sm_80's, is what CUDA 11.0 drivers load).
+    pub const fn ptx_isa_feature(self) -> Option<&'static str> {
+        match self {
+            PtxArch::Sm75 => Some("ptx70"),
+            _ => None,
+        }
+    }
+
     /// Largest dynamic shared memory of one CTA on every GPU that loads the
-    /// module: sm_86/89 allow 99 KB (sm_80 163 KB); sm_90 and sm_100 227 KB.
+    /// module: sm_75 64 KB; sm_86/89 99 KB (sm_80 163 KB); sm_90 and sm_100 227 KB.
     pub const fn max_smem_bytes(self) -> usize {
         match self {
+            PtxArch::Sm75 => 64 * 1024,
             PtxArch::Sm80 => 99 * 1024,
             PtxArch::Sm90 | PtxArch::Sm90a => 227 * 1024,
         }
@@ -151,9 +172,16 @@ impl PtxArch {
     /// The entry points the module defines.
     pub const fn entries(self) -> &'static [Entry] {
         match self {
+            PtxArch::Sm75 => TURING_ENTRIES,
             PtxArch::Sm80 | PtxArch::Sm90 => ENTRIES,
             PtxArch::Sm90a => HOPPER_ENTRIES,
         }
+    }
+
+    /// Whether the module has kernels for `dtype`: sm_75's tensor cores
+    /// have no bf16 `mma`.
+    pub const fn has_dtype(self, dtype: Dtype) -> bool {
+        !matches!((self, dtype), (PtxArch::Sm75, Dtype::Bf16))
     }
 
     /// Whether a GPU of compute capability `major.minor` runs the `Sm90a`
@@ -162,14 +190,17 @@ impl PtxArch {
         major == 9 && minor == 0
     }
 
-    /// The module for a GPU of compute capability `major` whose CTAs may opt
-    /// in to `smem_optin` bytes of shared memory: the newest whose tiles fit,
-    /// `None` below sm_80. PTX JIT-compiles forward, so later GPUs run it.
-    pub const fn for_device(major: i32, smem_optin: usize) -> Option<PtxArch> {
+    /// The module for a GPU of compute capability `major.minor` whose CTAs
+    /// may opt in to `smem_optin` bytes of shared memory: the newest whose
+    /// tiles fit, `None` below sm_75. PTX JIT-compiles forward, so later GPUs
+    /// run it.
+    pub const fn for_device(major: i32, minor: i32, smem_optin: usize) -> Option<PtxArch> {
         if major >= 9 && smem_optin >= PtxArch::Sm90.max_smem_bytes() {
             Some(PtxArch::Sm90)
         } else if major >= 8 {
             Some(PtxArch::Sm80)
+        } else if major == 7 && minor >= 5 {
+            Some(PtxArch::Sm75)
         } else {
             None
         }
@@ -202,6 +233,12 @@ impl AttnTile {
                 (KernelKind::Decode | KernelKind::Combine, 192, _) => {
                     (2, WarpSplit::Keys, 1, true, 32, 2, 2)
                 }
+                // sm_75's 64 KB: one warp and 16-key blocks (Q 8 KB, two
+                // 16 KB stages). Q in registers (two 32-key warps, 64 KB)
+                // spilled 40-60 bytes per thread.
+                (KernelKind::Decode | KernelKind::Combine, 256, PtxArch::Sm75) => {
+                    (1, WarpSplit::Keys, 1, false, 16, 2, 2)
+                }
                 (KernelKind::Decode | KernelKind::Combine, 256, _) => {
                     (2, WarpSplit::Keys, 1, false, 32, 2, 2)
                 }
@@ -212,11 +249,19 @@ impl AttnTile {
                 // two CTAs per SM get the full 255-register budget.
                 // D = 96 has the registers for 64-key blocks (96 of O, 64 of
                 // S): 9-18% faster than 32-key blocks on H100 (v10).
+                // sm_75: 32-key blocks keep Q and two stages within 64 KB.
+                (KernelKind::Forward, 96, PtxArch::Sm75) => {
+                    (4, WarpSplit::Rows, 2, false, 32, 2, 2)
+                }
                 (KernelKind::Forward, 96, _) => (4, WarpSplit::Rows, 2, false, 64, 2, 2),
                 (KernelKind::Forward, 128, _) => (4, WarpSplit::Rows, 2, false, 32, 2, 2),
                 // One m-tile: 2 x 16 rows of D = 192/256 accumulators would take
                 // 192-256 registers alone. 32-key blocks keep Q plus two stages
                 // under the 99 KB of sm_86/89.
+                // sm_75: 16-key blocks, Q plus two stages within 64 KB.
+                (KernelKind::Forward, 192 | 256, PtxArch::Sm75) => {
+                    (4, WarpSplit::Rows, 1, false, 16, 2, 2)
+                }
                 (KernelKind::Forward, 192 | 256, PtxArch::Sm80) => {
                     (4, WarpSplit::Rows, 1, false, 32, 2, 2)
                 }
@@ -778,6 +823,35 @@ macro_rules! entry_rows {
     };
 }
 attention_variants!(entry_rows);
+
+/// [`ENTRIES`] of the dtypes the `Sm75` module has ([`PtxArch::has_dtype`]),
+/// in the same order.
+pub const TURING_ENTRIES: &[Entry] = &entries_of::<{ count_entries(PtxArch::Sm75) }>(PtxArch::Sm75);
+
+const fn entries_of<const N: usize>(arch: PtxArch) -> [Entry; N] {
+    let mut out = [ENTRIES[0]; N];
+    let (mut i, mut n) = (0, 0);
+    while i < ENTRIES.len() {
+        if arch.has_dtype(ENTRIES[i].dtype) {
+            out[n] = ENTRIES[i];
+            n += 1;
+        }
+        i += 1;
+    }
+    assert!(n == N, "the entry count does not match the module's dtypes");
+    out
+}
+
+const fn count_entries(arch: PtxArch) -> usize {
+    let (mut i, mut n) = (0, 0);
+    while i < ENTRIES.len() {
+        if arch.has_dtype(ENTRIES[i].dtype) {
+            n += 1;
+        }
+        i += 1;
+    }
+    n
+}
 
 /// Threads of a probe CTA: one warpgroup.
 pub const PROBE_THREADS: usize = WARPGROUP_THREADS;

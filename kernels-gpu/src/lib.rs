@@ -9,8 +9,12 @@
 #![cfg_attr(target_arch = "nvptx64", feature(abi_ptx, asm_experimental_arch))]
 #![warn(missing_docs)]
 // The sm_90a module compiles the primitives and kernel pieces it shares with
-// the sm_80 kernels, of which its Hopper kernels use only some.
-#![cfg_attr(target_feature = "sm_90a", allow(dead_code))]
+// the sm_80 kernels, of which its Hopper kernels use only some; the sm_75
+// module has no bf16 kernels.
+#![cfg_attr(
+    any(target_feature = "sm_90a", not(target_feature = "sm_80")),
+    allow(dead_code)
+)]
 
 pub mod config;
 pub mod index;

@@ -22,11 +22,29 @@ pub fn lg2(x: f32) -> f32 {
 }
 
 /// `cvt.rn.f16x2.f32 d, hi, lo;` packs two f32 into f16x2, `lo` in bits 0..16.
+/// That form is sm_80; sm_75 gets [`pack_f16_pair`], the same rounding.
 #[inline(always)]
 pub fn pack_f16x2(lo: f32, hi: f32) -> u32 {
+    if !cfg!(target_feature = "sm_80") {
+        return pack_f16_pair(lo, hi);
+    }
     let r: u32;
     unsafe {
         asm!("cvt.rn.f16x2.f32 {r}, {h}, {l};", r = out(reg32) r, h = in(reg32) hi, l = in(reg32) lo, options(pure, nomem, nostack));
+    }
+    r
+}
+
+/// `cvt.rn.f16.f32` x2 + `mov.b32 d, {lo, hi}`: [`pack_f16x2`] for sm_75.
+#[inline(always)]
+pub fn pack_f16_pair(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!(
+            "{{ .reg .f16 l, h; cvt.rn.f16.f32 l, {lo}; cvt.rn.f16.f32 h, {hi}; mov.b32 {r}, {{l, h}}; }}",
+            r = out(reg32) r, lo = in(reg32) lo, hi = in(reg32) hi,
+            options(pure, nomem, nostack),
+        );
     }
     r
 }

@@ -9,6 +9,7 @@
 //! block). At the end the warps' softmax states (m, l, O) are merged through
 //! shared memory and written as the final O or as this split's partial.
 use super::block_info::BlockInfo;
+use super::copy;
 use super::element::Element;
 use super::kv_ring::{self, KvRing};
 use super::lane::Lane;
@@ -16,7 +17,7 @@ use super::mask;
 use super::policy::{Dense, Mask, Modifiers, Scores};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
-use crate::arch::{barrier, cp_async, global, ldmatrix, math, smem};
+use crate::arch::{barrier, global, ldmatrix, math, smem};
 use crate::config::{
     AttnTile, KernelKind, PtxArch, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
@@ -61,13 +62,13 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     q_tile.load_async::<false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
-    cp_async::commit();
+    copy::commit();
     let mut ring = KvRing::new(tile, base);
     ring.prologue(blocks, load);
     // Q's group is the oldest. When Q borrows the last stage, that stage is
     // first refilled after the loop's first barrier, when every warp holds Q
     // in registers.
-    cp_async::wait_pending(tile.kv_stages as u32 - 1);
+    copy::wait_pending(tile.kv_stages as u32 - 1);
     barrier::sync_cta();
     let frag = FragAddr::<D>::new(base, lane.lane);
     let q_frag = |kk: usize| ldmatrix::x4(frag.at(tile.q_smem_offset(), 0, kk as u32 * 2));
@@ -193,7 +194,7 @@ fn merge_warps<const D: usize, const OT: usize>(
     sinks: bool,
 ) {
     // The ring is reused: no copy may still be landing and no warp reading it.
-    cp_async::wait_group::<0>();
+    copy::wait_all();
     barrier::sync_cta();
     let rows = [0, 1].map(|r| lane.group() + 8 * r);
     let (m_w, l_w) = softmax.row_stats();

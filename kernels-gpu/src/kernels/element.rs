@@ -19,7 +19,13 @@ impl Element for F16 {
     const BF16: bool = false;
     #[inline(always)]
     fn mma(c: &mut [f32; 4], a: &[u32; 4], b0: u32, b1: u32) {
-        mma::m16n8k16_f16(c, a, b0, b1)
+        if cfg!(target_feature = "sm_80") {
+            mma::m16n8k16_f16(c, a, b0, b1)
+        } else {
+            // sm_75: the two k-halves (arch::mma's fragment layouts).
+            mma::m16n8k8_f16(c, a[0], a[1], b0);
+            mma::m16n8k8_f16(c, a[2], a[3], b1);
+        }
     }
     #[inline(always)]
     fn pack(lo: f32, hi: f32) -> u32 {

@@ -38,7 +38,7 @@ mod sm80 {
     use super::super::append::append_kv;
     use super::super::combine::combine;
     use super::super::decode::decode;
-    use super::super::element::{Bf16, F16};
+    use super::super::element::F16;
     use super::super::mainloop::attention;
     use super::super::merge::merge;
     use super::super::policy::policies;
@@ -92,8 +92,19 @@ mod sm80 {
         };
     }
 
+    /// The items of a table line, or none where the module lacks its dtype
+    /// (`PtxArch::has_dtype`: bf16 on sm_75).
+    macro_rules! for_dtype {
+        (bf16, $($item:item)*) => {$(
+            #[cfg(target_feature = "sm_80")]
+            $item
+        )*};
+        ($dtype:ident, $($item:item)*) => {$($item)*};
+    }
+
     macro_rules! device_entries {
     ($($kind:ident $dtype:ident $d:literal $mask:ident $score:ident $seq:ident;)*) => {$(
+        for_dtype! { $dtype,
         const _: () = {
             #[export_name = concat!(
                 "flash_", stringify!($kind), "_", stringify!($dtype), "_hd", stringify!($d),
@@ -103,6 +114,7 @@ mod sm80 {
                 entry_body!($kind, p, $dtype, $d, $mask, $score, $seq)
             }
         };
+        }
     )*};
 }
 
@@ -119,9 +131,11 @@ mod sm80 {
         merge::<F16>(&p)
     }
 
-    #[no_mangle]
-    pub unsafe extern "ptx-kernel" fn flash_merge_bf16(p: MergeParams) {
-        merge::<Bf16>(&p)
+    for_dtype! { bf16,
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn flash_merge_bf16(p: MergeParams) {
+            merge::<super::super::element::Bf16>(&p)
+        }
     }
 }
 

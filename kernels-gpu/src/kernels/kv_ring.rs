@@ -6,9 +6,10 @@
 //! V buffers need two barriers per block and measured 2-9% slower;
 //! docs/perf-notes.md, v8.)
 use super::block_info::BlockInfo;
+use super::copy;
 use super::paging;
 use super::smem_tile::SmemTile;
-use crate::arch::{barrier, cp_async};
+use crate::arch::barrier;
 use crate::config::{AttnTile, CHUNK_BYTES};
 use crate::params::AttnParams;
 use crate::unroll::unroll;
@@ -50,7 +51,7 @@ impl KvRing {
             if i < blocks {
                 load(self.base + i * self.stage_bytes, i);
             }
-            cp_async::commit();
+            copy::commit();
             i += 1;
         }
     }
@@ -60,13 +61,13 @@ impl KvRing {
     /// any) into that stage. Call once per block `i`, before consuming it.
     #[inline(always)]
     pub fn advance_to(&self, i: u32, blocks: u32, mut load: impl FnMut(u32, u32)) {
-        cp_async::wait_pending(self.stages - 2);
+        copy::wait_pending(self.stages - 2);
         barrier::sync_cta();
         let ahead = i + self.stages - 1;
         if ahead < blocks {
             load(self.base + self.write * self.stage_bytes, ahead);
         }
-        cp_async::commit();
+        copy::commit();
     }
 
     /// Offset of the stage being consumed, relative to stage 0.
@@ -91,7 +92,7 @@ impl KvRing {
     }
 }
 
-/// Issues the `cp.async` copies of key block `n` of K (row-pairs layout,
+/// Issues the copies (`copy::chunk`) of key block `n` of K (row-pairs layout,
 /// `SmemTile::store_addr`) and V into the stage at `stage`, as one group
 /// (committed by the caller). With `may_page` (a compile-time constant of the
 /// kernel) and a block table in the launch parameters, rows come from the
@@ -154,11 +155,11 @@ pub fn load_block<const D: usize>(
                         let chunk_off = chunk as u64 * CHUNK_BYTES as u64;
                         let k = info.page_row_ptr(p.k, &p.k_strides, page, in_page) + chunk_off;
                         let v = info.page_row_ptr(p.v, &p.v_strides, page, in_page) + chunk_off;
-                        cp_async::cg_16(k_dst, k, CHUNK_BYTES as u32);
-                        cp_async::cg_16(v_dst, v, CHUNK_BYTES as u32);
+                        copy::chunk(k_dst, k, CHUNK_BYTES as u32);
+                        copy::chunk(v_dst, v, CHUNK_BYTES as u32);
                     } else {
-                        cp_async::cg_16(k_dst, p.k, 0);
-                        cp_async::cg_16(v_dst, p.v, 0);
+                        copy::chunk(k_dst, p.k, 0);
+                        copy::chunk(v_dst, p.v, 0);
                     }
                 }
             });

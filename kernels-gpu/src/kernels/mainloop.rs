@@ -6,6 +6,7 @@
 //! visited from the last to the first, so the blocks that need a mask (the
 //! causal diagonal, the ragged end) come first.
 use super::block_info::BlockInfo;
+use super::copy;
 use super::element::Element;
 use super::epilogue;
 use super::kv_ring::{self, KvRing};
@@ -14,7 +15,7 @@ use super::mask;
 use super::policy::{policies, Mask, Modifiers, Scores, Seq};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
-use crate::arch::{cp_async, global, ldmatrix, smem, special};
+use crate::arch::{global, ldmatrix, smem, special};
 use crate::config::{AttnTile, KernelKind, MaskKind, PtxArch, MMA_K, MMA_M, MMA_N};
 use crate::params::AttnParams;
 use crate::unroll::unroll;
@@ -79,7 +80,7 @@ pub fn attention<
     q_tile.load_async::<false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
-    cp_async::commit();
+    copy::commit();
     let blocks = info.n_hi - info.n_lo;
     let block = |i: u32| info.n_hi - 1 - i;
     let load = |stage: u32, i: u32| {
@@ -88,7 +89,7 @@ pub fn attention<
     let mut ring = KvRing::new(tile, base);
     ring.prologue(blocks, load);
     // Q's group is the oldest: it has landed once only the ring's are pending.
-    cp_async::wait_pending(tile.kv_stages as u32 - 1);
+    copy::wait_pending(tile.kv_stages as u32 - 1);
     crate::arch::barrier::sync_cta();
 
     let frag = FragAddr::<D>::new(base, lane.lane);

@@ -4,7 +4,8 @@
 //! whole group of 8 chunks (`config::smem_row_chunks`: D = 32 and 96), so the
 //! swizzle stays within the row. An `ldmatrix` phase reads one logical chunk
 //! of 8 consecutive rows, which the swizzle spreads over all 32 banks.
-use crate::arch::{cp_async, special};
+use super::copy;
+use crate::arch::special;
 use crate::config::{copy_row_lanes, smem_row_chunks, CHUNK_BYTES, ELEM_BYTES, SWIZZLE_ROWS};
 use crate::index;
 
@@ -97,7 +98,7 @@ impl<const D: usize> SmemTile<D> {
         self.chunk_addr(row, col / elems_per_chunk) + (col % elems_per_chunk) * ELEM_BYTES as u32
     }
 
-    /// Issues `cp.async` copies of `rows` rows that are evenly spaced in global
+    /// Issues copies (`copy::chunk`) of `rows` rows that are evenly spaced in global
     /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
     /// are zero-filled with a 0-byte read of `src`. The threads split into
     /// whole rows of [`copy_row_lanes`] chunk lanes (lanes past the row's
@@ -139,16 +140,16 @@ impl<const D: usize> SmemTile<D> {
         while i < rows / rows_per_pass {
             let dst = self.store_addr::<ROW_PAIRS>(row0 + (i * rows_per_pass) as u32, chunk);
             if ((i * rows_per_pass) as i32) < remaining {
-                cp_async::cg_16(dst, src_row, CHUNK_BYTES as u32);
+                copy::chunk(dst, src_row, CHUNK_BYTES as u32);
             } else {
-                cp_async::cg_16(dst, src, 0);
+                copy::chunk(dst, src, 0);
             }
             src_row = src_row.wrapping_add(step);
             i += 1;
         }
     }
 
-    /// Issues `cp.async` copies of `rows` rows into the tile. Row `r` comes from
+    /// Issues copies (`copy::chunk`) of `rows` rows into the tile. Row `r` comes from
     /// `src(r)`; rows for which it returns `None` are zero-filled with a 0-byte
     /// read of `fallback`, a valid address that keeps memory checkers quiet.
     /// Every thread of the CTA calls this with its own `tid`. `ROW_PAIRS`: see
@@ -177,7 +178,7 @@ impl<const D: usize> SmemTile<D> {
                     ),
                     None => (fallback, 0),
                 };
-                cp_async::cg_16(self.store_addr::<ROW_PAIRS>(row, chunk), addr, bytes);
+                copy::chunk(self.store_addr::<ROW_PAIRS>(row, chunk), addr, bytes);
             }
             i += 1;
         }
