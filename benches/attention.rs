@@ -382,15 +382,16 @@ impl Shape {
                     _ => sk,
                 };
             }
-            let kv = 2 * k_tokens * self.kv_heads * self.head_dim * 2;
-            let qo = 2 * q_tokens * self.heads * self.head_dim * 2;
+            let kv = 2 * k_tokens * self.kv_heads * self.head_dim * self.dtype.bytes();
+            let qo = 2 * q_tokens * self.heads * self.head_dim * self.dtype.bytes();
             return match self.kind {
                 Kind::Decode => kv as f64,
                 Kind::Forward => (kv + qo) as f64,
             };
         }
-        let kv = 2 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * 2;
-        let qo = 2 * self.batch * self.seqlen_q * self.heads * self.head_dim * 2;
+        let kv =
+            2 * self.batch * self.seqlen_k * self.kv_heads * self.head_dim * self.dtype.bytes();
+        let qo = 2 * self.batch * self.seqlen_q * self.heads * self.head_dim * self.dtype.bytes();
         match self.kind {
             Kind::Decode => kv as f64,
             Kind::Forward => (kv + qo) as f64,
@@ -471,8 +472,11 @@ fn shapes() -> Vec<Shape> {
     for s in [512, 1024, 2048, 4096, 8192] {
         v.push(fwd(Dtype::F16, 8, 32, s, 64, false, "seed-A100"));
     }
-    for s in [64, 128, 256, 512, 1024] {
-        v.push(fwd(Dtype::F16, 1, 9, s, 64, true, "seed-SmolLM"));
+    // The T4 report (SmolLM-135M) ran f32: both dtypes.
+    for dtype in [Dtype::F16, Dtype::F32] {
+        for s in [64, 128, 256, 512, 1024] {
+            v.push(fwd(dtype, 1, 9, s, 64, true, "seed-SmolLM"));
+        }
     }
     // Decode: GQA 32/8 and MHA 32/32 at D=128, paged GQA, SmolLM-135M.
     for (kv_heads, origin) in [(8, "decode-gqa"), (32, "decode-mha")] {
@@ -490,7 +494,16 @@ fn shapes() -> Vec<Shape> {
             });
         }
     }
-    for cache in [256, 512, 1024, 2048, 4096] {
+    // The T4 report's cache lengths (1..1024), f16 and f32, and longer in f16.
+    for dtype in [Dtype::F16, Dtype::F32] {
+        for cache in [1, 10, 50, 100, 256, 512, 1024] {
+            v.push(Shape {
+                dtype,
+                ..dec(1, 9, 9, cache, 64, "seed-SmolLM")
+            });
+        }
+    }
+    for cache in [2048, 4096] {
         v.push(dec(1, 9, 9, cache, 64, "seed-SmolLM"));
     }
     for (heads, kv_heads, head_dim) in DECODE_GRAPH_HEADS {
@@ -702,7 +715,7 @@ fn random_sets<T: AttnElement>(
     kv_len: usize,
 ) -> (Vec<[CudaSlice<T>; 3]>, HostInputs) {
     let mut rng = StdRng::seed_from_u64(0x5eed);
-    let set_bytes = (2 * q_len + 2 * kv_len) * 2;
+    let set_bytes = (2 * q_len + 2 * kv_len) * size_of::<T>();
     let sets = ROTATE_BYTES.div_ceil(set_bytes).clamp(1, b.max_rotations());
     let [(q, q_host), (k, k_host), (v, v_host)] =
         [q_len, kv_len, kv_len].map(|n| random_buffer::<T>(&b.stream, &mut rng, n));
@@ -829,6 +842,7 @@ fn abs_tol(dtype: Dtype) -> f64 {
     match dtype {
         Dtype::F16 => 4.0 / 2048.0,
         Dtype::Bf16 => 4.0 / 256.0,
+        Dtype::F32 => 8.0 / 2048.0,
     }
 }
 
@@ -1753,6 +1767,7 @@ fn main() {
         let m = match s.dtype {
             Dtype::F16 => run_shape::<f16>(&bench, &s),
             Dtype::Bf16 => run_shape::<bf16>(&bench, &s),
+            Dtype::F32 => run_shape::<f32>(&bench, &s),
         };
         let ms = m.ms;
         let tflops = s.flops() / (ms * 1e-3) / 1e12;
@@ -1857,10 +1872,12 @@ fn main() {
             let used = match s.dtype {
                 Dtype::F16 => fa.decode_splits::<f16>(&shape),
                 Dtype::Bf16 => fa.decode_splits::<bf16>(&shape),
+                Dtype::F32 => fa.decode_splits::<f32>(&shape),
             };
             let stages = match s.dtype {
                 Dtype::F16 => fa.decode_ring_stages::<f16>(&shape),
                 Dtype::Bf16 => fa.decode_ring_stages::<bf16>(&shape),
+                Dtype::F32 => fa.decode_ring_stages::<f32>(&shape),
             };
             let extra = line.as_object_mut().expect("a JSON object");
             extra.insert("splits".into(), used.into());

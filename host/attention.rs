@@ -210,11 +210,14 @@ pub struct DecodeWorkspace {
     lse_accum: CudaSlice<f32>,
 }
 
-fn strides(l: &Layout) -> BshStrides {
+/// A tensor's strides as the kernels take them: in 16-bit units, so an f32
+/// tensor's element strides are doubled (`params::BshStrides`).
+fn strides<T: AttnElement>(l: &Layout) -> BshStrides {
+    let units = (size_of::<T>() / 2) as i64;
     BshStrides {
-        batch: l.strides[0] as i64,
-        row: l.strides[1] as i64,
-        head: l.strides[2] as i64,
+        batch: l.strides[0] as i64 * units,
+        row: l.strides[1] as i64 * units,
+        head: l.strides[2] as i64 * units,
     }
 }
 
@@ -519,7 +522,7 @@ impl FlashAttention {
         lse: Option<&mut CudaViewMut<'_, f32>>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        check_dtype(self.arch, T::DTYPE)?;
+        check_dtype(self.arch, T::DTYPE, &[KernelKind::Forward], "forward")?;
         let t = bind(stream, q, k, v, o);
         let shape = check_forward(&t.q, &t.k, &t.v, &t.o, lse.as_ref().map(|l| l.len()), opts)?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
@@ -577,7 +580,12 @@ impl FlashAttention {
         seqlens: &Varlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        check_dtype(self.arch, T::DTYPE)?;
+        check_dtype(
+            self.arch,
+            T::DTYPE,
+            &[KernelKind::Forward],
+            "forward_varlen",
+        )?;
         let (cu_q, _cq_sync) = seqlens.cu_seqlens_q.device_ptr(stream);
         let (cu_k, _ck_sync) = seqlens.cu_seqlens_k.device_ptr(stream);
         let t = bind(stream, q, k, v, o);
@@ -625,7 +633,12 @@ impl FlashAttention {
         seqs: &PagedVarlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        check_dtype(self.arch, T::DTYPE)?;
+        check_dtype(
+            self.arch,
+            T::DTYPE,
+            &[KernelKind::Forward],
+            "forward_varlen_paged",
+        )?;
         let (cu_q, _cq_sync) = seqs.cu_seqlens_q.device_ptr(stream);
         let (seqlens_k, _sk_sync) = seqs.seqlens_k.device_ptr(stream);
         let (table, _t_sync) = seqs.block_table.table.device_ptr(stream);
@@ -689,10 +702,10 @@ impl FlashAttention {
             v: t.v.addr,
             o: t.o.addr,
             lse,
-            q_strides: strides(&t.q.layout),
-            k_strides: strides(&t.k.layout),
-            v_strides: strides(&t.v.layout),
-            o_strides: strides(&t.o.layout),
+            q_strides: strides::<T>(&t.q.layout),
+            k_strides: strides::<T>(&t.k.layout),
+            v_strides: strides::<T>(&t.v.layout),
+            o_strides: strides::<T>(&t.o.layout),
             batch: shape.batch as u32,
             heads: shape.heads as u32,
             kv_heads: shape.kv_heads as u32,
@@ -796,7 +809,7 @@ impl FlashAttention {
         o: &mut TensorMut<'_, T>,
         lse: Option<&mut CudaViewMut<'_, f32>>,
     ) -> Result<(), FlashAttnError> {
-        check_dtype(self.arch, T::DTYPE)?;
+        check_dtype(self.arch, T::DTYPE, &[KernelKind::Merge], "merge_states")?;
         let (a_ptr, _a_sync) = o_a.data.device_ptr(stream);
         let (b_ptr, _b_sync) = o_b.data.device_ptr(stream);
         let (la_ptr, _la_sync) = lse_a.device_ptr(stream);
@@ -821,9 +834,9 @@ impl FlashAttention {
             lse_b: lb_ptr,
             o: o_ptr,
             lse: lse_ptr,
-            o_a_strides: strides(&o_a.layout),
-            o_b_strides: strides(&o_b.layout),
-            o_strides: strides(&o.layout),
+            o_a_strides: strides::<T>(&o_a.layout),
+            o_b_strides: strides::<T>(&o_b.layout),
+            o_strides: strides::<T>(&o.layout),
             batch: batch as u32,
             seqlen: seqlen as u32,
             heads: heads as u32,
@@ -939,7 +952,12 @@ impl FlashAttention {
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
-        check_dtype(self.arch, T::DTYPE)?;
+        check_dtype(
+            self.arch,
+            T::DTYPE,
+            &[KernelKind::Decode, KernelKind::Combine],
+            "decode",
+        )?;
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
         let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
@@ -956,10 +974,10 @@ impl FlashAttention {
             opts,
         )?;
         let call = DecodeCall {
-            q: (q_ptr, strides(&q.layout)),
-            k: (k_ptr, strides(&k_cache.layout)),
-            v: (v_ptr, strides(&v_cache.layout)),
-            o: (o_ptr, strides(&o.layout)),
+            q: (q_ptr, strides::<T>(&q.layout)),
+            k: (k_ptr, strides::<T>(&k_cache.layout)),
+            v: (v_ptr, strides::<T>(&v_cache.layout)),
+            o: (o_ptr, strides::<T>(&o.layout)),
             seqlens: seqlens_ptr,
             block_table: 0,
             cache: KvCacheShape {
@@ -1038,7 +1056,12 @@ impl FlashAttention {
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
-        check_dtype(self.arch, T::DTYPE)?;
+        check_dtype(
+            self.arch,
+            T::DTYPE,
+            &[KernelKind::Decode, KernelKind::Combine],
+            "decode_kvcache",
+        )?;
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (seqlens_ptr, _s_sync) = cache.seqlens.device_ptr(stream);
         let (k_len, v_len) = (cache.k.data.len(), cache.v.data.len());
@@ -1081,24 +1104,27 @@ impl FlashAttention {
                 v_cache: v_ptr,
                 cache_seqlens: seqlens_ptr,
                 block_table: table_ptr,
-                k_new_strides: strides(&k_new.layout),
-                v_new_strides: strides(&v_new.layout),
-                k_cache_strides: strides(&cache.k.layout),
-                v_cache_strides: strides(&cache.v.layout),
+                k_new_strides: strides::<T>(&k_new.layout),
+                v_new_strides: strides::<T>(&v_new.layout),
+                k_cache_strides: strides::<T>(&cache.k.layout),
+                v_cache_strides: strides::<T>(&cache.v.layout),
                 batch: shape.decode.batch as u32,
                 seqlen_new: shape.seqlen_new as u32,
                 kv_heads: shape.decode.kv_heads as u32,
-                row_chunks: (shape.decode.head_dim / CHUNK_ELEMS) as u32,
+                row_chunks: (shape.decode.head_dim / CHUNK_ELEMS * size_of::<T>() / 2) as u32,
                 capacity: shape.decode.cache_len as u32,
                 max_pages: paging.max_pages as u32,
                 page_size: FastDiv::new(paging.page_size as u32),
                 num_pages: paging.num_pages as u32,
             };
+            // 16-byte chunks: an f32 row has twice a 16-bit row's.
             let chunks = shape.decode.batch
                 * shape.seqlen_new
                 * shape.decode.kv_heads
                 * shape.decode.head_dim
-                / CHUNK_ELEMS;
+                / CHUNK_ELEMS
+                * size_of::<T>()
+                / 2;
             let kernel = self.kernel_named(APPEND_ENTRY);
             self.launch(
                 stream,
@@ -1108,10 +1134,10 @@ impl FlashAttention {
             )?;
         }
         let call = DecodeCall {
-            q: (q_ptr, strides(&q.layout)),
-            k: (k_ptr, strides(&cache.k.layout)),
-            v: (v_ptr, strides(&cache.v.layout)),
-            o: (o_ptr, strides(&o.layout)),
+            q: (q_ptr, strides::<T>(&q.layout)),
+            k: (k_ptr, strides::<T>(&cache.k.layout)),
+            v: (v_ptr, strides::<T>(&cache.v.layout)),
+            o: (o_ptr, strides::<T>(&o.layout)),
             seqlens: seqlens_ptr,
             block_table: table_ptr,
             cache: shape,

@@ -494,7 +494,8 @@ macro_rules! qkv_op {
                 match q.dtype() {
                     DType::F16 => self.run::<f16>(q, q_l, k, k_l, v, v_l),
                     DType::BF16 => self.run::<bf16>(q, q_l, k, k_l, v, v_l),
-                    dt => bail!("flash-attn supports f16 and bf16 tensors, got {dt:?}"),
+                    DType::F32 => self.run::<f32>(q, q_l, k, k_l, v, v_l),
+                    dt => bail!("flash-attn supports f16, bf16 and f32 tensors, got {dt:?}"),
                 }
             }
         }
@@ -1141,7 +1142,7 @@ impl CustomOp2 for Merge {
         match a.dtype() {
             DType::F16 => self.run::<f16>(a, a_l, b, b_l),
             DType::BF16 => self.run::<bf16>(a, a_l, b, b_l),
-            dt => bail!("flash-attn supports f16 and bf16 tensors, got {dt:?}"),
+            dt => bail!("flash-attn merges f16 and bf16 tensors, got {dt:?}"),
         }
     }
 }

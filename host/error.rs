@@ -181,14 +181,17 @@ pub enum FlashAttnError {
         len: usize,
     },
 
-    /// The loaded module has no kernels for this element type: Turing's
-    /// tensor cores (the `sm_75` module) have no bf16.
-    #[error("{} is not supported by the {arch} kernels (sm_75 runs f16; bf16 needs sm_80 or newer)", dtype.name())]
+    /// No kernel of the loaded module serves this element type for this
+    /// call: Turing's tensor cores (the `sm_75` module) have no bf16, and
+    /// `merge_states` has no f32 kernel.
+    #[error("{} is not supported for {call} by the {arch} kernels (bf16 needs sm_80 or newer; merge_states takes f16/bf16)", dtype.name())]
     UnsupportedDtype {
         /// The element type asked for.
         dtype: Dtype,
         /// The loaded module's target, e.g. `sm_75`.
         arch: &'static str,
+        /// The entry point, e.g. `forward`.
+        call: &'static str,
     },
 
     /// The GPU is older than Turing.

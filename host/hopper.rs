@@ -129,6 +129,14 @@ pub(crate) fn encode_tensor_map(t: &TiledTensor) -> Result<TensorMap, FlashAttnE
     let data_type = match t.dtype {
         Dtype::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
         Dtype::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        // No Hopper entry takes f32 (find_hopper_entry finds none first).
+        Dtype::F32 => {
+            return Err(FlashAttnError::UnsupportedDtype {
+                dtype: Dtype::F32,
+                arch: "sm_90a",
+                call: "the Hopper forward",
+            })
+        }
     };
     // The widest inner box the 128-byte swizzle allows.
     let boxes = [SW128_ROW_ELEMS as u32, t.box_rows, 1, 1];

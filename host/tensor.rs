@@ -64,6 +64,18 @@ impl AttnElement for half::f16 {
     }
 }
 
+/// f32 tensors: rounded to f16 where the kernels stage them into shared
+/// memory (the tensor cores' operands), O written in f32 (README, dtypes).
+impl AttnElement for f32 {
+    const DTYPE: Dtype = Dtype::F32;
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+    fn from_f64(x: f64) -> Self {
+        x as f32
+    }
+}
+
 impl AttnElement for half::bf16 {
     const DTYPE: Dtype = Dtype::Bf16;
     fn to_f64(self) -> f64 {

@@ -5,7 +5,7 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, Dtype, PtxArch, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, MAX_SPLITS,
+    AttnTile, Dtype, KernelKind, PtxArch, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, MAX_SPLITS,
     PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
 };
 
@@ -427,15 +427,27 @@ fn check_lse(
     Ok(())
 }
 
-/// Whether the loaded module `arch` has kernels for `dtype` (bf16 needs
-/// sm_80: Turing's tensor cores have none).
-pub fn check_dtype(arch: PtxArch, dtype: Dtype) -> Result<(), FlashAttnError> {
-    if arch.has_dtype(dtype) {
+/// Whether the loaded module `arch` has the kernels of `kinds` for `dtype`
+/// (bf16 needs sm_80: Turing's tensor cores have none; merging has no f32
+/// kernel); `call` names the entry point in the error.
+pub fn check_dtype(
+    arch: PtxArch,
+    dtype: Dtype,
+    kinds: &[KernelKind],
+    call: &'static str,
+) -> Result<(), FlashAttnError> {
+    let compiled = |kind: &KernelKind| {
+        arch.entries()
+            .iter()
+            .any(|e| e.kind == *kind && (e.dtype == dtype || *kind == KernelKind::Append))
+    };
+    if arch.has_dtype(dtype) && kinds.iter().all(compiled) {
         Ok(())
     } else {
         Err(FlashAttnError::UnsupportedDtype {
             dtype,
             arch: arch.target_cpu(),
+            call,
         })
     }
 }

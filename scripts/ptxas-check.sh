@@ -56,18 +56,19 @@ for ptx in "${ptx_files[@]}"; do
     #   ptxas info : Function properties for NAME
     #       S bytes stack frame, SS bytes spill stores, SL bytes spill loads
     #   ptxas info : Used R registers, ...
-    # The one allowance: on sm_75 (Turing, whose speed cannot be measured
-    # here) the general D = 256 kernels spill a few bytes at 255 registers
-    # (docs/perf-notes.md, "sm_75 module"); reported, not failed.
+    # The one allowance, reported, not failed (docs/perf-notes.md, "sm_75
+    # module", "f32 inputs"): on sm_75, whose speed cannot be measured here,
+    # the general f16 D = 256 kernels and some f32 kernels (whose copies go
+    # through registers) spill at most 64 bytes at 255 registers.
     allow='^$'
-    [[ $arch == sm_75 ]] && allow='^flash_(fwd|decode)_f16_hd256_'
+    [[ $arch == sm_75 ]] && allow='^flash_(fwd|decode)_(f16_hd256|f32)_'
     awk -v arch="$arch" -v allow="$allow" '
         function flush() {
             if (entry == "") return
             printf "%-6s %-32s %5s %6s %12s %11s %8s\n", arch, entry, regs, stack, st, ld, bars
             # "?" (output not understood) counts as a failure too.
             if (entry ~ /^flash_(fwd|decode|combine|probe)_/ && (stack != "0" || st != "0" || ld != "0")) {
-                if (entry ~ allow && st + 0 <= 32 && ld + 0 <= 32) allowed = allowed " " entry
+                if (entry ~ allow && st + 0 <= 64 && ld + 0 <= 64) allowed = allowed " " entry
                 else bad = bad " " entry
             }
             entry = ""
@@ -92,7 +93,7 @@ for ptx in "${ptx_files[@]}"; do
         }
         END {
             flush()
-            if (allowed != "") print "allowed (" arch ", at most 32 bytes): spills in" allowed
+            if (allowed != "") print "allowed (" arch ", at most 64 bytes): spills in" allowed
             if (bad != "") { print "FAIL (" arch "): stack frame or spills in" bad; exit 1 }
         }
     ' "$tmp/$name.log" || fail=1

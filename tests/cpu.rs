@@ -1670,7 +1670,7 @@ mod config {
     use std::collections::HashSet;
 
     const KINDS: [KernelKind; 3] = [KernelKind::Forward, KernelKind::Decode, KernelKind::Combine];
-    const DTYPES: [Dtype; 2] = [Dtype::F16, Dtype::Bf16];
+    const DTYPES: [Dtype; 3] = [Dtype::F16, Dtype::Bf16, Dtype::F32];
     const MASKS: [MaskKind; 3] = [MaskKind::Full, MaskKind::Causal, MaskKind::Local];
     const SCORES: [ScoreKind; 2] = [ScoreKind::Plain, ScoreKind::Modified];
     const SEQS: [SeqKind; 2] = [SeqKind::Dense, SeqKind::Ragged];
@@ -1745,6 +1745,7 @@ mod config {
         let turing: Vec<_> = ENTRIES.iter().filter(|e| e.dtype != Dtype::Bf16).collect();
         assert_eq!(PtxArch::Sm75.entries().iter().collect::<Vec<_>>(), turing);
         assert!(!PtxArch::Sm75.has_dtype(Dtype::Bf16) && PtxArch::Sm75.has_dtype(Dtype::F16));
+        assert!(PtxArch::Sm75.has_dtype(Dtype::F32));
         for arch in [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a] {
             assert!(arch.has_dtype(Dtype::Bf16) && arch.has_dtype(Dtype::F16));
         }
@@ -1803,7 +1804,12 @@ mod config {
         let need = |mask, score, seq| Policies { mask, score, seq };
         let dense = |mask, score| need(mask, score, SeqKind::Dense);
         let (plain, modified) = (ScoreKind::Plain, ScoreKind::Modified);
-        for dtype in DTYPES {
+        // f32 stays on the mma.sync kernels.
+        for d in SUPPORTED_HEAD_DIMS {
+            let any = need(MaskKind::Local, modified, SeqKind::Dense);
+            assert!(find_hopper_entry(Dtype::F32, d, any).is_none());
+        }
+        for dtype in [Dtype::F16, Dtype::Bf16] {
             for d in [64, 128, 256] {
                 for (call, line) in [
                     (dense(MaskKind::Full, plain), dense(MaskKind::Full, plain)),
@@ -1867,6 +1873,7 @@ mod config {
         }
         assert_eq!(Dtype::F16.name(), "f16");
         assert_eq!(Dtype::Bf16.name(), "bf16");
+        assert_eq!(Dtype::F32.name(), "f32");
     }
 
     fn all_needs() -> Vec<Policies> {
@@ -1922,6 +1929,14 @@ mod config {
                                 assert_eq!(other.policies, e.policies, "{e:?} vs {other:?}");
                             }
                         }
+                        // f32 has only the general line of each kind (config).
+                        if dtype == Dtype::F32 {
+                            assert_eq!(
+                                e.policies,
+                                find_entry(kind, dtype, hd, e.policies).unwrap().policies
+                            );
+                            continue;
+                        }
                         // Forward problems that the specialised lines cover get them.
                         if kind == KernelKind::Forward && need.seq == SeqKind::Dense {
                             if need.mask == MaskKind::Causal {
@@ -1946,7 +1961,9 @@ mod config {
         }
         for dtype in DTYPES {
             assert!(find_entry(KernelKind::Append, dtype, 0, Policies::PLAIN).is_some());
-            assert!(find_entry(KernelKind::Merge, dtype, 0, Policies::PLAIN).is_some());
+            // merge_states takes f16/bf16 (validate::check_dtype refuses f32).
+            let merge = find_entry(KernelKind::Merge, dtype, 0, Policies::PLAIN);
+            assert_eq!(merge.is_some(), dtype != Dtype::F32);
         }
         assert!(find_entry(KernelKind::Forward, Dtype::F16, 80, Policies::PLAIN).is_none());
     }
@@ -2170,22 +2187,35 @@ mod config {
     fn bf16_is_refused_by_the_sm75_module_only() {
         use flash_attn::validate::check_dtype;
         use flash_attn::FlashAttnError;
-        let err = check_dtype(PtxArch::Sm75, Dtype::Bf16);
+        use flash_attn_kernels::config::KernelKind::{Combine, Decode, Forward, Merge};
+        let err = check_dtype(PtxArch::Sm75, Dtype::Bf16, &[Forward], "forward");
         assert!(
             matches!(
                 err,
                 Err(FlashAttnError::UnsupportedDtype {
                     dtype: Dtype::Bf16,
-                    arch: "sm_75"
+                    arch: "sm_75",
+                    call: "forward"
                 })
             ),
             "{err:?}"
         );
         assert!(err.unwrap_err().to_string().contains("bf16"));
-        assert!(check_dtype(PtxArch::Sm75, Dtype::F16).is_ok());
-        for arch in [PtxArch::Sm80, PtxArch::Sm90, PtxArch::Sm90a] {
-            for dtype in [Dtype::F16, Dtype::Bf16] {
-                assert!(check_dtype(arch, dtype).is_ok());
+        for arch in [PtxArch::Sm75, PtxArch::Sm80, PtxArch::Sm90] {
+            for dtype in [Dtype::F16, Dtype::Bf16, Dtype::F32] {
+                let ok = arch.has_dtype(dtype);
+                assert_eq!(check_dtype(arch, dtype, &[Forward], "forward").is_ok(), ok);
+                assert_eq!(
+                    check_dtype(arch, dtype, &[Decode, Combine], "decode").is_ok(),
+                    ok
+                );
+                // merge_states has no f32 kernel.
+                let merge = check_dtype(arch, dtype, &[Merge], "merge_states");
+                assert_eq!(
+                    merge.is_ok(),
+                    ok && dtype != Dtype::F32,
+                    "{arch:?} {dtype:?}"
+                );
             }
         }
     }

@@ -471,6 +471,9 @@ pub enum Dtype {
     F16,
     /// bfloat16.
     Bf16,
+    /// f32 in memory, rounded to f16 where it is staged into shared memory
+    /// (the tensor cores' operands); O is written from the f32 accumulators.
+    F32,
 }
 
 impl Dtype {
@@ -479,6 +482,15 @@ impl Dtype {
         match self {
             Dtype::F16 => "f16",
             Dtype::Bf16 => "bf16",
+            Dtype::F32 => "f32",
+        }
+    }
+
+    /// Bytes of one element in memory.
+    pub const fn bytes(self) -> usize {
+        match self {
+            Dtype::F16 | Dtype::Bf16 => 2,
+            Dtype::F32 => 4,
         }
     }
 }
@@ -638,8 +650,10 @@ impl Entry {
 /// The forward kernel also has `causal modified dense` (Gemma 2's softcap,
 /// ALiBi and sinks on causal layers) and `local plain dense` (Mistral's
 /// sliding window), which measured 4-6% faster than the general kernel on
-/// H100 (v10). Lines are in order of specialisation: dispatch takes the first
-/// line that covers a call.
+/// H100 (v10). f32 has only the general line of each kind and head dim: its
+/// copies stage through registers on every GPU, so the specialised lines'
+/// few percent matter less than the PTX they would add. Lines are in order
+/// of specialisation: dispatch takes the first line that covers a call.
 macro_rules! attention_variants {
     ($callback:ident) => {
         $callback! {
@@ -751,6 +765,24 @@ macro_rules! attention_variants {
             combine bf16 128 full plain dense;
             combine bf16 192 full plain dense;
             combine bf16 256 full plain dense;
+            fwd f32 32 local modified ragged;
+            fwd f32 64 local modified ragged;
+            fwd f32 96 local modified ragged;
+            fwd f32 128 local modified ragged;
+            fwd f32 192 local modified ragged;
+            fwd f32 256 local modified ragged;
+            decode f32 32 local modified dense;
+            decode f32 64 local modified dense;
+            decode f32 96 local modified dense;
+            decode f32 128 local modified dense;
+            decode f32 192 local modified dense;
+            decode f32 256 local modified dense;
+            combine f32 32 full plain dense;
+            combine f32 64 full plain dense;
+            combine f32 96 full plain dense;
+            combine f32 128 full plain dense;
+            combine f32 192 full plain dense;
+            combine f32 256 full plain dense;
         }
     };
 }
@@ -773,6 +805,9 @@ macro_rules! table_word {
     };
     (dtype bf16) => {
         Dtype::Bf16
+    };
+    (dtype f32) => {
+        Dtype::F32
     };
     (mask full) => {
         MaskKind::Full

@@ -2,7 +2,10 @@
 //! them; the device reads them; both compile this one definition.
 use crate::index::FastDiv;
 
-/// Element strides of a [batch, seq, head, dim] tensor whose last dim is contiguous.
+/// Strides of a [batch, seq, head, dim] tensor whose last dim is contiguous,
+/// in 16-bit units: an element's for f16/bf16, half an element's for f32
+/// (whose strides the host doubles), so row addresses are `2 * offset` bytes
+/// for every dtype.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BshStrides {

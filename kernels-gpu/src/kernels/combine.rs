@@ -88,13 +88,19 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     };
 
     let s = &p.o_strides;
-    let off = b as i64 * s.batch + token as i64 * s.row + h as i64 * s.head + col as i64;
+    // Strides and `off` in 16-bit units (an f32 column is two).
+    let col_units = col as i64 * (T::BYTES / 2) as i64;
+    let off = b as i64 * s.batch + token as i64 * s.row + h as i64 * s.head + col_units;
     let dst = p.o.wrapping_add((off * 2) as u64);
-    global::st_v2_b32(
-        dst,
-        T::pack(acc[0] * inv, acc[1] * inv),
-        T::pack(acc[2] * inv, acc[3] * inv),
-    );
+    if T::BYTES == 4 {
+        global::st_v4_b32(dst, acc.map(|a| (a * inv).to_bits()));
+    } else {
+        global::st_v2_b32(
+            dst,
+            T::pack(acc[0] * inv, acc[1] * inv),
+            T::pack(acc[2] * inv, acc[3] * inv),
+        );
+    }
     if p.lse != 0 && col == 0 {
         global::st_f32(p.lse + row * 4, lse);
     }

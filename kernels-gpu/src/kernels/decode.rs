@@ -53,13 +53,13 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     // the ragged-end or causal mask comes first.
     let block = |i: u32| info.n_hi - 1 - i;
     let load = |stage: u32, i: u32| {
-        kv_ring::load_block::<D>(p, &info, tile, stage, block(i), lane.tid, true)
+        kv_ring::load_block::<T, D>(p, &info, tile, stage, block(i), lane.tid, true)
     };
 
     let q_tile = SmemTile::<D> {
         base: base + tile.q_smem_offset() as u32,
     };
-    q_tile.load_async::<false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
+    q_tile.load_async::<T, false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     copy::commit();
@@ -277,9 +277,10 @@ fn write_rows<T: Element, const D: usize>(
             global::st_v4_b32(dst, lo);
             global::st_v4_b32(dst + 16, hi);
         } else if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
-            let mut packed = [0u32; 4];
-            unroll::<4>(|e| packed[e] = T::pack(acc[2 * e], acc[2 * e + 1]));
-            global::st_v4_b32(dst + chunk as u64 * CHUNK_BYTES as u64, packed);
+            T::store_chunk(
+                dst + chunk as u64 * (CHUNK_ELEMS as u32 * T::BYTES) as u64,
+                acc,
+            );
         }
         if chunk == 0 && (split || p.lse != 0) {
             let (m, l) = merged_stats(tile, base, row, row_sink(p, info, row, sinks));

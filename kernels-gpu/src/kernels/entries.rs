@@ -10,6 +10,9 @@ macro_rules! ty {
     (bf16) => {
         crate::kernels::element::Bf16
     };
+    (f32) => {
+        crate::kernels::element::F32
+    };
     (full) => {
         crate::kernels::policy::Full
     };

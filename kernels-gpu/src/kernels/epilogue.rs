@@ -1,5 +1,6 @@
 //! Writing the forward kernel's O (and the LSE): normalised 16-bit output
-//! through shared memory for 16-byte coalesced stores.
+//! through shared memory for 16-byte coalesced stores; f32 output straight
+//! from the accumulators.
 use super::block_info::BlockInfo;
 use super::element::Element;
 use super::lane::Lane;
@@ -32,6 +33,27 @@ pub fn write_output<T: Element, const D: usize, const MT: usize, const OT: usize
                 }
             });
         });
+    }
+
+    if T::BYTES == 4 {
+        // f32 O straight from the accumulators: each lane's pairs are 8-byte
+        // stores, four lanes a full 32-byte sector of a row.
+        unroll::<MT>(|mt| {
+            unroll::<2>(|r| {
+                let row = lane.acc_row(tile, mt, r);
+                if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
+                    unroll::<OT>(|dd| {
+                        let col = dd as u32 * 8 + 2 * lane.pair();
+                        global::st_v2_b32(
+                            dst + (col * T::BYTES) as u64,
+                            (o[mt][dd][2 * r] * inv_l[mt][r]).to_bits(),
+                            (o[mt][dd][2 * r + 1] * inv_l[mt][r]).to_bits(),
+                        );
+                    });
+                }
+            });
+        });
+        return;
     }
 
     // Every warp has finished reading Q (and K/V) before the O tile reuses the space.

@@ -7,10 +7,11 @@
 //! docs/perf-notes.md, v8.)
 use super::block_info::BlockInfo;
 use super::copy;
+use super::element::Element;
 use super::paging;
 use super::smem_tile::SmemTile;
 use crate::arch::barrier;
-use crate::config::{AttnTile, CHUNK_BYTES};
+use crate::config::{AttnTile, CHUNK_ELEMS};
 use crate::params::AttnParams;
 use crate::unroll::unroll;
 
@@ -92,14 +93,14 @@ impl KvRing {
     }
 }
 
-/// Issues the copies (`copy::chunk`) of key block `n` of K (row-pairs layout,
+/// Issues the copies (`Element::stage`) of key block `n` of K (row-pairs layout,
 /// `SmemTile::store_addr`) and V into the stage at `stage`, as one group
 /// (committed by the caller). With `may_page` (a compile-time constant of the
 /// kernel) and a block table in the launch parameters, rows come from the
 /// page pool: one lookup per block when the block lies in one page, else one
 /// per row.
 #[inline(always)]
-pub fn load_block<const D: usize>(
+pub fn load_block<T: Element, const D: usize>(
     p: &AttnParams,
     info: &BlockInfo,
     tile: AttnTile,
@@ -152,14 +153,14 @@ pub fn load_block<const D: usize>(
                     );
                     if first + row < info.seqlen_k {
                         let (page, in_page) = slot[g];
-                        let chunk_off = chunk as u64 * CHUNK_BYTES as u64;
+                        let chunk_off = chunk as u64 * (CHUNK_ELEMS as u32 * T::BYTES) as u64;
                         let k = info.page_row_ptr(p.k, &p.k_strides, page, in_page) + chunk_off;
                         let v = info.page_row_ptr(p.v, &p.v_strides, page, in_page) + chunk_off;
-                        copy::chunk(k_dst, k, CHUNK_BYTES as u32);
-                        copy::chunk(v_dst, v, CHUNK_BYTES as u32);
+                        T::stage(k_dst, k, true);
+                        T::stage(v_dst, v, true);
                     } else {
-                        copy::chunk(k_dst, p.k, 0);
-                        copy::chunk(v_dst, p.v, 0);
+                        T::stage(k_dst, p.k, false);
+                        T::stage(v_dst, p.v, false);
                     }
                 }
             });
@@ -189,6 +190,6 @@ pub fn load_block<const D: usize>(
     };
     let valid = info.seqlen_k.saturating_sub(first);
     let (rows, threads) = (tile.block_n, tile.threads());
-    k_tile.load_rows_async::<true>(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
-    v_tile.load_rows_async::<false>(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
+    k_tile.load_rows_async::<T, true>(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
+    v_tile.load_rows_async::<T, false>(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
 }

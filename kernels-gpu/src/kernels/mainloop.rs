@@ -77,14 +77,14 @@ pub fn attention<
     let q_tile = SmemTile::<D> {
         base: base + tile.q_smem_offset() as u32,
     };
-    q_tile.load_async::<false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
+    q_tile.load_async::<T, false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     copy::commit();
     let blocks = info.n_hi - info.n_lo;
     let block = |i: u32| info.n_hi - 1 - i;
     let load = |stage: u32, i: u32| {
-        kv_ring::load_block::<D>(p, &info, tile, stage, block(i), lane.tid, L::RAGGED)
+        kv_ring::load_block::<T, D>(p, &info, tile, stage, block(i), lane.tid, L::RAGGED)
     };
     let mut ring = KvRing::new(tile, base);
     ring.prologue(blocks, load);

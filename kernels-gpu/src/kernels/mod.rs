@@ -13,7 +13,6 @@ mod append;
 mod block_info;
 #[cfg(not(target_feature = "sm_90a"))]
 mod combine;
-#[cfg(not(target_feature = "sm_90a"))]
 mod copy;
 #[cfg(not(target_feature = "sm_90a"))]
 mod decode;

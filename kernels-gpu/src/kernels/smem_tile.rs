@@ -4,9 +4,11 @@
 //! whole group of 8 chunks (`config::smem_row_chunks`: D = 32 and 96), so the
 //! swizzle stays within the row. An `ldmatrix` phase reads one logical chunk
 //! of 8 consecutive rows, which the swizzle spreads over all 32 banks.
-use super::copy;
+use super::element::Element;
 use crate::arch::special;
-use crate::config::{copy_row_lanes, smem_row_chunks, CHUNK_BYTES, ELEM_BYTES, SWIZZLE_ROWS};
+use crate::config::{
+    copy_row_lanes, smem_row_chunks, CHUNK_BYTES, CHUNK_ELEMS, ELEM_BYTES, SWIZZLE_ROWS,
+};
 use crate::index;
 
 /// Swizzled `ldmatrix` addresses of one lane, shared by every tile of the CTA
@@ -66,6 +68,12 @@ impl<const D: usize> SmemTile<D> {
     /// 16-byte chunks of data in a row (the padding excluded).
     const CHUNKS: usize = D * ELEM_BYTES / CHUNK_BYTES;
 
+    /// Bytes of one chunk's elements in global memory (`T::BYTES` each).
+    #[inline(always)]
+    fn src_chunk_bytes<T: Element>() -> u64 {
+        (CHUNK_ELEMS as u32 * T::BYTES) as u64
+    }
+
     /// Address of 16-byte chunk `chunk` of row `row`.
     #[inline(always)]
     pub fn chunk_addr(self, row: u32, chunk: u32) -> u32 {
@@ -98,7 +106,7 @@ impl<const D: usize> SmemTile<D> {
         self.chunk_addr(row, col / elems_per_chunk) + (col % elems_per_chunk) * ELEM_BYTES as u32
     }
 
-    /// Issues copies (`copy::chunk`) of `rows` rows that are evenly spaced in global
+    /// Issues copies (`Element::stage`) of `rows` rows that are evenly spaced in global
     /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
     /// are zero-filled with a 0-byte read of `src`. The threads split into
     /// whole rows of [`copy_row_lanes`] chunk lanes (lanes past the row's
@@ -106,7 +114,7 @@ impl<const D: usize> SmemTile<D> {
     /// shared and global addresses advance by constants. `ROW_PAIRS`: see
     /// [`Self::store_addr`].
     #[inline(always)]
-    pub fn load_rows_async<const ROW_PAIRS: bool>(
+    pub fn load_rows_async<T: Element, const ROW_PAIRS: bool>(
         self,
         rows: usize,
         threads: usize,
@@ -128,8 +136,8 @@ impl<const D: usize> SmemTile<D> {
         if chunk as usize >= Self::CHUNKS {
             return;
         }
-        let mut src_row =
-            src.wrapping_add(row0 as u64 * stride_bytes + chunk as u64 * CHUNK_BYTES as u64);
+        let mut src_row = src
+            .wrapping_add(row0 as u64 * stride_bytes + chunk as u64 * Self::src_chunk_bytes::<T>());
         let step = stride_bytes * rows_per_pass as u64;
         // Rows left for this thread from its first row on: each copy compares
         // it with a compile-time row offset. Comparing `row0 + offset < valid`
@@ -140,22 +148,22 @@ impl<const D: usize> SmemTile<D> {
         while i < rows / rows_per_pass {
             let dst = self.store_addr::<ROW_PAIRS>(row0 + (i * rows_per_pass) as u32, chunk);
             if ((i * rows_per_pass) as i32) < remaining {
-                copy::chunk(dst, src_row, CHUNK_BYTES as u32);
+                T::stage(dst, src_row, true);
             } else {
-                copy::chunk(dst, src, 0);
+                T::stage(dst, src, false);
             }
             src_row = src_row.wrapping_add(step);
             i += 1;
         }
     }
 
-    /// Issues copies (`copy::chunk`) of `rows` rows into the tile. Row `r` comes from
+    /// Issues copies (`Element::stage`) of `rows` rows into the tile. Row `r` comes from
     /// `src(r)`; rows for which it returns `None` are zero-filled with a 0-byte
     /// read of `fallback`, a valid address that keeps memory checkers quiet.
     /// Every thread of the CTA calls this with its own `tid`. `ROW_PAIRS`: see
     /// [`Self::store_addr`].
     #[inline(always)]
-    pub fn load_async<const ROW_PAIRS: bool>(
+    pub fn load_async<T: Element, const ROW_PAIRS: bool>(
         self,
         rows: usize,
         threads: usize,
@@ -171,14 +179,11 @@ impl<const D: usize> SmemTile<D> {
             if total % threads == 0 || (idx as usize) < total {
                 let row = idx / chunks;
                 let chunk = idx % chunks;
-                let (addr, bytes) = match src(row) {
-                    Some(p) => (
-                        p + (chunk as usize * CHUNK_BYTES) as u64,
-                        CHUNK_BYTES as u32,
-                    ),
-                    None => (fallback, 0),
+                let (addr, valid) = match src(row) {
+                    Some(p) => (p + chunk as u64 * Self::src_chunk_bytes::<T>(), true),
+                    None => (fallback, false),
                 };
-                copy::chunk(self.store_addr::<ROW_PAIRS>(row, chunk), addr, bytes);
+                T::stage(self.store_addr::<ROW_PAIRS>(row, chunk), addr, valid);
             }
             i += 1;
         }
