@@ -40,6 +40,13 @@
 //! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128 and SmolLM
 //! (9/3) at D=64, f16 and bf16.
 //!
+//! The `seed-*` rows are the shapes of the seed reports (shared/seeds): L4,
+//! RTX 3060 and A100 tables in f16, and the T4 report's SmolLM-135M (9
+//! heads, D = 64, B = 1, causal) in f16 and f32: forward S = 64..1024,
+//! decode cache lengths 1, 10, 50, 100, 256, 512, 1024 (and 2k, 4k in f16);
+//! `--filter seed-SmolLM --timing graph` prints that report's columns (ms,
+//! tokens/s, memory, max error). `scripts/compare-torch.py` skips f32 rows.
+//!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-scores` (softcap, ALiBi, sinks),
