@@ -1772,11 +1772,8 @@ fn env_is_1(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "1")
 }
 
-/// On compute capability 9.0 the forward runs on the Hopper kernels unless
-/// `FLASH_ATTN_FORCE_SM80=1` or `FLASH_ATTN_FORCE_SM75=1` (the suite's
-/// other passes) asks otherwise; the latter also loads the sm_75 module.
-fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
-    let sm80 = env_is_1(flash_attn::hopper::FORCE_SM80_ENV);
+/// The sm_75 module is loaded exactly when `FLASH_ATTN_FORCE_SM75=1`.
+fn check_module(gpu: &Gpu) -> Result<(), Failed> {
     let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
     if sm75 != (gpu.fa.ptx_arch() == PtxArch::Sm75) {
         return Err(format!(
@@ -1787,6 +1784,16 @@ fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
         )
         .into());
     }
+    Ok(())
+}
+
+/// On compute capability 9.0 the forward runs on the Hopper kernels unless
+/// `FLASH_ATTN_FORCE_SM80=1` or `FLASH_ATTN_FORCE_SM75=1` (the suite's
+/// other passes) asks otherwise; the latter also loads the sm_75 module.
+fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
+    check_module(gpu)?;
+    let sm80 = env_is_1(flash_attn::hopper::FORCE_SM80_ENV);
+    let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
     if gpu.fa.hopper_forward() == (sm80 || sm75) {
         return Err(format!(
             "hopper_forward() = {} with {}={}, {}={}",
@@ -2488,17 +2495,10 @@ fn main() {
     let g = gpu.clone();
     trials.push(Trial::test("module_and_dtypes_as_configured", move || {
         let gpu = g.as_ref().as_ref().unwrap();
-        let hopper_gpu = gpu.hopper.is_some();
-        if !hopper_gpu {
-            // check_hopper_path's module half; the Hopper trials check it on 9.0.
-            let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
-            if sm75 != (gpu.fa.ptx_arch() == PtxArch::Sm75) {
-                return Err(
-                    format!("module {:?}, FORCE_SM75={}", gpu.fa.ptx_arch(), sm75 as u8).into(),
-                );
-            }
-        } else {
+        if gpu.hopper.is_some() {
             check_hopper_path(gpu)?;
+        } else {
+            check_module(gpu)?;
         }
         merge_f32_refused(gpu).map_err(Failed::from)?;
         if gpu.fa.ptx_arch().has_dtype(Dtype::Bf16) {
@@ -2591,17 +2591,16 @@ fn main() {
     }
     // The loaded module's dtypes: bf16 trials are ignored on sm_75, whose
     // refusal of bf16 `module_and_dtypes_as_configured` checks.
-    let lacks_dtype = |t: &Trial| !have_bf16 && t.name().ends_with("_bf16");
+    let ignore_unless = |present: bool| {
+        move |t: Trial| {
+            let ignored = !present || (!have_bf16 && t.name().ends_with("_bf16"));
+            t.with_ignored_flag(ignored)
+        }
+    };
     let trials: Vec<Trial> = trials
         .into_iter()
-        .map(|t| {
-            let ignored = !have_gpu || lacks_dtype(&t);
-            t.with_ignored_flag(ignored)
-        })
-        .chain(hopper_trials.into_iter().map(|t| {
-            let ignored = !have_hopper || lacks_dtype(&t);
-            t.with_ignored_flag(ignored)
-        }))
+        .map(ignore_unless(have_gpu))
+        .chain(hopper_trials.into_iter().map(ignore_unless(have_hopper)))
         .collect();
     if !have_gpu {
         eprintln!("no CUDA device found: every GPU test is ignored");
