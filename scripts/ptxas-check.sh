@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Assembles the committed PTX (kernels-gpu/ptx/flash_attn_smXY.ptx) with
 # `ptxas -v -arch=sm_XY` and prints registers, stack frame and spills per entry.
-# Fails if an attention kernel or Hopper probe (flash_fwd_*, flash_decode_*,
+# Fails if an attention kernel or Hopper probe (flash_fwd_*, flash_wgmma_fwd_*, flash_decode_*,
 # flash_combine_*, flash_probe_*) has a stack frame or spills, if the PTX uses
 # local memory at all, or if ptxas reports a C75xx (wgmma/setmaxnreg) issue.
 # ptxas: see scripts/ptxas.sh. An optional argument names another folder of
@@ -67,7 +67,7 @@ for ptx in "${ptx_files[@]}"; do
             if (entry == "") return
             printf "%-6s %-32s %5s %6s %12s %11s %8s\n", arch, entry, regs, stack, st, ld, bars
             # "?" (output not understood) counts as a failure too.
-            if (entry ~ /^flash_(fwd|decode|combine|probe)_/ && (stack != "0" || st != "0" || ld != "0")) {
+            if (entry ~ /^flash_(wgmma_fwd|fwd|decode|combine|probe)_/ && (stack != "0" || st != "0" || ld != "0")) {
                 if (entry ~ allow && st + 0 <= 64 && ld + 0 <= 64) allowed = allowed " " entry
                 else bad = bad " " entry
             }
