@@ -927,6 +927,10 @@ pub struct HopperTile {
     pub block_n: usize,
     /// Stages of each of the K and V rings.
     pub stages: usize,
+    /// The consumer warpgroups take turns issuing their `wgmma`s
+    /// (FlashAttention-3's ping-pong), so that one's softmax runs while the
+    /// tensor cores work on the other's GEMMs.
+    pub pingpong: bool,
 }
 
 impl HopperTile {
@@ -948,7 +952,7 @@ impl HopperTile {
     /// and O D / 2: D = 64 and 128 take 128-key blocks (O 32-64, S 64,
     /// P 32); D = 256 takes 80 keys as FlashAttention-3 does (O 128, S 40,
     /// P 20), and its Q plus two K and V stages then fill 225 of 227 KiB.
-    pub const fn for_head_dim(head_dim: usize, _policies: Policies) -> Option<HopperTile> {
+    pub const fn for_head_dim(head_dim: usize, policies: Policies) -> Option<HopperTile> {
         let block_n = match head_dim {
             64 | 128 => 128,
             256 => 80,
@@ -959,6 +963,16 @@ impl HopperTile {
             block_m: Self::CONSUMERS * WGMMA_M,
             block_n,
             stages: 2,
+            // Measured per head dim (docs/perf-notes.md, v16). The D = 256
+            // window/modifier line spills with the turn barriers.
+            pingpong: match head_dim {
+                64 => false,
+                128 => true,
+                _ => !matches!(
+                    (policies.mask, policies.score),
+                    (MaskKind::Local, ScoreKind::Modified)
+                ),
+            },
         })
     }
 

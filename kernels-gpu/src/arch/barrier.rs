@@ -41,3 +41,13 @@ pub fn sync_named(id: u32, threads: u32) {
         asm!("barrier.sync {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack));
     }
 }
+
+/// `barrier.arrive id, threads;` counts this thread in barrier `id`'s
+/// `threads` without waiting; the barrier completes when the others have
+/// reached [`sync_named`] on it. Not `.aligned`, as [`sync_named`].
+#[inline(always)]
+pub fn arrive_named(id: u32, threads: u32) {
+    unsafe {
+        asm!("barrier.arrive {i}, {n};", i = in(reg32) id, n = in(reg32) threads, options(nostack));
+    }
+}

@@ -32,6 +32,9 @@ const RELEASERS: u32 = (HopperTile::CONSUMERS * WARPGROUP_THREADS / WARP_SIZE) a
 
 /// Named barrier of consumer warpgroup c's epilogue: 1 + c (0 is the CTA's).
 const EPILOGUE_BARRIER: u32 = 1;
+/// Named barrier that consumer warpgroup c waits on for its turn to issue
+/// `wgmma`s: 3 + c ([`HopperTile::pingpong`]).
+const TURN_BARRIER: u32 = 3;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
 #[derive(Clone, Copy)]
@@ -274,6 +277,26 @@ fn consume<
         pf
     };
 
+    // Ping-pong: a warpgroup waits for its turn, issues its GEMMs and hands
+    // the turn to the other; warpgroup 1 hands warpgroup 0 the first turn.
+    // Every turn taken is one handed over, so warpgroup 0 takes one more
+    // turn than it is handed back, after its last GEMM (the barrier then
+    // ends the CTA with no arrival pending).
+    let turn_threads = 2 * WARPGROUP_THREADS as u32;
+    let take_turn = || {
+        if tile.pingpong {
+            barrier::sync_named(TURN_BARRIER + c, turn_threads);
+        }
+    };
+    let hand_over = || {
+        if tile.pingpong {
+            barrier::arrive_named(TURN_BARRIER + (1 - c), turn_threads);
+        }
+    };
+    if tile.pingpong && c == 1 {
+        hand_over();
+    }
+
     wait(sm.q_full, 0);
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
@@ -283,7 +306,10 @@ fn consume<
     let mut pf = [[0u32; 4]; PK];
     if blocks > 0 {
         let mut s = [[0f32; 4]; ST];
-        issue_s(&mut s, sm.k + k_ring.wait_full(0) * kv_bytes);
+        let k_tile = sm.k + k_ring.wait_full(0) * kv_bytes;
+        take_turn();
+        issue_s(&mut s, k_tile);
+        hand_over();
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut s);
         if lane == 0 {
@@ -305,8 +331,10 @@ fn consume<
         let k_tile = sm.k + k_ring.wait_full(i) * kv_bytes;
         let v_tile = sm.v + v_ring.wait_full(i - 1) * kv_bytes;
         let mut s = [[0f32; 4]; ST];
+        take_turn();
         issue_s(&mut s, k_tile);
         issue_pv(&mut o, &mut pf, v_tile);
+        hand_over();
         // Groups complete in order: S(i) has, P·V may still be running.
         wgmma::wait_group::<1>();
         wgmma::fence_operands(&mut s);
@@ -342,6 +370,9 @@ fn consume<
         if lane == 0 {
             v_ring.release(blocks - 1);
         }
+    }
+    if tile.pingpong && c == 0 {
+        take_turn();
     }
 
     // A sink adds exp(sink) to every row's denominator (policy.rs).
