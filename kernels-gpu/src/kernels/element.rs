@@ -25,9 +25,20 @@ pub trait Element {
     /// shared-memory chunk `dst` as packed 16-bit operands, or zeros when
     /// `!valid` (`src` is then not read, but a 16-bit `cp.async` still
     /// names it: pass a valid address, which keeps memory checkers quiet).
-    fn stage(dst: u32, src: u64, valid: bool);
-    /// Writes [`CHUNK_ELEMS`] outputs to `dst`.
-    fn store_chunk(dst: u64, v: [f32; CHUNK_ELEMS]);
+    /// The default is the 16-bit copy.
+    #[inline(always)]
+    fn stage(dst: u32, src: u64, valid: bool) {
+        stage_16bit(dst, src, valid)
+    }
+    /// Writes [`CHUNK_ELEMS`] outputs to `dst`; the default as four packed
+    /// pairs.
+    #[inline(always)]
+    fn store_chunk(dst: u64, v: [f32; CHUNK_ELEMS])
+    where
+        Self: Sized,
+    {
+        store_pairs::<Self>(dst, v)
+    }
 }
 
 pub struct F16;
@@ -70,14 +81,6 @@ impl Element for F16 {
     fn unpack(pair: u32) -> (f32, f32) {
         math::unpack_f16x2(pair)
     }
-    #[inline(always)]
-    fn stage(dst: u32, src: u64, valid: bool) {
-        stage_16bit(dst, src, valid)
-    }
-    #[inline(always)]
-    fn store_chunk(dst: u64, v: [f32; CHUNK_ELEMS]) {
-        store_pairs::<Self>(dst, v)
-    }
 }
 
 impl Element for Bf16 {
@@ -98,14 +101,6 @@ impl Element for Bf16 {
             f32::from_bits(pair << 16),
             f32::from_bits(pair & 0xffff_0000),
         )
-    }
-    #[inline(always)]
-    fn stage(dst: u32, src: u64, valid: bool) {
-        stage_16bit(dst, src, valid)
-    }
-    #[inline(always)]
-    fn store_chunk(dst: u64, v: [f32; CHUNK_ELEMS]) {
-        store_pairs::<Self>(dst, v)
     }
 }
 
