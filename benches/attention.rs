@@ -114,7 +114,9 @@
 //! `FlashAttention::new` took), `--forward-path auto|sm80` (on compute
 //! capability 9.0, `sm80` runs every forward row on the `mma.sync` kernels
 //! instead of the Hopper ones, to compare both; the first line says which),
-//! `--splits N` (decode rows split their keys N ways, lowered
+//! `--hopper-rows 128|192` (dense forward rows on the Hopper kernels take
+//! that many query rows per CTA where the head dim has such a line, instead
+//! of the heuristic's choice), `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
 //! `"ring_stages"`), `--json PATH`, `--plot PATH.png` (after the run, draw
@@ -582,6 +584,8 @@ struct Bench<'a> {
     timing: Timing,
     /// `--splits N`: the decode rows' `num_splits`.
     splits: Option<usize>,
+    /// `--hopper-rows N`: the dense forward rows' `hopper_rows`.
+    hopper_rows: Option<usize>,
 }
 
 impl Bench<'_> {
@@ -1130,6 +1134,12 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
         } else {
             None
         },
+        // Only the dense forward takes it (decode and varlen refuse it).
+        hopper_rows: if s.kind == Kind::Forward && s.policy != Policy::Varlen {
+            b.hopper_rows
+        } else {
+            None
+        },
     };
     // What a call reads besides Q, K, V and O: the policy's per-head array.
     let policy_bytes = match s.policy {
@@ -1637,6 +1647,13 @@ fn main() {
             std::process::exit(2);
         }
     });
+    let hopper_rows = value_of("--hopper-rows").map(|n| match n.parse::<usize>() {
+        Ok(n @ (128 | 192)) => n,
+        _ => {
+            eprintln!("--hopper-rows wants 128 or 192, not {n:?}");
+            std::process::exit(2);
+        }
+    });
     let hopper_forward = match value_of("--forward-path").as_deref() {
         None | Some("auto") => true,
         Some("sm80") => false,
@@ -1721,6 +1738,7 @@ fn main() {
             reps,
             timing,
             splits,
+            hopper_rows,
         }
     };
     println!(

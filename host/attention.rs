@@ -11,8 +11,8 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, KernelKind,
-    MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
+    combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, HopperCall,
+    KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
     COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS,
 };
 use flash_attn_kernels::index::FastDiv;
@@ -724,7 +724,7 @@ impl FlashAttention {
             ..policy.params
         };
         if packed.cu_seqlens_q == 0
-            && self.launch_hopper_forward::<T>(stream, t, shape, policy.need, params)?
+            && self.launch_hopper_forward::<T>(stream, t, shape, policy.need, opts, params)?
         {
             return Ok(());
         }
@@ -746,12 +746,23 @@ impl FlashAttention {
         t: &Bound,
         shape: &ForwardShape,
         need: Policies,
+        opts: &AttnOptions,
         params: AttnParams,
     ) -> Result<bool, FlashAttnError> {
         let Some(module) = self.hopper.as_ref().filter(|_| self.hopper_forward()) else {
             return Ok(false);
         };
-        let Some(entry) = find_hopper_entry(T::DTYPE, shape.head_dim, need) else {
+        let call = HopperCall {
+            dtype: T::DTYPE,
+            head_dim: shape.head_dim,
+            need,
+            batch: shape.batch,
+            heads: shape.heads,
+            seqlen_q: shape.seqlen_q,
+            seqlen_k: shape.seqlen_k,
+            num_sms: self.num_sms,
+        };
+        let Some(entry) = find_hopper_entry(&call, opts.hopper_rows) else {
             return Ok(false);
         };
         let tile = entry.hopper_tile();

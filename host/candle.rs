@@ -276,6 +276,7 @@ impl<'g> PolicyViews<'g> {
             alibi_slopes,
             sinks: self.sinks.as_ref(),
             num_splits: None,
+            hopper_rows: None,
         })
     }
 }

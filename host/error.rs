@@ -172,6 +172,13 @@ pub enum FlashAttnError {
         max: usize,
     },
 
+    /// `hopper_rows` other than 128 or 192.
+    #[error("hopper_rows must be 128 or 192, got {got}")]
+    HopperRows {
+        /// The value given.
+        got: usize,
+    },
+
     /// The decode workspace is smaller than the problem's partials.
     #[error("decode workspace holds {len} f32 partials, the problem needs {needed}")]
     WorkspaceTooSmall {

@@ -86,6 +86,12 @@ pub struct AttnOptions<'a> {
     /// choice, in 1..=128, lowered to what the cache length allows (two key
     /// blocks per split). The forward entry points refuse it.
     pub num_splits: Option<usize>,
+    /// Dense forward on the Hopper kernels only: query rows per CTA, 128 or
+    /// 192, instead of the heuristic's choice (`config::hopper_rows`); a head
+    /// dim without lines of those rows (192 exists for D = 64) keeps its own.
+    /// For tuning and tests; other GPUs and the `mma.sync` path ignore it,
+    /// other values are refused, and decode and varlen calls refuse it.
+    pub hopper_rows: Option<usize>,
 }
 
 /// What validation needs to know of one tensor argument.
@@ -462,7 +468,26 @@ pub fn check_forward(
     opts: &AttnOptions,
 ) -> Result<ForwardShape, FlashAttnError> {
     refuse_splits(opts, "forward")?;
+    match opts.hopper_rows {
+        None | Some(HOPPER_ROWS_NARROW) | Some(HOPPER_ROWS_WIDE) => {}
+        Some(got) => return Err(FlashAttnError::HopperRows { got }),
+    }
     check_dense(q, k, v, o, lse_len, opts)
+}
+
+/// The query rows per CTA that [`AttnOptions::hopper_rows`] accepts.
+const HOPPER_ROWS_NARROW: usize = 128;
+const HOPPER_ROWS_WIDE: usize = 192;
+
+/// Only the dense forward picks a Hopper tile.
+fn refuse_hopper_rows(opts: &AttnOptions, entry: &'static str) -> Result<(), FlashAttnError> {
+    match opts.hopper_rows {
+        None => Ok(()),
+        Some(_) => Err(FlashAttnError::Unsupported {
+            what: "hopper_rows",
+            entry,
+        }),
+    }
 }
 
 /// The forward kernels never split the keys.
@@ -533,6 +558,7 @@ pub fn check_decode(
     lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<DecodeShape, FlashAttnError> {
+    refuse_hopper_rows(opts, "decode")?;
     let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
     if let Some(n) = opts.num_splits {
         if n == 0 || n > MAX_SPLITS {
@@ -836,6 +862,7 @@ fn check_packed(
         expect_dim(name, 0, 1, t.layout.shape[0])?;
     }
     refuse_splits(opts, "varlen forward")?;
+    refuse_hopper_rows(opts, "varlen forward")?;
     let shape = check_dense(q, k, v, o, None, opts)?;
     let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
     for (what, value, total) in [

@@ -1714,12 +1714,13 @@ mod config {
             if e.kind == KernelKind::WgmmaForward {
                 let p = e.policies;
                 let want = format!(
-                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}",
+                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}_m{}",
                     e.dtype.name(),
                     e.head_dim,
                     word(p.mask),
                     word(p.score),
-                    word(p.seq)
+                    word(p.seq),
+                    e.rows
                 );
                 assert_eq!(e.name, want);
                 let t = e.hopper_tile();
@@ -1770,7 +1771,15 @@ mod config {
             let t = e.hopper_tile();
             seen += 1;
             assert!(t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes(), "{t:?}");
-            assert_eq!(t.block_m, HopperTile::CONSUMERS * WGMMA_M);
+            assert_eq!(t.block_m, t.consumers * WGMMA_M);
+            assert!(t.block_m <= 256, "a TMA box has at most 256 rows: {t:?}");
+            let (p, c) = (
+                HopperTile::PRODUCER_REGS as usize,
+                t.consumer_regs() as usize,
+            );
+            assert!(128 * p + t.consumers * 128 * c <= 65536, "{t:?}");
+            assert!(p % 8 == 0 && c % 8 == 0 && c <= 256, "{t:?}");
+            assert!(!t.pingpong || t.consumers == 2, "{t:?}");
             assert!(
                 t.block_n % 16 == 0 && t.block_n <= 256 && t.head_dim % 64 == 0,
                 "{t:?}"
@@ -1786,65 +1795,172 @@ mod config {
             assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()));
         }
         assert!(seen > 0);
-        let (p, c) = (
-            HopperTile::PRODUCER_REGS as usize,
-            HopperTile::CONSUMER_REGS as usize,
-        );
-        assert!(128 * p + HopperTile::CONSUMERS * 128 * c <= 65536);
-        assert!(p % 8 == 0 && c % 8 == 0);
     }
 
     /// Dispatch to the Hopper path: the first table line that covers a call
     /// (the plain lines for plain calls, `causal modified` for causal
-    /// modifiers, `local modified` for every other dense call), none for
-    /// what it lacks (head dims, packed or paged sequences), so those stay
-    /// on sm_90.
+    /// modifiers, `local modified` for every other dense call) with the
+    /// rows asked for where the head dim has them, none for what it lacks
+    /// (head dims, packed or paged sequences), so those stay on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
         let need = |mask, score, seq| Policies { mask, score, seq };
         let dense = |mask, score| need(mask, score, SeqKind::Dense);
         let (plain, modified) = (ScoreKind::Plain, ScoreKind::Modified);
+        let call = |dtype, head_dim, need| HopperCall {
+            dtype,
+            head_dim,
+            need,
+            batch: 4,
+            heads: 32,
+            seqlen_q: 4096,
+            seqlen_k: 4096,
+            num_sms: 132,
+        };
         // f32 stays on the mma.sync kernels.
         for d in SUPPORTED_HEAD_DIMS {
             let any = need(MaskKind::Local, modified, SeqKind::Dense);
-            assert!(find_hopper_entry(Dtype::F32, d, any).is_none());
+            assert!(find_hopper_entry(&call(Dtype::F32, d, any), None).is_none());
         }
         for dtype in [Dtype::F16, Dtype::Bf16] {
             for d in [64, 128, 256] {
-                for (call, line) in [
-                    (dense(MaskKind::Full, plain), dense(MaskKind::Full, plain)),
+                for (need, line, wide) in [
+                    (
+                        dense(MaskKind::Full, plain),
+                        dense(MaskKind::Full, plain),
+                        true,
+                    ),
                     (
                         dense(MaskKind::Causal, plain),
                         dense(MaskKind::Causal, plain),
+                        true,
                     ),
                     (
                         dense(MaskKind::Causal, modified),
                         dense(MaskKind::Causal, modified),
+                        true,
                     ),
                     (
                         dense(MaskKind::Local, plain),
                         dense(MaskKind::Local, modified),
+                        false,
                     ),
                     (
                         dense(MaskKind::Local, modified),
                         dense(MaskKind::Local, modified),
+                        false,
                     ),
                     (
                         dense(MaskKind::Full, modified),
                         dense(MaskKind::Local, modified),
+                        false,
                     ),
                 ] {
-                    let e = find_hopper_entry(dtype, d, call).unwrap();
-                    assert_eq!(e.policies, line, "{call:?}");
+                    let c = call(dtype, d, need);
+                    for rows in [None, Some(128), Some(192)] {
+                        let e = find_hopper_entry(&c, rows).unwrap();
+                        assert_eq!(e.policies, line, "{need:?}");
+                        // 192 rows where asked for (or chosen) and the line has them.
+                        let asked = rows.unwrap_or(hopper_rows(&c));
+                        let want = if d == 64 && wide && asked == 192 {
+                            192
+                        } else {
+                            128
+                        };
+                        assert_eq!(e.rows, want, "{need:?} {rows:?}");
+                        assert_eq!(e.hopper_tile().block_m, want);
+                    }
                 }
                 for mask in [MaskKind::Full, MaskKind::Causal, MaskKind::Local] {
                     let ragged = need(mask, plain, SeqKind::Ragged);
-                    assert!(find_hopper_entry(dtype, d, ragged).is_none());
+                    assert!(find_hopper_entry(&call(dtype, d, ragged), None).is_none());
                 }
             }
             for d in [32, 96, 192] {
-                assert!(find_hopper_entry(dtype, d, dense(MaskKind::Full, plain)).is_none());
+                let c = call(dtype, d, dense(MaskKind::Full, plain));
+                assert!(find_hopper_entry(&c, None).is_none());
             }
+        }
+    }
+
+    /// The Hopper rows heuristic: 192 only for a call of at least one wave of
+    /// 192-row CTAs that is not causal over fewer than
+    /// `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; and every Hopper forward line is
+    /// reachable with `hopper_rows` (the GPU suite's random trials ask for
+    /// each), so each line's kernel is tested.
+    #[test]
+    fn hopper_rows_choice() {
+        let plain = |mask| Policies {
+            mask,
+            score: ScoreKind::Plain,
+            seq: SeqKind::Dense,
+        };
+        let base = HopperCall {
+            dtype: Dtype::F16,
+            head_dim: 64,
+            need: plain(MaskKind::Full),
+            batch: 1,
+            heads: 44,
+            seqlen_q: 576,
+            seqlen_k: 512,
+            num_sms: 132,
+        };
+        // 3 x 44 = 132 CTAs of 192 rows: one wave.
+        assert_eq!(hopper_rows(&base), 192);
+        assert_eq!(
+            hopper_rows(&HopperCall {
+                seqlen_q: 384,
+                ..base
+            }),
+            128
+        );
+        assert_eq!(hopper_rows(&HopperCall { heads: 43, ..base }), 128);
+        assert_eq!(
+            hopper_rows(&HopperCall {
+                num_sms: 133,
+                ..base
+            }),
+            128
+        );
+        let causal = HopperCall {
+            need: plain(MaskKind::Causal),
+            ..base
+        };
+        assert_eq!(hopper_rows(&causal), 128);
+        let long = HopperCall {
+            seqlen_k: HOPPER_WIDE_CAUSAL_MIN_KEYS,
+            ..causal
+        };
+        assert_eq!(hopper_rows(&long), 192);
+        assert_eq!(
+            hopper_rows(&HopperCall {
+                seqlen_k: HOPPER_WIDE_CAUSAL_MIN_KEYS - 1,
+                ..causal
+            }),
+            128
+        );
+        let mut reached = HashSet::new();
+        for dtype in [Dtype::F16, Dtype::Bf16] {
+            for e in HOPPER_ENTRIES
+                .iter()
+                .filter(|e| e.kind == KernelKind::WgmmaForward)
+            {
+                let c = HopperCall {
+                    dtype,
+                    head_dim: e.head_dim,
+                    need: e.policies,
+                    ..base
+                };
+                for rows in [Some(128), Some(192)] {
+                    reached.insert(find_hopper_entry(&c, rows).unwrap().name);
+                }
+            }
+        }
+        for e in HOPPER_ENTRIES
+            .iter()
+            .filter(|e| e.kind == KernelKind::WgmmaForward)
+        {
+            assert!(reached.contains(e.name), "{} is never dispatched", e.name);
         }
     }
 
@@ -2458,6 +2574,27 @@ mod kvcache_validation {
             })
         ));
         assert!(check_forward(&q, &kv, &kv, &o, None, &AttnOptions::default()).is_ok());
+        // hopper_rows: 128 or 192 on the dense forward, refused elsewhere.
+        let rows = |r| AttnOptions {
+            hopper_rows: Some(r),
+            ..Default::default()
+        };
+        for r in [128, 192] {
+            assert!(check_forward(&q, &kv, &kv, &o, None, &rows(r)).is_ok());
+            assert!(matches!(
+                decode(&rows(r)),
+                Err(FlashAttnError::Unsupported {
+                    what: "hopper_rows",
+                    entry: "decode"
+                })
+            ));
+        }
+        for r in [0, 64, 127, 256] {
+            assert!(matches!(
+                check_forward(&q, &kv, &kv, &o, None, &rows(r)),
+                Err(FlashAttnError::HopperRows { got }) if got == r
+            ));
+        }
     }
 
     #[test]

@@ -167,6 +167,8 @@ struct FwdCase {
     with_lse: bool,
     packed_qkv: bool,
     seed: u64,
+    /// `AttnOptions::hopper_rows`: which Hopper line of the head dim runs.
+    hopper_rows: Option<usize>,
 }
 
 fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
@@ -220,6 +222,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
     let opts = AttnOptions {
         causal: c.causal,
         softmax_scale: None,
+        hopper_rows: c.hopper_rows,
         ..Default::default()
     };
     {
@@ -930,6 +933,8 @@ struct PolicyFwdCase {
     head_dim: usize,
     policy: Policy,
     seed: u64,
+    /// `AttnOptions::hopper_rows`.
+    hopper_rows: Option<usize>,
 }
 
 fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String> {
@@ -960,6 +965,10 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
         softcap: c.policy.softcap,
     };
     let want = with_options(&c.policy, &data, |opts, extras| {
+        let opts = &AttnOptions {
+            hopper_rows: c.hopper_rows,
+            ..*opts
+        };
         let mut lse_view = lse.as_view_mut();
         gpu.fa
             .forward(
@@ -1014,6 +1023,7 @@ fn policy_fwd_strategy() -> impl Strategy<Value = PolicyFwdCase> {
                     head_dim,
                     policy,
                     seed,
+                    hopper_rows: None,
                 }
             },
         )
@@ -1644,6 +1654,7 @@ fn fwd_strategy() -> impl Strategy<Value = FwdCase> {
                     with_lse,
                     packed_qkv: false,
                     seed,
+                    hopper_rows: None,
                 }
             },
         )
@@ -1723,6 +1734,7 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
         with_lse: true,
         packed_qkv: false,
         seed: 7,
+        hopper_rows: None,
     };
     let mut v = Vec::new();
     for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
@@ -1820,15 +1832,42 @@ fn hopper_head_dims() -> Vec<usize> {
     dims
 }
 
+/// Every row count of a head dim's Hopper lines, as `hopper_rows` asks for
+/// them: the fixed cases run each line of the head dim.
+fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
+    let mut rows: Vec<usize> = HOPPER_ENTRIES
+        .iter()
+        .filter(|e| e.kind == KernelKind::WgmmaForward && e.head_dim == head_dim)
+        .map(|e| e.rows)
+        .collect();
+    rows.sort();
+    rows.dedup();
+    rows.into_iter().map(Some).collect()
+}
+
+/// The heuristic's rows or either line's (`AttnOptions::hopper_rows`): the
+/// small random shapes alone would mostly run the 128-row lines.
+fn hopper_rows_choice() -> impl Strategy<Value = Option<usize>> {
+    prop::sample::select(vec![None, Some(128), Some(192)])
+}
+
 /// Forward cases the Hopper kernels serve (their head dims, plain, dense),
 /// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks.
 fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
-    (fwd_strategy(), prop::sample::select(hopper_head_dims()))
-        .prop_map(|(c, head_dim)| FwdCase { head_dim, ..c })
+    (
+        fwd_strategy(),
+        prop::sample::select(hopper_head_dims()),
+        hopper_rows_choice(),
+    )
+        .prop_map(|(c, head_dim, hopper_rows)| FwdCase {
+            head_dim,
+            hopper_rows,
+            ..c
+        })
 }
 
 /// Every (batch, Sq, Skv, heads, KV heads) shape in both mask kinds, per
-/// Hopper head dim.
+/// Hopper forward line (head dim and rows).
 fn hopper_cases(
     shapes: &[(usize, usize, usize, usize, usize)],
     with_lse: bool,
@@ -1838,19 +1877,22 @@ fn hopper_cases(
     let mut v = Vec::new();
     for causal in [false, true] {
         for head_dim in hopper_head_dims() {
-            for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
-                v.push(FwdCase {
-                    batch,
-                    seqlen_q,
-                    seqlen_k,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    causal,
-                    with_lse,
-                    packed_qkv,
-                    seed,
-                });
+            for hopper_rows in hopper_rows_of(head_dim) {
+                for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
+                    v.push(FwdCase {
+                        batch,
+                        seqlen_q,
+                        seqlen_k,
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        causal,
+                        with_lse,
+                        packed_qkv,
+                        seed,
+                        hopper_rows,
+                    });
+                }
             }
         }
     }
@@ -1863,14 +1905,19 @@ fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
     (
         policy_fwd_strategy(),
         prop::sample::select(hopper_head_dims()),
+        hopper_rows_choice(),
     )
-        .prop_map(|(c, head_dim)| PolicyFwdCase { head_dim, ..c })
+        .prop_map(|(c, head_dim, hopper_rows)| PolicyFwdCase {
+            head_dim,
+            hopper_rows,
+            ..c
+        })
 }
 
 /// ALiBi over key blocks on either side of every row's origin and across
 /// it (`index::OriginSide`): full attention with Sq = Skv, Sq < Skv and
 /// Sq > Skv, a two-sided window and causal, plain and under a softcap, with
-/// [H] and [B, H] slopes, at every Hopper head dim.
+/// [H] and [B, H] slopes, on every Hopper head dim's lines.
 fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
     let mut v = Vec::new();
     let windows = [
@@ -1884,7 +1931,10 @@ fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
             },
         ),
     ];
-    for head_dim in hopper_head_dims() {
+    let lines = hopper_head_dims()
+        .into_iter()
+        .flat_map(|d| hopper_rows_of(d).into_iter().map(move |r| (d, r)));
+    for (head_dim, hopper_rows) in lines {
         for (i, &(causal, window)) in windows.iter().enumerate() {
             for (j, &(batch, seqlen_q, seqlen_k)) in
                 [(1, 1000, 1000), (2, 300, 1500), (1, 1500, 300)]
@@ -1907,6 +1957,7 @@ fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
                         sinks: false,
                     },
                     seed: 29 + k as u64,
+                    hopper_rows,
                 });
             }
         }
@@ -2376,6 +2427,7 @@ fn main() {
                 with_lse: true,
                 packed_qkv: false,
                 seed: 7,
+                hopper_rows: None,
             };
             run_forward::<f16>(&ptx, &c)?;
         }

@@ -515,7 +515,7 @@ pub enum KernelKind {
     /// it against a host computation before any kernel relies on it.
     Probe,
     /// The Hopper forward (`Sm90a` module): TMA loads, `wgmma`, a producer
-    /// warpgroup and [`HopperTile::CONSUMERS`] consumer warpgroups.
+    /// warpgroup and [`HopperTile`]'s `consumers` consumer warpgroups.
     WgmmaForward,
 }
 
@@ -595,6 +595,10 @@ pub struct Entry {
     pub head_dim: usize,
     /// `Policies::PLAIN` for `Combine`, `Append` and `Merge`.
     pub policies: Policies,
+    /// Query rows per CTA of a [`KernelKind::WgmmaForward`] entry (its
+    /// table line's last word); 0 for every other kind, whose tile follows
+    /// from the kind, head dim, policies and module ([`Self::tile`]).
+    pub rows: usize,
 }
 
 impl Entry {
@@ -633,7 +637,7 @@ impl Entry {
     }
     /// The tile of a [`KernelKind::WgmmaForward`] entry.
     pub const fn hopper_tile(&self) -> HopperTile {
-        HopperTile::of(self.head_dim, self.policies)
+        HopperTile::of(self.head_dim, self.policies, self.rows)
     }
 }
 
@@ -850,10 +854,11 @@ macro_rules! entry_rows {
                     score: table_word!(score $score),
                     seq: table_word!(seq $seq),
                 },
+                rows: 0,
             },)*
-            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN },
-            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN },
-            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN },
+            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0 },
+            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0 },
+            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0 },
         ];
     };
 }
@@ -912,7 +917,7 @@ pub const SWIZZLE_ATOM_BYTES: usize = SW128_ROW_BYTES * SWIZZLE_ROWS;
 pub const WARPGROUP_THREADS: usize = 128;
 
 /// The tile of one Hopper forward CTA (docs/hopper-plan.md §2): a producer
-/// warpgroup whose one thread issues the TMA loads, and [`Self::CONSUMERS`]
+/// warpgroup whose one thread issues the TMA loads, and `consumers`
 /// warpgroups that each own [`WGMMA_M`] query rows. Shared memory, from a
 /// 1024-byte-aligned base: Q (`block_m` rows), `stages` K tiles, `stages` V
 /// tiles (`block_n` rows each, every tile SW128 in 64-column groups, as TMA
@@ -921,6 +926,8 @@ pub const WARPGROUP_THREADS: usize = 128;
 pub struct HopperTile {
     /// Head dimension D.
     pub head_dim: usize,
+    /// Consumer warpgroups per CTA.
+    pub consumers: usize,
     /// Query rows per CTA: [`WGMMA_M`] per consumer warpgroup.
     pub block_m: usize,
     /// Keys per K/V block: the N of S = Q·Kᵀ and the K of O += P·V.
@@ -934,59 +941,77 @@ pub struct HopperTile {
 }
 
 impl HopperTile {
-    /// Consumer warpgroups per CTA.
-    pub const CONSUMERS: usize = 2;
     /// Registers per thread the producer keeps: it only runs the load loop.
     pub const PRODUCER_REGS: u32 = 24;
-    /// Registers per consumer thread: what the producer leaves of the 64K,
-    /// (65536 - 128 x 24) / 256 = 244, rounded down to `setmaxnreg`'s
-    /// multiple of 8.
-    pub const CONSUMER_REGS: u32 = 240;
     /// Index of the Q barrier; the rings' follow (see [`Self::barrier`]).
     pub const Q_FULL: usize = 0;
 
-    /// The tile of a head dimension; `None` when the Hopper path has none
-    /// (SW128 tiles hold whole 64-column groups: D = 96 needs the 64-byte
-    /// swizzle, D = 192 a 112-key block; both stay on the sm_90 kernels).
-    /// Per consumer thread, S takes block_n / 2 f32 registers, P block_n / 4
-    /// and O D / 2: D = 64 and 128 take 128-key blocks (O 32-64, S 64,
-    /// P 32); D = 256 takes 80 keys as FlashAttention-3 does (O 128, S 40,
-    /// P 20), and its Q plus two K and V stages then fill 225 of 227 KiB.
-    pub const fn for_head_dim(head_dim: usize, policies: Policies) -> Option<HopperTile> {
+    /// The tile of a head dimension with `rows` query rows per CTA; `None`
+    /// when the Hopper path has none (SW128 tiles hold whole 64-column
+    /// groups: D = 96 needs the 64-byte swizzle, D = 192 a 112-key block;
+    /// both stay on the sm_90 kernels). Per consumer thread, S takes
+    /// block_n / 2 f32 registers, P block_n / 4 and O D / 2: D = 64 and 128
+    /// take 128-key blocks (O 32-64, S 64, P 32); D = 256 takes 80 keys as
+    /// FlashAttention-3 does (O 128, S 40, P 20), and its Q plus two K and V
+    /// stages then fill 225 of 227 KiB. Rows: 128 (two consumer warpgroups)
+    /// for every head dim; 192 (three, as FlashAttention-3 at D = 64) for
+    /// D = 64, whose S, P and O fit the 160 registers three consumers leave
+    /// each, so a CTA's fixed cost (prologue, the first K block's latency,
+    /// epilogue) and its K/V traffic spread over 1.5x the rows.
+    pub const fn for_head_dim(
+        head_dim: usize,
+        policies: Policies,
+        rows: usize,
+    ) -> Option<HopperTile> {
         let block_n = match head_dim {
             64 | 128 => 128,
             256 => 80,
             _ => return None,
         };
+        let local_modified = matches!(
+            (policies.mask, policies.score),
+            (MaskKind::Local, ScoreKind::Modified)
+        );
+        match (rows, head_dim) {
+            (128, _) | (192, 64) => {}
+            _ => return None,
+        }
+        let consumers = rows / WGMMA_M;
         Some(HopperTile {
             head_dim,
-            block_m: Self::CONSUMERS * WGMMA_M,
+            consumers,
+            block_m: rows,
             block_n,
             stages: 2,
-            // Measured per head dim (docs/perf-notes.md, v16). The D = 256
-            // window/modifier line spills with the turn barriers.
+            // Measured per head dim (docs/perf-notes.md, v16); the turn
+            // barriers pair two warpgroups. The D = 256 window/modifier line
+            // spills with them.
             pingpong: match head_dim {
                 64 => false,
                 128 => true,
-                _ => !matches!(
-                    (policies.mask, policies.score),
-                    (MaskKind::Local, ScoreKind::Modified)
-                ),
+                _ => !local_modified,
             },
         })
     }
 
     /// [`Self::for_head_dim`] where a missing tile is a build error.
-    pub const fn of(head_dim: usize, policies: Policies) -> HopperTile {
-        match Self::for_head_dim(head_dim, policies) {
+    pub const fn of(head_dim: usize, policies: Policies, rows: usize) -> HopperTile {
+        match Self::for_head_dim(head_dim, policies, rows) {
             Some(t) => t,
-            None => panic!("no Hopper tile for this head dim"),
+            None => panic!("no Hopper tile for this head dim and rows"),
         }
     }
 
     /// Threads per CTA: the producer warpgroup and the consumers.
     pub const fn threads(self) -> usize {
-        (1 + Self::CONSUMERS) * WARPGROUP_THREADS
+        (1 + self.consumers) * WARPGROUP_THREADS
+    }
+    /// Registers per consumer thread: what the producer leaves of the 64K,
+    /// rounded down to `setmaxnreg`'s multiple of 8 (two consumers: 240,
+    /// three: 160).
+    pub const fn consumer_regs(self) -> u32 {
+        let left = 65536 - WARPGROUP_THREADS * Self::PRODUCER_REGS as usize;
+        (left / (self.consumers * WARPGROUP_THREADS)) as u32 & !7
     }
     /// Bytes of the Q tile.
     pub const fn q_bytes(self) -> usize {
@@ -1021,15 +1046,18 @@ impl HopperTile {
 
 /// The one table of the `Sm90a` module's entries, in three groups:
 ///
-/// - `fwd dtype D mask scores seq`: the Hopper forward
-///   ([`KernelKind::WgmmaForward`]), named `flash_wgmma_fwd_...` with the
-///   words of `attention_variants`; dispatch takes the first line that
-///   covers a call, and calls no line covers stay on the `Sm90` module.
-///   Per head dim: plain full and causal (the hot cases), causal with
-///   score modifiers (softcap, ALiBi, sinks: Gemma 2, Bloom, gpt-oss), and
-///   `local modified` for every other dense call (windows, non-causal
+/// - `fwd dtype D mask scores seq rows`: the Hopper forward
+///   ([`KernelKind::WgmmaForward`]) with `rows` query rows per CTA (64 per
+///   consumer warpgroup), named `flash_wgmma_fwd_...` with the words of
+///   `attention_variants` and `_m{rows}`; dispatch takes the first line that
+///   covers a call and has the rows [`hopper_rows`] picks for it, else the
+///   first that covers it, and calls no line covers stay on the `Sm90`
+///   module. Per head dim: plain full and causal (the hot cases), causal
+///   with score modifiers (softcap, ALiBi, sinks: Gemma 2, Bloom, gpt-oss),
+///   and `local modified` for every other dense call (windows, non-causal
 ///   modifiers); packed and paged sequences stay on `Sm90` (TMA boxes do
-///   not stop at a sequence's end).
+///   not stop at a sequence's end). D = 64 has 192-row lines besides the
+///   128-row ones (not `local modified`, which spills with 192).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
@@ -1042,30 +1070,36 @@ impl HopperTile {
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
-            fwd f16 64 full plain dense;
-            fwd f16 64 causal plain dense;
-            fwd f16 64 causal modified dense;
-            fwd f16 64 local modified dense;
-            fwd f16 128 full plain dense;
-            fwd f16 128 causal plain dense;
-            fwd f16 128 causal modified dense;
-            fwd f16 128 local modified dense;
-            fwd f16 256 full plain dense;
-            fwd f16 256 causal plain dense;
-            fwd f16 256 causal modified dense;
-            fwd f16 256 local modified dense;
-            fwd bf16 64 full plain dense;
-            fwd bf16 64 causal plain dense;
-            fwd bf16 64 causal modified dense;
-            fwd bf16 64 local modified dense;
-            fwd bf16 128 full plain dense;
-            fwd bf16 128 causal plain dense;
-            fwd bf16 128 causal modified dense;
-            fwd bf16 128 local modified dense;
-            fwd bf16 256 full plain dense;
-            fwd bf16 256 causal plain dense;
-            fwd bf16 256 causal modified dense;
-            fwd bf16 256 local modified dense;
+            fwd f16 64 full plain dense 192;
+            fwd f16 64 causal plain dense 192;
+            fwd f16 64 causal modified dense 192;
+            fwd f16 64 full plain dense 128;
+            fwd f16 64 causal plain dense 128;
+            fwd f16 64 causal modified dense 128;
+            fwd f16 64 local modified dense 128;
+            fwd f16 128 full plain dense 128;
+            fwd f16 128 causal plain dense 128;
+            fwd f16 128 causal modified dense 128;
+            fwd f16 128 local modified dense 128;
+            fwd f16 256 full plain dense 128;
+            fwd f16 256 causal plain dense 128;
+            fwd f16 256 causal modified dense 128;
+            fwd f16 256 local modified dense 128;
+            fwd bf16 64 full plain dense 192;
+            fwd bf16 64 causal plain dense 192;
+            fwd bf16 64 causal modified dense 192;
+            fwd bf16 64 full plain dense 128;
+            fwd bf16 64 causal plain dense 128;
+            fwd bf16 64 causal modified dense 128;
+            fwd bf16 64 local modified dense 128;
+            fwd bf16 128 full plain dense 128;
+            fwd bf16 128 causal plain dense 128;
+            fwd bf16 128 causal modified dense 128;
+            fwd bf16 128 local modified dense 128;
+            fwd bf16 256 full plain dense 128;
+            fwd bf16 256 causal plain dense 128;
+            fwd bf16 256 causal modified dense 128;
+            fwd bf16 256 local modified dense 128;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;
@@ -1089,7 +1123,7 @@ pub(crate) use hopper_entries;
 
 macro_rules! hopper_rows {
     (
-        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident;)*
+        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal;)*
         $(wgmma $dtype:ident $n:literal $k:literal;)*
         $(tma $d:literal;)*
     ) => {
@@ -1098,7 +1132,8 @@ macro_rules! hopper_rows {
             $(Entry {
                 name: concat!(
                     "flash_wgmma_fwd_", stringify!($fdtype), "_hd", stringify!($fd),
-                    "_", stringify!($mask), "_", stringify!($score), "_", stringify!($seq)
+                    "_", stringify!($mask), "_", stringify!($score), "_", stringify!($seq),
+                    "_m", stringify!($rows)
                 ),
                 kind: KernelKind::WgmmaForward,
                 dtype: table_word!(dtype $fdtype),
@@ -1108,6 +1143,7 @@ macro_rules! hopper_rows {
                     score: table_word!(score $score),
                     seq: table_word!(seq $seq),
                 },
+                rows: $rows,
             },)*
             $(Entry {
                 name: concat!("flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)),
@@ -1115,6 +1151,7 @@ macro_rules! hopper_rows {
                 dtype: table_word!(dtype $dtype),
                 head_dim: $n,
                 policies: Policies::PLAIN,
+                rows: 0,
             },)*
             $(Entry {
                 name: concat!("flash_probe_tma_hd", stringify!($d)),
@@ -1122,21 +1159,70 @@ macro_rules! hopper_rows {
                 dtype: Dtype::F16,
                 head_dim: $d,
                 policies: Policies::PLAIN,
+                rows: 0,
             },)*
         ];
     };
 }
 hopper_entries!(hopper_rows);
 
-/// The first Hopper forward entry for `dtype` and `head_dim` whose policies
-/// cover `need`; `None` sends the call to the `Sm90` module's kernels.
-pub fn find_hopper_entry(dtype: Dtype, head_dim: usize, need: Policies) -> Option<&'static Entry> {
-    HOPPER_ENTRIES.iter().find(|e| {
+/// A forward call as the Hopper dispatch sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperCall {
+    /// Element type of Q, K, V and O.
+    pub dtype: Dtype,
+    /// Head dimension D.
+    pub head_dim: usize,
+    /// The policies the call needs.
+    pub need: Policies,
+    /// Sequences.
+    pub batch: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Query rows per sequence.
+    pub seqlen_q: usize,
+    /// Keys per sequence.
+    pub seqlen_k: usize,
+    /// The device's streaming multiprocessors.
+    pub num_sms: usize,
+}
+
+/// Keys per query row from which a causal call takes 192-row tiles:
+/// a 192-row tile's diagonal crosses one more 128-key block than a 128-row
+/// tile's, which short rows cannot amortise (H100, D = 64 causal: 0.92x at
+/// 512 and 1k keys, 1.06x at 2k, 1.18x at 16k; docs/perf-notes.md v17).
+pub const HOPPER_WIDE_CAUSAL_MIN_KEYS: usize = 2048;
+
+/// Query rows per CTA for a Hopper forward call: 192 where the call fills
+/// at least one wave of such CTAs (fewer, shorter CTAs finish sooner on an
+/// idle GPU) and is not causal over short rows; 128 otherwise. The lines
+/// of a head dim without 192-row tiles take 128 whatever this says.
+pub const fn hopper_rows(call: &HopperCall) -> usize {
+    const WIDE: usize = 3 * WGMMA_M;
+    let ctas = call.batch * call.heads * call.seqlen_q.div_ceil(WIDE);
+    let short_causal =
+        matches!(call.need.mask, MaskKind::Causal) && call.seqlen_k < HOPPER_WIDE_CAUSAL_MIN_KEYS;
+    if ctas >= call.num_sms && !short_causal {
+        WIDE
+    } else {
+        2 * WGMMA_M
+    }
+}
+
+/// The Hopper forward entry for a call: the first line whose policies cover
+/// it and whose rows are `rows` (the caller's choice, else [`hopper_rows`]),
+/// else the first line that covers it; `None` sends the call to the `Sm90`
+/// module's kernels.
+pub fn find_hopper_entry(call: &HopperCall, rows: Option<usize>) -> Option<&'static Entry> {
+    let rows = rows.unwrap_or(hopper_rows(call));
+    let mut covering = HOPPER_ENTRIES.iter().filter(|e| {
         e.kind == KernelKind::WgmmaForward
-            && e.dtype == dtype
-            && e.head_dim == head_dim
-            && e.policies.covers(need)
-    })
+            && e.dtype == call.dtype
+            && e.head_dim == call.head_dim
+            && e.policies.covers(call.need)
+    });
+    let first = covering.clone().next();
+    covering.find(|e| e.rows == rows).or(first)
 }
 
 /// The first (most specialised) entry of `kind` for `dtype` and `head_dim`

@@ -152,7 +152,7 @@ mod sm90a {
     use crate::params::{AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
 
     macro_rules! fwd_name {
-        ($dtype:ident $d:literal $mask:ident $score:ident $seq:ident) => {
+        ($dtype:ident $d:literal $mask:ident $score:ident $seq:ident $rows:literal) => {
             concat!(
                 "flash_wgmma_fwd_",
                 stringify!($dtype),
@@ -163,39 +163,43 @@ mod sm90a {
                 "_",
                 stringify!($score),
                 "_",
-                stringify!($seq)
+                stringify!($seq),
+                "_m",
+                stringify!($rows)
             )
         };
     }
 
     macro_rules! hopper_device_entries {
     (
-        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident;)*
+        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal;)*
         $(wgmma $dtype:ident $n:literal $k:literal;)*
         $(tma $d:literal;)*
     ) => {
         $(const _: () = {
             const TILE: HopperTile =
-                HopperTile::of($fd, policies::<ty!($mask), ty!($score), ty!($seq)>());
-            #[export_name = fwd_name!($fdtype $fd $mask $score $seq)]
+                HopperTile::of($fd, policies::<ty!($mask), ty!($score), ty!($seq)>(), $rows);
+            #[export_name = fwd_name!($fdtype $fd $mask $score $seq $rows)]
             // Tensor maps come first, as in every sm_90a entry that takes
             // them: the PTX build aligns that parameter to 128 bytes
             // (`artifacts::align_tensor_map_params`).
             pub unsafe extern "ptx-kernel" fn entry(_maps: HopperFwdMaps, p: AttnParams) {
                 // The maps are read where the driver put them (param space);
                 // reading `_maps` in Rust would copy it to local memory.
-                let maps = param0_address!(fwd_name!($fdtype $fd $mask $score $seq));
+                let maps = param0_address!(fwd_name!($fdtype $fd $mask $score $seq $rows));
                 forward::<
                     ty!($fdtype),
                     ty!($mask),
                     ty!($score),
                     ty!($seq),
                     $fd,
+                    $rows,
                     { TILE.block_n / 8 },
                     { $fd / 8 },
                     { $fd / 16 },
                     { TILE.block_n / 16 },
                     { TILE.stages as u32 },
+                    { TILE.consumer_regs() },
                 >(&p, maps)
             }
         };)*

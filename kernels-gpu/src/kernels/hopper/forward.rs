@@ -26,15 +26,12 @@ use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
 
-/// Warps that release a ring stage: every consumer warp, once its share of
-/// the `wgmma`s that read the stage has completed.
-const RELEASERS: u32 = (HopperTile::CONSUMERS * WARPGROUP_THREADS / WARP_SIZE) as u32;
-
-/// Named barrier of consumer warpgroup c's epilogue: 1 + c (0 is the CTA's).
+/// Named barrier of consumer warpgroup c's epilogue: 1 + c (0 is the CTA's;
+/// at most three consumers).
 const EPILOGUE_BARRIER: u32 = 1;
 /// Named barrier that consumer warpgroup c waits on for its turn to issue
-/// `wgmma`s: 3 + c ([`HopperTile::pingpong`]).
-const TURN_BARRIER: u32 = 3;
+/// `wgmma`s: 4 + c ([`HopperTile::pingpong`]), past the epilogue's.
+const TURN_BARRIER: u32 = 4;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
 #[derive(Clone, Copy)]
@@ -46,10 +43,11 @@ struct Smem {
     q_full: u32,
 }
 
-/// One Hopper forward CTA. `ST = block_n / 8` (n-tiles of S), `OT = D / 8`
+/// One Hopper forward CTA of `ROWS` query rows. `ST = block_n / 8` (n-tiles of S), `OT = D / 8`
 /// (of O), `QK = D / 16` (k-steps of Q·Kᵀ), `PK = block_n / 16` (of P·V)
-/// and `STAGES` restate the tile because array lengths cannot be computed
-/// from it on stable Rust; they are checked against it at compile time.
+/// `STAGES` and `REGS` (consumer registers) restate the tile because array
+/// lengths and const arguments cannot be computed from it on stable Rust;
+/// they are checked against it at compile time.
 /// `maps` is the generic address of the [`HopperFwdMaps`] parameter.
 #[inline(always)]
 pub unsafe fn forward<
@@ -58,20 +56,24 @@ pub unsafe fn forward<
     S: Scores,
     L: Seq,
     const D: usize,
+    const ROWS: usize,
     const ST: usize,
     const OT: usize,
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const REGS: u32,
 >(
     p: &AttnParams,
     maps: u64,
 ) {
-    let tile = const { HopperTile::of(D, policies::<M, S, L>()) };
+    let tile = const { HopperTile::of(D, policies::<M, S, L>(), ROWS) };
     const {
-        let t = HopperTile::of(D, policies::<M, S, L>());
+        let t = HopperTile::of(D, policies::<M, S, L>(), ROWS);
+        assert!(t.consumers <= 3, "three epilogue barriers");
         assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
-        assert!(STAGES as usize == t.stages && t.block_m == HopperTile::CONSUMERS * WGMMA_M);
+        assert!(STAGES as usize == t.stages && t.block_m == t.consumers * WGMMA_M);
+        assert!(REGS == t.consumer_regs() && (!t.pingpong || t.consumers == 2));
         assert!(
             !L::RAGGED,
             "packed sequences are not on the Hopper path yet"
@@ -95,9 +97,12 @@ pub unsafe fn forward<
     let (k_ring, v_ring) = (ring(1), ring(1 + 2 * tile.stages));
     let tid = special::thread_idx_x();
     if tid == 0 {
+        // Every consumer warp releases a stage once its share of the
+        // `wgmma`s that read it has completed.
+        let releasers = (tile.consumers * WARPGROUP_THREADS / WARP_SIZE) as u32;
         mbarrier::init(sm.q_full, 1);
-        k_ring.init(RELEASERS);
-        v_ring.init(RELEASERS);
+        k_ring.init(releasers);
+        v_ring.init(releasers);
         mbarrier::fence_init();
         for m in 0..3 {
             tma::prefetch_map(maps + (m * size_of::<crate::params::TensorMap>()) as u64);
@@ -114,7 +119,7 @@ pub unsafe fn forward<
             produce::<D, STAGES>(tile, &info, maps, sm, k_ring, v_ring);
         }
     } else {
-        setmaxnreg::inc::<{ HopperTile::CONSUMER_REGS }>();
+        setmaxnreg::inc::<REGS>();
         consume::<T, M, S, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
     }
 }
