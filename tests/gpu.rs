@@ -1845,25 +1845,24 @@ fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
     rows.into_iter().map(Some).collect()
 }
 
-/// The heuristic's rows or either line's (`AttnOptions::hopper_rows`): the
-/// small random shapes alone would mostly run the 128-row lines.
-fn hopper_rows_choice() -> impl Strategy<Value = Option<usize>> {
-    prop::sample::select(vec![None, Some(128), Some(192)])
+/// A Hopper head dim with the heuristic's rows or either line's
+/// (`AttnOptions::hopper_rows`): the small random shapes alone would mostly
+/// run the 128-row lines.
+fn hopper_line() -> impl Strategy<Value = (usize, Option<usize>)> {
+    (
+        prop::sample::select(hopper_head_dims()),
+        prop::sample::select(vec![None, Some(128), Some(192)]),
+    )
 }
 
 /// Forward cases the Hopper kernels serve (their head dims, plain, dense),
 /// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks.
 fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
-    (
-        fwd_strategy(),
-        prop::sample::select(hopper_head_dims()),
-        hopper_rows_choice(),
-    )
-        .prop_map(|(c, head_dim, hopper_rows)| FwdCase {
-            head_dim,
-            hopper_rows,
-            ..c
-        })
+    (fwd_strategy(), hopper_line()).prop_map(|(c, (head_dim, hopper_rows))| FwdCase {
+        head_dim,
+        hopper_rows,
+        ..c
+    })
 }
 
 /// Every (batch, Sq, Skv, heads, KV heads) shape in both mask kinds, per
@@ -1902,16 +1901,11 @@ fn hopper_cases(
 /// `policy_fwd_strategy`'s windows, softcaps, ALiBi slopes and sinks at
 /// the head dims the Hopper kernels serve.
 fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
-    (
-        policy_fwd_strategy(),
-        prop::sample::select(hopper_head_dims()),
-        hopper_rows_choice(),
-    )
-        .prop_map(|(c, head_dim, hopper_rows)| PolicyFwdCase {
-            head_dim,
-            hopper_rows,
-            ..c
-        })
+    (policy_fwd_strategy(), hopper_line()).prop_map(|(c, (head_dim, hopper_rows))| PolicyFwdCase {
+        head_dim,
+        hopper_rows,
+        ..c
+    })
 }
 
 /// ALiBi over key blocks on either side of every row's origin and across
