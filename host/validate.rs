@@ -5,8 +5,8 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, Dtype, KernelKind, PtxArch, CHUNK_ELEMS, ELEM_BYTES, MAX_HEAD_DIM, MAX_SPLITS,
-    PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
+    AttnTile, Dtype, Entry, KernelKind, PtxArch, CHUNK_ELEMS, ELEM_BYTES, HOPPER_ENTRIES,
+    MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
 };
 
 /// A sliding window around each query's diagonal (FlashAttention 2.6
@@ -468,16 +468,15 @@ pub fn check_forward(
     opts: &AttnOptions,
 ) -> Result<ForwardShape, FlashAttnError> {
     refuse_splits(opts, "forward")?;
-    match opts.hopper_rows {
-        None | Some(HOPPER_ROWS_NARROW) | Some(HOPPER_ROWS_WIDE) => {}
-        Some(got) => return Err(FlashAttnError::HopperRows { got }),
+    if let Some(got) = opts.hopper_rows {
+        // The rows of some Hopper line (128 or 192).
+        let line = |e: &Entry| e.kind == KernelKind::WgmmaForward && e.rows == got;
+        if !HOPPER_ENTRIES.iter().any(line) {
+            return Err(FlashAttnError::HopperRows { got });
+        }
     }
     check_dense(q, k, v, o, lse_len, opts)
 }
-
-/// The query rows per CTA that [`AttnOptions::hopper_rows`] accepts.
-const HOPPER_ROWS_NARROW: usize = 128;
-const HOPPER_ROWS_WIDE: usize = 192;
 
 /// Only the dense forward picks a Hopper tile.
 fn refuse_hopper_rows(opts: &AttnOptions, entry: &'static str) -> Result<(), FlashAttnError> {
