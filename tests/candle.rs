@@ -750,7 +750,6 @@ fn kvcache_case(dev: &Device, dtype: DType, rng: &mut StdRng, paged: bool) -> R<
         window: Window::UNBOUNDED,
         softcap: None,
         num_splits: None,
-        hopper_rows: None,
     };
     let sinks64: Vec<f64> = sinks.iter().map(|&x| x as f64).collect();
     let extras = Extras {
