@@ -467,7 +467,7 @@ pub fn check_forward(
     lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<ForwardShape, FlashAttnError> {
-    refuse_splits(opts, "forward")?;
+    refuse("num_splits", opts.num_splits, "forward")?;
     if let Some(got) = opts.hopper_rows {
         // The rows of some Hopper line (128 or 192).
         let line = |e: &Entry| e.kind == KernelKind::WgmmaForward && e.rows == got;
@@ -478,25 +478,17 @@ pub fn check_forward(
     check_dense(q, k, v, o, lse_len, opts)
 }
 
-/// Only the dense forward picks a Hopper tile.
-fn refuse_hopper_rows(opts: &AttnOptions, entry: &'static str) -> Result<(), FlashAttnError> {
-    match opts.hopper_rows {
+/// An option `entry` does not take: the forward kernels never split the
+/// keys (`num_splits`), and only the dense forward picks a Hopper tile
+/// (`hopper_rows`).
+fn refuse(
+    what: &'static str,
+    given: Option<usize>,
+    entry: &'static str,
+) -> Result<(), FlashAttnError> {
+    match given {
         None => Ok(()),
-        Some(_) => Err(FlashAttnError::Unsupported {
-            what: "hopper_rows",
-            entry,
-        }),
-    }
-}
-
-/// The forward kernels never split the keys.
-fn refuse_splits(opts: &AttnOptions, entry: &'static str) -> Result<(), FlashAttnError> {
-    match opts.num_splits {
-        None => Ok(()),
-        Some(_) => Err(FlashAttnError::Unsupported {
-            what: "num_splits",
-            entry,
-        }),
+        Some(_) => Err(FlashAttnError::Unsupported { what, entry }),
     }
 }
 
@@ -557,7 +549,7 @@ pub fn check_decode(
     lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<DecodeShape, FlashAttnError> {
-    refuse_hopper_rows(opts, "decode")?;
+    refuse("hopper_rows", opts.hopper_rows, "decode")?;
     let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
     if let Some(n) = opts.num_splits {
         if n == 0 || n > MAX_SPLITS {
@@ -860,8 +852,8 @@ fn check_packed(
     for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
         expect_dim(name, 0, 1, t.layout.shape[0])?;
     }
-    refuse_splits(opts, "varlen forward")?;
-    refuse_hopper_rows(opts, "varlen forward")?;
+    refuse("num_splits", opts.num_splits, "varlen forward")?;
+    refuse("hopper_rows", opts.hopper_rows, "varlen forward")?;
     let shape = check_dense(q, k, v, o, None, opts)?;
     let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
     for (what, value, total) in [
