@@ -37,6 +37,21 @@ for ptx in "${ptx_files[@]}"; do
         cat "$tmp/local" >&2
         fail=1
     fi
+    # `setmaxnreg` is `.sync.aligned`: every lane of a warp must run the
+    # same instruction. An entry that holds more than one `dec` (or `inc`)
+    # has had it duplicated into divergent paths (LLVM jump threading),
+    # which hangs the CTA; ptxas says nothing about it.
+    awk '
+        /^\.visible \.entry/ { if (e != "" && (dec > 1 || inc > 1)) print e, dec, inc; e = $3; dec = 0; inc = 0 }
+        /setmaxnreg\.dec/ { dec++ }
+        /setmaxnreg\.inc/ { inc++ }
+        END { if (e != "" && (dec > 1 || inc > 1)) print e, dec, inc }
+    ' "$ptx" >"$tmp/maxnreg"
+    if [[ -s "$tmp/maxnreg" ]]; then
+        echo "ptxas-check: $ptx: setmaxnreg duplicated (entry, decs, incs):" >&2
+        cat "$tmp/maxnreg" >&2
+        fail=1
+    fi
     if ! "$ptxas" -v -arch="$arch" -o "$tmp/$name.cubin" "$ptx" >"$tmp/$name.log" 2>&1; then
         cat "$tmp/$name.log" >&2
         echo "ptxas-check: ptxas failed on $ptx" >&2
