@@ -42,10 +42,11 @@ for ptx in "${ptx_files[@]}"; do
     # has had it duplicated into divergent paths (LLVM jump threading),
     # which hangs the CTA; ptxas says nothing about it.
     awk '
-        /^\.visible \.entry/ { if (e != "" && (dec > 1 || inc > 1)) print e, dec, inc; e = $3; dec = 0; inc = 0 }
+        function report() { if (dec > 1 || inc > 1) print e, dec, inc }
+        /^\.visible \.entry/ { report(); e = $3; dec = 0; inc = 0 }
         /setmaxnreg\.dec/ { dec++ }
         /setmaxnreg\.inc/ { inc++ }
-        END { if (e != "" && (dec > 1 || inc > 1)) print e, dec, inc }
+        END { report() }
     ' "$ptx" >"$tmp/maxnreg"
     if [[ -s "$tmp/maxnreg" ]]; then
         echo "ptxas-check: $ptx: setmaxnreg duplicated (entry, decs, incs):" >&2
