@@ -12,8 +12,14 @@ bench NEW.jsonl REPEAT.jsonl [BASE.jsonl]
     the v11 baseline (H100, another process and day) moved up to 4.4%, 18 of 96
     sweep rows beyond max(2 x spread, 1%), 4 (3.2-3.6%) beyond max(2 x spread,
     3%). Hence FLOOR = 3%, and a flag under ~4% is worth a second run.
+ab NAME=FILE.jsonl...
+    Builds timed in one session (playground.sh ab): per row, each build's
+    smallest median over its rounds, its ratio to the first build's (first ms
+    / its ms: above 1 is faster), and its spread over the rounds (largest
+    median / smallest).
 """
 import json
+import os
 import sys
 
 # Smallest change flagged: process-to-process variation of unchanged code.
@@ -95,10 +101,44 @@ def compare_bench(new_path, repeat_path, base_path=None):
         print(f"playground: {len(new)} rows; no baseline given (this run's rows are in {new_path})")
 
 
+def compare_ab(runs):
+    names, medians = [], {}
+    for run in runs:
+        name, path = run.split("=", 1)
+        if name not in names:
+            names.append(name)
+        if not os.path.exists(path):
+            print(f"playground: {path} missing (the run wrote no rows)")
+            continue
+        for key, row in bench_rows(path).items():
+            medians.setdefault(key, {}).setdefault(name, []).append(row["median_ms"])
+    first = names[0]
+    head = [f"{first + ' ms':>12} {'spread':>7}"]
+    head += [f"{n + ' ms':>12} {'spread':>7} {'x ' + first:>9}" for n in names[1:]]
+    print(f"{'shape':<72} " + " ".join(head))
+    for key, by_name in medians.items():
+        base = min(by_name[first]) if first in by_name else None
+        cells = []
+        for n in names:
+            ms = by_name.get(n)
+            if not ms:
+                cells.append(f"{'-':>12} {'':>7}" + ("" if n == first else f" {'':>9}"))
+                continue
+            cell = f"{min(ms):>12.4f} {max(ms) / min(ms):>7.3f}"
+            if n != first:
+                cell += f" {base / min(ms):>9.3f}" if base else f" {'-':>9}"
+            cells.append(cell)
+        print(f"{label(key):<72} " + " ".join(cells))
+    print(f"playground: {len(medians)} rows, builds {', '.join(names)}; "
+          f"x {first} = {first}'s ms / the build's (above 1: faster); spread = largest / smallest median")
+
+
 if __name__ == "__main__":
     if len(sys.argv) == 4 and sys.argv[1] == "ptxas":
         compare_ptxas(sys.argv[2], sys.argv[3])
     elif len(sys.argv) in (4, 5) and sys.argv[1] == "bench":
         compare_bench(*sys.argv[2:])
+    elif len(sys.argv) >= 3 and sys.argv[1] == "ab" and all("=" in a for a in sys.argv[2:]):
+        compare_ab(sys.argv[2:])
     else:
         sys.exit(__doc__)
