@@ -23,15 +23,15 @@
 # from its committed PTX and cubins) into DIR/ab/NAME (default: bundle) and
 # packs them into DIR/ab.tar.xz, the form small enough to carry; then on the
 # GPU host, in the bundle:
-#   ./playground.sh ab-tests [--timeout S] [-- SUITE_ARGS]
+#   ./playground.sh ab-tests [--builds A,B] [--timeout S] [-- SUITE_ARGS]
 # runs each build's suite (each under the timeout, default 600 s: a hung
 # kernel ends the run, not the session), and
-#   ./playground.sh ab --filter SUBSTR [--rounds N] [--timeout S] [-- BENCH_ARGS]
+#   ./playground.sh ab --filter SUBSTR [--builds A,B] [--rounds N] [--timeout S] [-- BENCH_ARGS]
 # runs each build's bench on the matching rows, the builds interleaved, N
 # rounds (default 3), and prints per row each build's smallest median and
 # its ratio to the first build's (the first NAME given to ab-build; above 1:
 # faster than it), with each build's spread over the rounds. The rows are
-# kept in ab-out/.
+# kept in ab-out/. `--builds` picks some of the builds, in that order.
 set -euo pipefail
 
 mode=${1:-}
@@ -142,6 +142,7 @@ ab-tests | ab)
     filter="" rounds=3 limit=600
     while [ $# -gt 0 ]; do
         case "$1" in
+        --builds) names=$(echo "$2" | tr , ' '); shift 2 ;;
         --filter) filter=$2; shift 2 ;;
         --rounds) rounds=$2; shift 2 ;;
         --timeout) limit=$2; shift 2 ;;
