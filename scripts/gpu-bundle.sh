@@ -14,18 +14,6 @@ mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
 cd "$root"
 
-# Prints "<target name> <executable>" for every executable cargo produced.
-executables() {
-  python3 -c '
-import json, sys
-for line in sys.stdin:
-    if not line.startswith("{"):
-        continue
-    m = json.loads(line)
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"], m["executable"])
-'
-}
 
 {
   cargo test --release --no-run --message-format=json-render-diagnostics --test gpu --test cpu
@@ -40,7 +28,7 @@ for line in sys.stdin:
         --example candle_llama_attention
     )
   fi
-} | executables | while read -r name exe; do
+} | python3 scripts/cargo-executables.py | while read -r name exe; do
   case "$name" in
     gpu) cp "$exe" "$dir/gpu-tests" ;;
     cpu) cp "$exe" "$dir/cpu-tests" ;;

@@ -106,13 +106,7 @@ ab-build)
             {
                 cargo test --release --no-run --message-format=json-render-diagnostics --test gpu
                 cargo bench --no-run --message-format=json-render-diagnostics --bench attention
-            } | python3 -c '
-import json, sys
-for line in sys.stdin:
-    m = json.loads(line) if line.startswith("{") else {}
-    if m.get("reason") == "compiler-artifact" and m.get("executable"):
-        print(m["target"]["name"], m["executable"])
-' | while read -r target exe; do
+            } | python3 "$root/scripts/cargo-executables.py" | while read -r target exe; do
                 case "$target" in
                 gpu) cp "$exe" "$dir/ab/$name/gpu-tests" ;;
                 attention) cp "$exe" "$dir/ab/$name/bench" ;;
