@@ -23,7 +23,9 @@ use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
-use flash_attn_kernels::config::{AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES};
+use flash_attn_kernels::config::{
+    hopper_line_head_dim, AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES,
+};
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -98,6 +100,47 @@ fn nan<T: AttnElement>() -> T {
 /// by row: each (b, s, h) row of D values must be within `abs_tol` of the
 /// reference everywhere and within `rel_l2_tol` in relative L2 norm, so an
 /// error confined to a few rows cannot hide in a norm over the tensor.
+/// Elements between the heads of [`gapped_layout`]'s O views: one 16-byte
+/// chunk of a 16-bit O (two of an f32 one), where a store of one chunk
+/// past a row lands.
+const O_GAP: usize = 8;
+
+/// [B, S, H, D] with [`O_GAP`] elements after every head's D.
+fn gapped_layout(shape: [usize; 4]) -> Layout {
+    let [_, s, h, d] = shape;
+    let pitch = d + O_GAP;
+    Layout {
+        shape,
+        strides: [s * h * pitch, h * pitch, pitch, 1],
+    }
+}
+
+/// Every element of `got` outside `layout`'s view is still the NaN it was
+/// poisoned with.
+fn check_untouched_outside<T: AttnElement>(
+    got: &[T],
+    layout: &Layout,
+    what: &str,
+) -> Result<(), String> {
+    let [b, s, h, d] = layout.shape;
+    let mut inside = vec![false; got.len()];
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                let row = bi * layout.strides[0] + si * layout.strides[1] + hi * layout.strides[2];
+                inside[row..row + d].fill(true);
+            }
+        }
+    }
+    match (0..got.len()).find(|&i| !inside[i] && !got[i].to_f64().is_nan()) {
+        Some(i) => Err(format!(
+            "{what}: element {i} outside O's view was written ({})",
+            got[i].to_f64()
+        )),
+        None => Ok(()),
+    }
+}
+
 fn check_output<T: AttnElement>(
     got: &[T],
     layout: &Layout,
@@ -217,7 +260,16 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
     let buf = |i: usize| if c.packed_qkv { &bufs[0] } else { &bufs[i] };
     let view = |i: usize| TensorRef::new(buf(i).slice(offsets[i]..), layouts[i]);
 
-    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    // O's heads [`O_GAP`] elements apart (contiguous with packed QKV): a
+    // kernel that writes past the head dim (a Hopper line that serves a
+    // smaller one stores only its first columns) hits the gap.
+    let o_layout = if c.packed_qkv {
+        q_layout
+    } else {
+        gapped_layout([b, sq, h, d])
+    };
+    let o_len = b * o_layout.strides[0];
+    let mut o = s.clone_htod(&vec![nan::<T>(); o_len]).map_err(e)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     let opts = AttnOptions {
         causal: c.causal,
@@ -233,7 +285,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
                 &view(0),
                 &view(1),
                 &view(2),
-                &mut TensorMut::new(o.as_view_mut(), q_layout),
+                &mut TensorMut::new(o.as_view_mut(), o_layout),
                 if c.with_lse {
                     Some(&mut lse_view)
                 } else {
@@ -258,7 +310,8 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
         ..Default::default()
     };
     let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
-    check_output(&o_host, &q_layout, &want.o, &format!("{c:?}"))?;
+    check_output(&o_host, &o_layout, &want.o, &format!("{c:?}"))?;
+    check_untouched_outside(&o_host, &o_layout, &format!("{c:?}"))?;
     if c.with_lse {
         check_lse(&lse_host, &want.lse, &format!("{c:?}"))?;
     } else if lse_host.iter().any(|x| !x.is_nan()) {
@@ -1820,24 +1873,22 @@ fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
     Ok(())
 }
 
-/// The head dims of the Hopper forward's table lines.
+/// The head dims the Hopper forward serves: its lines' own and the smaller
+/// ones that run on them with zero columns (`hopper_line_head_dim`).
 fn hopper_head_dims() -> Vec<usize> {
-    let mut dims: Vec<usize> = HOPPER_ENTRIES
-        .iter()
-        .filter(|e| e.kind == KernelKind::WgmmaForward)
-        .map(|e| e.head_dim)
-        .collect();
-    dims.sort();
-    dims.dedup();
-    dims
+    flash_attn::SUPPORTED_HEAD_DIMS
+        .into_iter()
+        .filter(|&d| hopper_line_head_dim(d).is_some())
+        .collect()
 }
 
-/// Every row count of a head dim's Hopper lines, as `hopper_rows` asks for
-/// them: the fixed cases run each line of the head dim.
+/// Every row count of the Hopper lines that serve a head dim, as
+/// `hopper_rows` asks for them: the fixed cases run each of those lines.
 fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
+    let line_d = hopper_line_head_dim(head_dim);
     let mut rows: Vec<usize> = HOPPER_ENTRIES
         .iter()
-        .filter(|e| e.kind == KernelKind::WgmmaForward && e.head_dim == head_dim)
+        .filter(|e| e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d)
         .map(|e| e.rows)
         .collect();
     rows.sort();
