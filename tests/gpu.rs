@@ -96,10 +96,6 @@ fn nan<T: AttnElement>() -> T {
     T::from_f64(f64::NAN)
 }
 
-/// Compares `got` (laid out by `layout`) with the contiguous reference, row
-/// by row: each (b, s, h) row of D values must be within `abs_tol` of the
-/// reference everywhere and within `rel_l2_tol` in relative L2 norm, so an
-/// error confined to a few rows cannot hide in a norm over the tensor.
 /// Elements between the heads of [`gapped_layout`]'s O views: one 16-byte
 /// chunk of a 16-bit O (two of an f32 one), where a store of one chunk
 /// past a row lands.
@@ -112,6 +108,32 @@ fn gapped_layout(shape: [usize; 4]) -> Layout {
     Layout {
         shape,
         strides: [s * h * pitch, h * pitch, pitch, 1],
+    }
+}
+
+/// A dense forward call since `launches_before` (this thread's Hopper
+/// launch count) ran on the Hopper kernels exactly when they serve it: the
+/// instance has the Hopper forward on, the dtype is 16-bit and a line
+/// serves the head dim. A tensor map the driver refused would otherwise
+/// send the call to the `mma.sync` kernels unseen.
+fn check_forward_path<T: AttnElement>(
+    gpu: &Gpu,
+    head_dim: usize,
+    launches_before: u64,
+    what: &str,
+) -> Result<(), String> {
+    let served = gpu.fa.hopper_forward()
+        && T::DTYPE != Dtype::F32
+        && hopper_line_head_dim(head_dim).is_some();
+    let ran = flash_attn::hopper::launches_on_this_thread() - launches_before;
+    if ran == served as u64 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: {ran} Hopper launches, want {} (hopper_forward() = {})",
+            served as u64,
+            gpu.fa.hopper_forward()
+        ))
     }
 }
 
@@ -141,6 +163,10 @@ fn check_untouched_outside<T: AttnElement>(
     }
 }
 
+/// Compares `got` (laid out by `layout`) with the contiguous reference, row
+/// by row: each (b, s, h) row of D values must be within `abs_tol` of the
+/// reference everywhere and within `rel_l2_tol` in relative L2 norm, so an
+/// error confined to a few rows cannot hide in a norm over the tensor.
 fn check_output<T: AttnElement>(
     got: &[T],
     layout: &Layout,
@@ -260,15 +286,12 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
     let buf = |i: usize| if c.packed_qkv { &bufs[0] } else { &bufs[i] };
     let view = |i: usize| TensorRef::new(buf(i).slice(offsets[i]..), layouts[i]);
 
-    // O's heads [`O_GAP`] elements apart (contiguous with packed QKV): a
-    // kernel that writes past the head dim (a Hopper line that serves a
-    // smaller one stores only its first columns) hits the gap.
-    let o_layout = if c.packed_qkv {
-        q_layout
-    } else {
-        gapped_layout([b, sq, h, d])
-    };
+    // O's heads [`O_GAP`] elements apart: a kernel that writes past the
+    // head dim (a Hopper line that serves a smaller one stores only its
+    // first columns) hits the gap.
+    let o_layout = gapped_layout([b, sq, h, d]);
     let o_len = b * o_layout.strides[0];
+    let launches = flash_attn::hopper::launches_on_this_thread();
     let mut o = s.clone_htod(&vec![nan::<T>(); o_len]).map_err(e)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     let opts = AttnOptions {
@@ -295,6 +318,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
             )
             .map_err(|x| x.to_string())?;
     }
+    check_forward_path::<T>(gpu, d, launches, &format!("{c:?}"))?;
     let o_host = s.clone_dtoh(&o).map_err(e)?;
     let lse_host = s.clone_dtoh(&lse).map_err(e)?;
 
@@ -1003,8 +1027,11 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
+    // As in `run_forward`: O with gaps, and the path checked.
+    let ol = gapped_layout([b, sq, h, d]);
+    let mut o = poisoned::<T>(gpu, b * ol.strides[0])?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let launches = flash_attn::hopper::launches_on_this_thread();
     let shape = ForwardShape {
         batch: b,
         seqlen_q: sq,
@@ -1029,7 +1056,7 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
                 &TensorRef::new(x.q.as_view(), ql),
                 &TensorRef::new(x.k.as_view(), kvl),
                 &TensorRef::new(x.v.as_view(), kvl),
-                &mut TensorMut::new(o.as_view_mut(), ql),
+                &mut TensorMut::new(o.as_view_mut(), ol),
                 Some(&mut lse_view),
                 opts,
             )
@@ -1042,12 +1069,10 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             extras,
         ))
     })?;
-    check_output(
-        &s.clone_dtoh(&o).map_err(e)?,
-        &ql,
-        &want.o,
-        &format!("{c:?}"),
-    )?;
+    check_forward_path::<T>(gpu, d, launches, &format!("{c:?}"))?;
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    check_output(&o_host, &ol, &want.o, &format!("{c:?}"))?;
+    check_untouched_outside(&o_host, &ol, &format!("{c:?}"))?;
     check_lse(
         &s.clone_dtoh(&lse).map_err(e)?,
         &want.lse,
@@ -2196,6 +2221,7 @@ fn run_tma_probes(gpu: &Gpu, map_source: u32) -> Result<(), String> {
         (64, 64, 1000, 3),
         (128, 176, 2000, 2),
         (256, 80, 777, 2),
+        (192, 112, 1000, 2),
         (128, 128, 128, 1),
     ]
     .into_iter()

@@ -1069,8 +1069,9 @@ impl HopperTile {
 /// - `tma D`: a probe that copies [S, H, D] tiles through a two-stage TMA +
 ///   mbarrier ring and back out with a TMA store.
 ///
-/// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys)
-/// and 256 (80 keys), P·V at the same, and the 128 x 128 causal tile.
+/// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys),
+/// 192 (112 keys) and 256 (80 keys), P·V at the same, and the 128 x 128
+/// causal tile; TMA boxes of every line head dim.
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
@@ -1116,16 +1117,21 @@ macro_rules! hopper_entries {
             wgmma f16 128 128;
             wgmma f16 176 128;
             wgmma f16 128 176;
+            wgmma f16 112 192;
+            wgmma f16 192 112;
             wgmma f16 80 256;
             wgmma f16 256 80;
             wgmma bf16 64 64;
             wgmma bf16 128 128;
             wgmma bf16 176 128;
             wgmma bf16 128 176;
+            wgmma bf16 112 192;
+            wgmma bf16 192 112;
             wgmma bf16 80 256;
             wgmma bf16 256 80;
             tma 64;
             tma 128;
+            tma 192;
             tma 256;
         }
     };

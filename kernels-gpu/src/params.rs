@@ -126,7 +126,7 @@ pub struct AttnParams {
     pub total_k: u32,
     /// Head dim of Q, K, V and O. Read by the Hopper forward only, whose
     /// lines also serve smaller head dims (`config::hopper_line_head_dim`):
-    /// it stores the first `head_dim` columns of O (at most its D).
+    /// it stores the first `head_dim` columns of O (at most its D; 0 = D).
     pub head_dim: u32,
 }
 
