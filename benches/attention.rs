@@ -456,6 +456,23 @@ fn shapes() -> Vec<Shape> {
             }
         }
     }
+    // The other compiled head dims (D = 32 and 96 run on the Hopper lines of
+    // 64 and 128 with zero columns; D = 192 has its own), as the sweep.
+    for head_dim in [32, 192] {
+        for causal in [false, true] {
+            for seqlen in [1024, 4096, 16384] {
+                v.push(fwd(
+                    Dtype::F16,
+                    16384 / seqlen,
+                    2048 / head_dim,
+                    seqlen,
+                    head_dim,
+                    causal,
+                    "head-dims",
+                ));
+            }
+        }
+    }
     // Model prefill (issue 11): Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4)
     // at D=128, SmolLM (9/3) at D=64; one 8k-token prompt, causal.
     for dtype in [Dtype::F16, Dtype::Bf16] {

@@ -721,6 +721,7 @@ impl FlashAttention {
             max_pages: paging.max_pages as u32,
             page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
+            head_dim: shape.head_dim as u32,
             ..policy.params
         };
         if packed.cu_seqlens_q == 0
@@ -1238,6 +1239,7 @@ impl FlashAttention {
             max_pages: paging.max_pages as u32,
             page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
+            head_dim: shape.head_dim as u32,
             ..policy.params
         };
         let grid = (

@@ -38,6 +38,20 @@ pub(crate) fn forced_off() -> bool {
     std::env::var(FORCE_SM80_ENV).is_ok_and(|v| v == "1")
 }
 
+thread_local! {
+    /// Hopper forward launches made by this thread (see [`launches_on_this_thread`]).
+    static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// Hopper forward launches this thread has made: a dense call falls back
+/// to the `mma.sync` kernels unseen when the driver refuses a tensor map,
+/// so the GPU suite compares this count before and after each call. Not
+/// part of the supported API.
+#[doc(hidden)]
+pub fn launches_on_this_thread() -> u64 {
+    LAUNCHES.with(|n| n.get())
+}
+
 /// The most rows of one TMA box (the driver's limit per box dimension).
 pub(crate) const TMA_MAX_BOX_ROWS: usize = 256;
 
@@ -98,6 +112,7 @@ impl HopperModule {
         // maps cover exactly the validated tensors, and validation bounded
         // every address the kernel derives from the parameters.
         unsafe { builder.launch(cfg) }?;
+        LAUNCHES.with(|n| n.set(n.get() + 1));
         Ok(())
     }
 

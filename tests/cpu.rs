@@ -1800,8 +1800,10 @@ mod config {
     /// Dispatch to the Hopper path: the first table line that covers a call
     /// (the plain lines for plain calls, `causal modified` for causal
     /// modifiers, `local modified` for every other dense call) with the
-    /// rows asked for where the head dim has them, none for what it lacks
-    /// (head dims, packed or paged sequences), so those stay on sm_90.
+    /// rows asked for where the head dim has them; D = 32 on the D = 64
+    /// lines and D = 96 on the D = 128 ones (the smallest line head dim at
+    /// least as large); none for packed or paged sequences, f32 or a head
+    /// dim past the widest line, so those stay on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -1822,8 +1824,23 @@ mod config {
             let any = need(MaskKind::Local, modified, SeqKind::Dense);
             assert!(find_hopper_entry(&call(Dtype::F32, d, any), None).is_none());
         }
+        for (d, line_d) in [
+            (32, 64),
+            (64, 64),
+            (96, 128),
+            (128, 128),
+            (192, 192),
+            (256, 256),
+        ] {
+            assert_eq!(hopper_line_head_dim(d), Some(line_d));
+            // Any head dim up to the widest line.
+            assert_eq!(hopper_line_head_dim(d - 8), Some(line_d), "{d}");
+        }
+        assert_eq!(hopper_line_head_dim(0), Some(64));
+        assert_eq!(hopper_line_head_dim(264), None);
         for dtype in [Dtype::F16, Dtype::Bf16] {
-            for d in [64, 128, 256] {
+            for d in SUPPORTED_HEAD_DIMS {
+                let line_d = hopper_line_head_dim(d).unwrap();
                 for (need, line, wide) in [
                     (
                         dense(MaskKind::Full, plain),
@@ -1860,9 +1877,10 @@ mod config {
                     for rows in [None, Some(128), Some(192)] {
                         let e = find_hopper_entry(&c, rows).unwrap();
                         assert_eq!(e.policies, line, "{need:?}");
+                        assert_eq!((e.head_dim, e.dtype), (line_d, dtype));
                         // 192 rows where asked for (or chosen) and the line has them.
                         let asked = rows.unwrap_or(hopper_rows(&c));
-                        let want = if d == 64 && wide && asked == 192 {
+                        let want = if line_d == 64 && wide && asked == 192 {
                             192
                         } else {
                             128
@@ -1876,10 +1894,8 @@ mod config {
                     assert!(find_hopper_entry(&call(dtype, d, ragged), None).is_none());
                 }
             }
-            for d in [32, 96, 192] {
-                let c = call(dtype, d, dense(MaskKind::Full, plain));
-                assert!(find_hopper_entry(&c, None).is_none());
-            }
+            let c = call(dtype, 264, dense(MaskKind::Full, plain));
+            assert!(find_hopper_entry(&c, None).is_none());
         }
     }
 

@@ -23,7 +23,9 @@ use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
-use flash_attn_kernels::config::{AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES};
+use flash_attn_kernels::config::{
+    hopper_line_head_dim, AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES,
+};
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -92,6 +94,73 @@ fn to_f64<T: AttnElement>(x: &[T]) -> Vec<f64> {
 /// A NaN of the element type, to poison outputs.
 fn nan<T: AttnElement>() -> T {
     T::from_f64(f64::NAN)
+}
+
+/// Elements between the heads of [`gapped_layout`]'s O views: one 16-byte
+/// chunk of a 16-bit O (two of an f32 one), where a store of one chunk
+/// past a row lands.
+const O_GAP: usize = 8;
+
+/// [B, S, H, D] with [`O_GAP`] elements after every head's D.
+fn gapped_layout(shape: [usize; 4]) -> Layout {
+    let [_, s, h, d] = shape;
+    let pitch = d + O_GAP;
+    Layout {
+        shape,
+        strides: [s * h * pitch, h * pitch, pitch, 1],
+    }
+}
+
+/// A dense forward call since `launches_before` (this thread's Hopper
+/// launch count) ran on the Hopper kernels exactly when they serve it: the
+/// instance has the Hopper forward on, the dtype is 16-bit and a line
+/// serves the head dim. A tensor map the driver refused would otherwise
+/// send the call to the `mma.sync` kernels unseen.
+fn check_forward_path<T: AttnElement>(
+    gpu: &Gpu,
+    head_dim: usize,
+    launches_before: u64,
+    what: &str,
+) -> Result<(), String> {
+    let served = gpu.fa.hopper_forward()
+        && T::DTYPE != Dtype::F32
+        && hopper_line_head_dim(head_dim).is_some();
+    let ran = flash_attn::hopper::launches_on_this_thread() - launches_before;
+    if ran == served as u64 {
+        Ok(())
+    } else {
+        Err(format!(
+            "{what}: {ran} Hopper launches, want {} (hopper_forward() = {})",
+            served as u64,
+            gpu.fa.hopper_forward()
+        ))
+    }
+}
+
+/// Every element of `got` outside `layout`'s view is still the NaN it was
+/// poisoned with.
+fn check_untouched_outside<T: AttnElement>(
+    got: &[T],
+    layout: &Layout,
+    what: &str,
+) -> Result<(), String> {
+    let [b, s, h, d] = layout.shape;
+    let mut inside = vec![false; got.len()];
+    for bi in 0..b {
+        for si in 0..s {
+            for hi in 0..h {
+                let row = bi * layout.strides[0] + si * layout.strides[1] + hi * layout.strides[2];
+                inside[row..row + d].fill(true);
+            }
+        }
+    }
+    match (0..got.len()).find(|&i| !inside[i] && !got[i].to_f64().is_nan()) {
+        Some(i) => Err(format!(
+            "{what}: element {i} outside O's view was written ({})",
+            got[i].to_f64()
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Compares `got` (laid out by `layout`) with the contiguous reference, row
@@ -217,7 +286,13 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
     let buf = |i: usize| if c.packed_qkv { &bufs[0] } else { &bufs[i] };
     let view = |i: usize| TensorRef::new(buf(i).slice(offsets[i]..), layouts[i]);
 
-    let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
+    // O's heads [`O_GAP`] elements apart: a kernel that writes past the
+    // head dim (a Hopper line that serves a smaller one stores only its
+    // first columns) hits the gap.
+    let o_layout = gapped_layout([b, sq, h, d]);
+    let o_len = b * o_layout.strides[0];
+    let launches = flash_attn::hopper::launches_on_this_thread();
+    let mut o = s.clone_htod(&vec![nan::<T>(); o_len]).map_err(e)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     let opts = AttnOptions {
         causal: c.causal,
@@ -233,7 +308,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
                 &view(0),
                 &view(1),
                 &view(2),
-                &mut TensorMut::new(o.as_view_mut(), q_layout),
+                &mut TensorMut::new(o.as_view_mut(), o_layout),
                 if c.with_lse {
                     Some(&mut lse_view)
                 } else {
@@ -243,6 +318,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
             )
             .map_err(|x| x.to_string())?;
     }
+    check_forward_path::<T>(gpu, d, launches, &format!("{c:?}"))?;
     let o_host = s.clone_dtoh(&o).map_err(e)?;
     let lse_host = s.clone_dtoh(&lse).map_err(e)?;
 
@@ -258,7 +334,8 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
         ..Default::default()
     };
     let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
-    check_output(&o_host, &q_layout, &want.o, &format!("{c:?}"))?;
+    check_output(&o_host, &o_layout, &want.o, &format!("{c:?}"))?;
+    check_untouched_outside(&o_host, &o_layout, &format!("{c:?}"))?;
     if c.with_lse {
         check_lse(&lse_host, &want.lse, &format!("{c:?}"))?;
     } else if lse_host.iter().any(|x| !x.is_nan()) {
@@ -950,8 +1027,11 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
-    let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
+    // As in `run_forward`: O with gaps, and the path checked.
+    let ol = gapped_layout([b, sq, h, d]);
+    let mut o = poisoned::<T>(gpu, b * ol.strides[0])?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    let launches = flash_attn::hopper::launches_on_this_thread();
     let shape = ForwardShape {
         batch: b,
         seqlen_q: sq,
@@ -976,7 +1056,7 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
                 &TensorRef::new(x.q.as_view(), ql),
                 &TensorRef::new(x.k.as_view(), kvl),
                 &TensorRef::new(x.v.as_view(), kvl),
-                &mut TensorMut::new(o.as_view_mut(), ql),
+                &mut TensorMut::new(o.as_view_mut(), ol),
                 Some(&mut lse_view),
                 opts,
             )
@@ -989,12 +1069,10 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             extras,
         ))
     })?;
-    check_output(
-        &s.clone_dtoh(&o).map_err(e)?,
-        &ql,
-        &want.o,
-        &format!("{c:?}"),
-    )?;
+    check_forward_path::<T>(gpu, d, launches, &format!("{c:?}"))?;
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    check_output(&o_host, &ol, &want.o, &format!("{c:?}"))?;
+    check_untouched_outside(&o_host, &ol, &format!("{c:?}"))?;
     check_lse(
         &s.clone_dtoh(&lse).map_err(e)?,
         &want.lse,
@@ -1820,24 +1898,22 @@ fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
     Ok(())
 }
 
-/// The head dims of the Hopper forward's table lines.
+/// The head dims the Hopper forward serves: its lines' own and the smaller
+/// ones that run on them with zero columns (`hopper_line_head_dim`).
 fn hopper_head_dims() -> Vec<usize> {
-    let mut dims: Vec<usize> = HOPPER_ENTRIES
-        .iter()
-        .filter(|e| e.kind == KernelKind::WgmmaForward)
-        .map(|e| e.head_dim)
-        .collect();
-    dims.sort();
-    dims.dedup();
-    dims
+    flash_attn::SUPPORTED_HEAD_DIMS
+        .into_iter()
+        .filter(|&d| hopper_line_head_dim(d).is_some())
+        .collect()
 }
 
-/// Every row count of a head dim's Hopper lines, as `hopper_rows` asks for
-/// them: the fixed cases run each line of the head dim.
+/// Every row count of the Hopper lines that serve a head dim, as
+/// `hopper_rows` asks for them: the fixed cases run each of those lines.
 fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
+    let line_d = hopper_line_head_dim(head_dim);
     let mut rows: Vec<usize> = HOPPER_ENTRIES
         .iter()
-        .filter(|e| e.kind == KernelKind::WgmmaForward && e.head_dim == head_dim)
+        .filter(|e| e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d)
         .map(|e| e.rows)
         .collect();
     rows.sort();
@@ -2145,6 +2221,7 @@ fn run_tma_probes(gpu: &Gpu, map_source: u32) -> Result<(), String> {
         (64, 64, 1000, 3),
         (128, 176, 2000, 2),
         (256, 80, 777, 2),
+        (192, 112, 1000, 2),
         (128, 128, 128, 1),
     ]
     .into_iter()

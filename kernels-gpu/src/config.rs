@@ -948,12 +948,14 @@ impl HopperTile {
 
     /// The tile of a head dimension with `rows` query rows per CTA; `None`
     /// when the Hopper path has none (SW128 tiles hold whole 64-column
-    /// groups: D = 96 needs the 64-byte swizzle, D = 192 a 112-key block;
-    /// both stay on the sm_90 kernels). Per consumer thread, S takes
+    /// groups, so D is a multiple of 64; smaller head dims run on the next
+    /// tile, [`hopper_line_head_dim`]). Per consumer thread, S takes
     /// block_n / 2 f32 registers, P block_n / 4 and O D / 2: D = 64 and 128
-    /// take 128-key blocks (O 32-64, S 64, P 32); D = 256 takes 80 keys as
-    /// FlashAttention-3 does (O 128, S 40, P 20), and its Q plus two K and V
-    /// stages then fill 225 of 227 KiB. Rows: 128 (two consumer warpgroups)
+    /// take 128-key blocks (O 32-64, S 64, P 32); D = 192 takes 112 keys
+    /// (O 96, S 56, P 28; with 128 keys two K and V stages would not fit in
+    /// shared memory) and D = 256 80 keys as FlashAttention-3 does (O 128,
+    /// S 40, P 20): Q plus two K and V stages then fill 217 and 225 of 227
+    /// KiB. Rows: 128 (two consumer warpgroups)
     /// for every head dim; 192 (three, as FlashAttention-3 at D = 64) for
     /// D = 64, whose S, P and O fit the 160 registers three consumers leave
     /// each, so a CTA's fixed cost (prologue, the first K block's latency,
@@ -965,6 +967,7 @@ impl HopperTile {
     ) -> Option<HopperTile> {
         let block_n = match head_dim {
             64 | 128 => 128,
+            192 => 112,
             256 => 80,
             _ => return None,
         };
@@ -983,9 +986,9 @@ impl HopperTile {
             block_m: rows,
             block_n,
             stages: 2,
-            // Measured per head dim (docs/perf-notes.md, v16); the turn
-            // barriers pair two warpgroups. The D = 256 window/modifier line
-            // spills with them.
+            // Measured per head dim (docs/perf-notes.md, v16; D = 192 as
+            // 256, not measured); the turn barriers pair two warpgroups.
+            // The D = 256 window/modifier line spills with them.
             pingpong: match head_dim {
                 64 => false,
                 128 => true,
@@ -1057,7 +1060,8 @@ impl HopperTile {
 ///   and `local modified` for every other dense call (windows, non-causal
 ///   modifiers); packed and paged sequences stay on `Sm90` (TMA boxes do
 ///   not stop at a sequence's end). D = 64 has 192-row lines besides the
-///   128-row ones (not `local modified`, which spills with 192).
+///   128-row ones (not `local modified`, which spills with 192). A head dim
+///   without lines runs on the next one's ([`hopper_line_head_dim`]).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
@@ -1065,8 +1069,9 @@ impl HopperTile {
 /// - `tma D`: a probe that copies [S, H, D] tiles through a two-stage TMA +
 ///   mbarrier ring and back out with a TMA store.
 ///
-/// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys)
-/// and 256 (80 keys), P·V at the same, and the 128 x 128 causal tile.
+/// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys),
+/// 192 (112 keys) and 256 (80 keys), P·V at the same, and the 128 x 128
+/// causal tile; TMA boxes of every line head dim.
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
@@ -1081,6 +1086,10 @@ macro_rules! hopper_entries {
             fwd f16 128 causal plain dense 128;
             fwd f16 128 causal modified dense 128;
             fwd f16 128 local modified dense 128;
+            fwd f16 192 full plain dense 128;
+            fwd f16 192 causal plain dense 128;
+            fwd f16 192 causal modified dense 128;
+            fwd f16 192 local modified dense 128;
             fwd f16 256 full plain dense 128;
             fwd f16 256 causal plain dense 128;
             fwd f16 256 causal modified dense 128;
@@ -1096,6 +1105,10 @@ macro_rules! hopper_entries {
             fwd bf16 128 causal plain dense 128;
             fwd bf16 128 causal modified dense 128;
             fwd bf16 128 local modified dense 128;
+            fwd bf16 192 full plain dense 128;
+            fwd bf16 192 causal plain dense 128;
+            fwd bf16 192 causal modified dense 128;
+            fwd bf16 192 local modified dense 128;
             fwd bf16 256 full plain dense 128;
             fwd bf16 256 causal plain dense 128;
             fwd bf16 256 causal modified dense 128;
@@ -1104,16 +1117,21 @@ macro_rules! hopper_entries {
             wgmma f16 128 128;
             wgmma f16 176 128;
             wgmma f16 128 176;
+            wgmma f16 112 192;
+            wgmma f16 192 112;
             wgmma f16 80 256;
             wgmma f16 256 80;
             wgmma bf16 64 64;
             wgmma bf16 128 128;
             wgmma bf16 176 128;
             wgmma bf16 128 176;
+            wgmma bf16 112 192;
+            wgmma bf16 192 112;
             wgmma bf16 80 256;
             wgmma bf16 256 80;
             tma 64;
             tma 128;
+            tma 192;
             tma 256;
         }
     };
@@ -1209,16 +1227,41 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
     }
 }
 
-/// The Hopper forward entry for a call: the first line whose policies cover
-/// it and whose rows are `rows` (the caller's choice, else [`hopper_rows`]),
-/// else the first line that covers it; `None` sends the call to the `Sm90`
-/// module's kernels.
+/// The head dim of the Hopper forward lines that serve `head_dim`: the
+/// smallest line head dim at least as large. A smaller head dim runs on its
+/// tile with zero columns: the TMA boxes read the columns past the tensors'
+/// head dim as zeros, which add nothing to Q·Kᵀ and give O columns the
+/// epilogue does not store (`AttnParams::head_dim`). So D = 32 runs on the
+/// D = 64 lines and D = 96 on the D = 128 lines, at 2x and 4/3x the FLOPs.
+/// `None` past the widest line.
+pub const fn hopper_line_head_dim(head_dim: usize) -> Option<usize> {
+    let mut best: Option<usize> = None;
+    let mut i = 0;
+    while i < HOPPER_ENTRIES.len() {
+        let e = &HOPPER_ENTRIES[i];
+        if matches!(e.kind, KernelKind::WgmmaForward) && e.head_dim >= head_dim {
+            best = match best {
+                Some(b) if b <= e.head_dim => Some(b),
+                _ => Some(e.head_dim),
+            };
+        }
+        i += 1;
+    }
+    best
+}
+
+/// The Hopper forward entry for a call: among the lines of
+/// [`hopper_line_head_dim`], the first whose policies cover it and whose
+/// rows are `rows` (the caller's choice, else [`hopper_rows`]), else the
+/// first that covers it; `None` sends the call to the `Sm90` module's
+/// kernels.
 pub fn find_hopper_entry(call: &HopperCall, rows: Option<usize>) -> Option<&'static Entry> {
     let rows = rows.unwrap_or(hopper_rows(call));
-    let mut covering = HOPPER_ENTRIES.iter().filter(|e| {
+    let head_dim = hopper_line_head_dim(call.head_dim)?;
+    let mut covering = HOPPER_ENTRIES.iter().filter(move |e| {
         e.kind == KernelKind::WgmmaForward
             && e.dtype == call.dtype
-            && e.head_dim == call.head_dim
+            && e.head_dim == head_dim
             && e.policies.covers(call.need)
     });
     let first = covering.clone().next();

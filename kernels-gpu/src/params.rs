@@ -124,6 +124,10 @@ pub struct AttnParams {
     /// Packed K/V rows, or with a `block_table` the capacity per sequence
     /// (max_pages x page_size); see `total_q`.
     pub total_k: u32,
+    /// Head dim of Q, K, V and O. Read by the Hopper forward only, whose
+    /// lines also serve smaller head dims (`config::hopper_line_head_dim`):
+    /// it stores the first `head_dim` columns of O (at most its D; 0 = D).
+    pub head_dim: u32,
 }
 
 /// Parameters of the KV-cache append kernel: copies K/V_new [B, Snew, Hkv, D]
