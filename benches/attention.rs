@@ -460,7 +460,7 @@ fn shapes() -> Vec<Shape> {
     // 64 and 128 with zero columns; D = 192 has its own), as the sweep.
     for head_dim in [32, 192] {
         for causal in [false, true] {
-            for seqlen in [1024, 4096, 16384] {
+            for seqlen in [1024, 2048, 4096, 16384] {
                 v.push(fwd(
                     Dtype::F16,
                     16384 / seqlen,

@@ -89,8 +89,11 @@ pub struct AttnOptions<'a> {
     /// Dense forward on the Hopper kernels only: query rows per CTA, 128 or
     /// 192, instead of the heuristic's choice (`config::hopper_rows`); a head
     /// dim without lines of those rows (192 exists for D = 64) keeps its own.
-    /// For tuning and tests; other GPUs and the `mma.sync` path ignore it,
-    /// other values are refused, and decode and varlen calls refuse it.
+    /// Setting it also runs a call on its Hopper line where the heuristic
+    /// would keep it on `mma.sync` (`config::hopper_padded_short`: D = 32
+    /// over few keys). For tuning and tests; other GPUs and the `mma.sync`
+    /// path ignore it, other values are refused, and decode and varlen calls
+    /// refuse it.
     pub hopper_rows: Option<usize>,
 }
 

@@ -1899,6 +1899,44 @@ mod config {
         }
     }
 
+    /// A head dim the Hopper lines serve at twice its width or more (D = 32
+    /// and below on the D = 64 lines) stays on the `mma.sync` kernels under
+    /// `HOPPER_PADDED_MIN_KEYS` keys unless the caller asks for the line's
+    /// rows; wider head dims (96 on 128) and exact ones take their lines at
+    /// any length.
+    #[test]
+    fn hopper_padded_short_calls_stay_on_mma_sync() {
+        let call = |head_dim, seqlen_k| HopperCall {
+            dtype: Dtype::F16,
+            head_dim,
+            need: Policies {
+                mask: MaskKind::Causal,
+                score: ScoreKind::Plain,
+                seq: SeqKind::Dense,
+            },
+            batch: 1,
+            heads: 8,
+            seqlen_q: 64,
+            seqlen_k,
+            num_sms: 132,
+        };
+        let short = HOPPER_PADDED_MIN_KEYS - 1;
+        for d in [8, 16, 24, 32] {
+            assert!(hopper_padded_short(d, short), "{d}");
+            assert!(!hopper_padded_short(d, HOPPER_PADDED_MIN_KEYS), "{d}");
+            assert!(find_hopper_entry(&call(d, short), None).is_none(), "{d}");
+            let asked = find_hopper_entry(&call(d, short), Some(128)).unwrap();
+            assert_eq!(asked.head_dim, 64);
+            let long = find_hopper_entry(&call(d, HOPPER_PADDED_MIN_KEYS), None).unwrap();
+            assert_eq!(long.head_dim, 64);
+        }
+        for d in [40, 64, 72, 96, 128, 192, 256] {
+            assert!(!hopper_padded_short(d, 1), "{d}");
+            assert!(find_hopper_entry(&call(d, 1), None).is_some(), "{d}");
+        }
+        assert!(!hopper_padded_short(264, 1));
+    }
+
     /// The Hopper rows heuristic: 192 only for a call of at least one wave of
     /// 192-row CTAs that is not causal over fewer than
     /// `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; and every Hopper forward line is

@@ -24,7 +24,7 @@ use flash_attn::{
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{
-    hopper_line_head_dim, AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES,
+    hopper_line_head_dim, hopper_padded_short, AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES,
 };
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
@@ -113,18 +113,20 @@ fn gapped_layout(shape: [usize; 4]) -> Layout {
 
 /// A dense forward call since `launches_before` (this thread's Hopper
 /// launch count) ran on the Hopper kernels exactly when they serve it: the
-/// instance has the Hopper forward on, the dtype is 16-bit and a line
-/// serves the head dim. A tensor map the driver refused would otherwise
-/// send the call to the `mma.sync` kernels unseen.
+/// instance has the Hopper forward on, the dtype is 16-bit, a line serves
+/// the head dim, and the call asked for the line's rows or the dispatch
+/// takes it (`hopper_padded_short`). A tensor map the driver refused would
+/// otherwise send the call to the `mma.sync` kernels unseen.
 fn check_forward_path<T: AttnElement>(
     gpu: &Gpu,
-    head_dim: usize,
+    (head_dim, seqlen_k, hopper_rows): (usize, usize, Option<usize>),
     launches_before: u64,
     what: &str,
 ) -> Result<(), String> {
     let served = gpu.fa.hopper_forward()
         && T::DTYPE != Dtype::F32
-        && hopper_line_head_dim(head_dim).is_some();
+        && hopper_line_head_dim(head_dim).is_some()
+        && (hopper_rows.is_some() || !hopper_padded_short(head_dim, seqlen_k));
     let ran = flash_attn::hopper::launches_on_this_thread() - launches_before;
     if ran == served as u64 {
         Ok(())
@@ -318,7 +320,12 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
             )
             .map_err(|x| x.to_string())?;
     }
-    check_forward_path::<T>(gpu, d, launches, &format!("{c:?}"))?;
+    check_forward_path::<T>(
+        gpu,
+        (d, c.seqlen_k, c.hopper_rows),
+        launches,
+        &format!("{c:?}"),
+    )?;
     let o_host = s.clone_dtoh(&o).map_err(e)?;
     let lse_host = s.clone_dtoh(&lse).map_err(e)?;
 
@@ -1069,7 +1076,12 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             extras,
         ))
     })?;
-    check_forward_path::<T>(gpu, d, launches, &format!("{c:?}"))?;
+    check_forward_path::<T>(
+        gpu,
+        (d, c.seqlen_k, c.hopper_rows),
+        launches,
+        &format!("{c:?}"),
+    )?;
     let o_host = s.clone_dtoh(&o).map_err(e)?;
     check_output(&o_host, &ol, &want.o, &format!("{c:?}"))?;
     check_untouched_outside(&o_host, &ol, &format!("{c:?}"))?;

@@ -1250,12 +1250,33 @@ pub const fn hopper_line_head_dim(head_dim: usize) -> Option<usize> {
     best
 }
 
+/// Keys per query row from which a head dim that runs on a Hopper line of
+/// at least twice its width (D = 32 on the D = 64 lines) takes that line:
+/// with fewer, the `mma.sync` kernels, which do no padded work, are faster
+/// (H100, D = 32 f16 at 1k keys: 1.07x non-causal, 1.24x causal; at 4k the
+/// Hopper line is 1.16x and 1.05x; docs/perf-notes.md v18).
+pub const HOPPER_PADDED_MIN_KEYS: usize = 4096;
+
+/// Whether the dispatch's own choice keeps a call off the Hopper lines
+/// although one covers it: a head dim padded to at least twice its width,
+/// over fewer than [`HOPPER_PADDED_MIN_KEYS`] keys.
+pub const fn hopper_padded_short(head_dim: usize, seqlen_k: usize) -> bool {
+    match hopper_line_head_dim(head_dim) {
+        Some(line) => line >= 2 * head_dim && seqlen_k < HOPPER_PADDED_MIN_KEYS,
+        None => false,
+    }
+}
+
 /// The Hopper forward entry for a call: among the lines of
 /// [`hopper_line_head_dim`], the first whose policies cover it and whose
 /// rows are `rows` (the caller's choice, else [`hopper_rows`]), else the
 /// first that covers it; `None` sends the call to the `Sm90` module's
-/// kernels.
+/// kernels. Without a caller's `rows`, a [`hopper_padded_short`] call gets
+/// `None`; with them it takes its line (tuning and tests).
 pub fn find_hopper_entry(call: &HopperCall, rows: Option<usize>) -> Option<&'static Entry> {
+    if rows.is_none() && hopper_padded_short(call.head_dim, call.seqlen_k) {
+        return None;
+    }
     let rows = rows.unwrap_or(hopper_rows(call));
     let head_dim = hopper_line_head_dim(call.head_dim)?;
     let mut covering = HOPPER_ENTRIES.iter().filter(move |e| {
