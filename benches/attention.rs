@@ -114,7 +114,7 @@
 //! `FlashAttention::new` took), `--forward-path auto|sm80` (on compute
 //! capability 9.0, `sm80` runs every forward row on the `mma.sync` kernels
 //! instead of the Hopper ones, to compare both; the first line says which),
-//! `--hopper-rows 128|192` (dense forward rows on the Hopper kernels take
+//! `--hopper-rows 64|128|192` (dense forward rows on the Hopper kernels take
 //! that many query rows per CTA where the head dim has such a line, instead
 //! of the heuristic's choice), `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
@@ -1665,9 +1665,9 @@ fn main() {
         }
     });
     let hopper_rows = value_of("--hopper-rows").map(|n| match n.parse::<usize>() {
-        Ok(n @ (128 | 192)) => n,
+        Ok(n @ (64 | 128 | 192)) => n,
         _ => {
-            eprintln!("--hopper-rows wants 128 or 192, not {n:?}");
+            eprintln!("--hopper-rows wants 64, 128 or 192, not {n:?}");
             std::process::exit(2);
         }
     });

@@ -172,8 +172,8 @@ pub enum FlashAttnError {
         max: usize,
     },
 
-    /// `hopper_rows` other than 128 or 192.
-    #[error("hopper_rows must be 128 or 192, got {got}")]
+    /// `hopper_rows` other than 64, 128 or 192.
+    #[error("hopper_rows must be 64, 128 or 192, got {got}")]
     HopperRows {
         /// The value given.
         got: usize,

@@ -86,9 +86,10 @@ pub struct AttnOptions<'a> {
     /// choice, in 1..=128, lowered to what the cache length allows (two key
     /// blocks per split). The forward entry points refuse it.
     pub num_splits: Option<usize>,
-    /// Dense forward on the Hopper kernels only: query rows per CTA, 128 or
-    /// 192, instead of the heuristic's choice (`config::hopper_rows`); a head
-    /// dim without lines of those rows (192 exists for D = 64) keeps its own.
+    /// Dense forward on the Hopper kernels only: query rows per CTA, 64, 128
+    /// or 192, instead of the heuristic's choice (`config::hopper_rows`); a
+    /// call without a line of those rows (192 exists for D = 64, 64 for plain
+    /// full and causal calls at D = 64 and 128) takes its 128-row line.
     /// Setting it also runs a call on its Hopper line where the heuristic
     /// would keep it on `mma.sync` (`config::hopper_padded_short`: D = 32
     /// over few keys). For tuning and tests; other GPUs and the `mma.sync`
@@ -472,7 +473,7 @@ pub fn check_forward(
 ) -> Result<ForwardShape, FlashAttnError> {
     refuse("num_splits", opts.num_splits, "forward")?;
     if let Some(got) = opts.hopper_rows {
-        // The rows of some Hopper line (128 or 192).
+        // The rows of some Hopper line (64, 128 or 192).
         let line = |e: &Entry| e.kind == KernelKind::WgmmaForward && e.rows == got;
         if !HOPPER_ENTRIES.iter().any(line) {
             return Err(FlashAttnError::HopperRows { got });

@@ -1726,7 +1726,7 @@ mod config {
                 let t = e.hopper_tile();
                 assert_eq!(e.threads(PtxArch::Sm90a), t.threads());
                 assert_eq!(e.smem_bytes(PtxArch::Sm90a), t.smem_bytes());
-                assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(1));
+                assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(t.ctas_per_sm));
                 continue;
             }
             assert_eq!(e.kind, KernelKind::Probe, "{e:?}");
@@ -1777,7 +1777,18 @@ mod config {
                 HopperTile::PRODUCER_REGS as usize,
                 t.consumer_regs() as usize,
             );
-            assert!(128 * p + t.consumers * 128 * c <= 65536, "{t:?}");
+            // Registers and shared memory (with the 1 KiB the hardware
+            // reserves per CTA, of 228 KiB per SM) for `ctas_per_sm` CTAs.
+            assert_eq!(t.ctas_per_sm, if t.consumers == 1 { 2 } else { 1 });
+            assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(t.ctas_per_sm));
+            assert!(
+                (128 * p + t.consumers * 128 * c) * t.ctas_per_sm <= 65536,
+                "{t:?}"
+            );
+            assert!(
+                (t.smem_bytes() + 1024) * t.ctas_per_sm <= 228 * 1024,
+                "{t:?}"
+            );
             assert!(p % 8 == 0 && c % 8 == 0 && c <= 256, "{t:?}");
             assert!(!t.pingpong || t.consumers == 2, "{t:?}");
             assert!(
@@ -1874,16 +1885,21 @@ mod config {
                     ),
                 ] {
                     let c = call(dtype, d, need);
-                    for rows in [None, Some(128), Some(192)] {
+                    // The 64-row lines: plain full and causal at D = 64 and 128.
+                    let narrow = line_d <= 128
+                        && line.score == plain
+                        && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
+                    for rows in [None, Some(64), Some(128), Some(192)] {
                         let e = find_hopper_entry(&c, rows).unwrap();
                         assert_eq!(e.policies, line, "{need:?}");
                         assert_eq!((e.head_dim, e.dtype), (line_d, dtype));
-                        // 192 rows where asked for (or chosen) and the line has them.
+                        // Rows where asked for (or chosen) and the line has
+                        // them, else 128.
                         let asked = rows.unwrap_or(hopper_rows(&c));
-                        let want = if line_d == 64 && wide && asked == 192 {
-                            192
-                        } else {
-                            128
+                        let want = match asked {
+                            192 if line_d == 64 && wide => 192,
+                            64 if narrow => 64,
+                            _ => 128,
                         };
                         assert_eq!(e.rows, want, "{need:?} {rows:?}");
                         assert_eq!(e.hopper_tile().block_m, want);
@@ -2005,7 +2021,7 @@ mod config {
                     need: e.policies,
                     ..base
                 };
-                for rows in [Some(128), Some(192)] {
+                for rows in [Some(64), Some(128), Some(192)] {
                     reached.insert(find_hopper_entry(&c, rows).unwrap().name);
                 }
             }
@@ -2628,12 +2644,12 @@ mod kvcache_validation {
             })
         ));
         assert!(check_forward(&q, &kv, &kv, &o, None, &AttnOptions::default()).is_ok());
-        // hopper_rows: 128 or 192 on the dense forward, refused elsewhere.
+        // hopper_rows: 64, 128 or 192 on the dense forward, refused elsewhere.
         let rows = |r| AttnOptions {
             hopper_rows: Some(r),
             ..Default::default()
         };
-        for r in [128, 192] {
+        for r in [64, 128, 192] {
             assert!(check_forward(&q, &kv, &kv, &o, None, &rows(r)).is_ok());
             assert!(matches!(
                 decode(&rows(r)),
@@ -2643,7 +2659,7 @@ mod kvcache_validation {
                 })
             ));
         }
-        for r in [0, 64, 127, 256] {
+        for r in [0, 32, 127, 256] {
             assert!(matches!(
                 check_forward(&q, &kv, &kv, &o, None, &rows(r)),
                 Err(FlashAttnError::HopperRows { got }) if got == r

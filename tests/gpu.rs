@@ -1939,7 +1939,7 @@ fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
 fn hopper_line() -> impl Strategy<Value = (usize, Option<usize>)> {
     (
         prop::sample::select(hopper_head_dims()),
-        prop::sample::select(vec![None, Some(128), Some(192)]),
+        prop::sample::select(vec![None, Some(64), Some(128), Some(192)]),
     )
 }
 

@@ -631,7 +631,8 @@ impl Entry {
     pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
-            KernelKind::Probe | KernelKind::WgmmaForward => Some(1),
+            KernelKind::Probe => Some(1),
+            KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
     }
@@ -938,6 +939,11 @@ pub struct HopperTile {
     /// (FlashAttention-3's ping-pong), so that one's softmax runs while the
     /// tensor cores work on the other's GEMMs.
     pub pingpong: bool,
+    /// CTAs that share one SM (`.minnctapersm`): 2 for the one-consumer
+    /// tiles, so that one CTA's prologue, first-block latency and epilogue
+    /// run under the other's GEMMs, as the tile loop of a persistent CTA
+    /// would hide them; 1 otherwise.
+    pub ctas_per_sm: usize,
 }
 
 impl HopperTile {
@@ -959,16 +965,22 @@ impl HopperTile {
     /// for every head dim; 192 (three, as FlashAttention-3 at D = 64) for
     /// D = 64, whose S, P and O fit the 160 registers three consumers leave
     /// each, so a CTA's fixed cost (prologue, the first K block's latency,
-    /// epilogue) and its K/V traffic spread over 1.5x the rows.
+    /// epilogue) and its K/V traffic spread over 1.5x the rows; 64 (one
+    /// consumer with 232 registers, two CTAs per SM) for D = 64 and 128, so
+    /// that on short rows one CTA's fixed cost runs under the other's GEMMs
+    /// (D = 128 then takes 64-key blocks: two CTAs fit 2 x 82 KiB).
     pub const fn for_head_dim(
         head_dim: usize,
         policies: Policies,
         rows: usize,
     ) -> Option<HopperTile> {
-        let block_n = match head_dim {
-            64 | 128 => 128,
-            192 => 112,
-            256 => 80,
+        let block_n = match (head_dim, rows) {
+            // Two CTAs of Q plus two K and V stages of 128 keys would take
+            // 2 x 145 KiB.
+            (128, 64) => 64,
+            (64 | 128, _) => 128,
+            (192, _) => 112,
+            (256, _) => 80,
             _ => return None,
         };
         let local_modified = matches!(
@@ -976,7 +988,7 @@ impl HopperTile {
             (MaskKind::Local, ScoreKind::Modified)
         );
         match (rows, head_dim) {
-            (128, _) | (192, 64) => {}
+            (128, _) | (192, 64) | (64, 64 | 128) => {}
             _ => return None,
         }
         let consumers = rows / WGMMA_M;
@@ -990,10 +1002,12 @@ impl HopperTile {
             // 256, not measured); the turn barriers pair two warpgroups.
             // The D = 256 window/modifier line spills with them.
             pingpong: match head_dim {
+                _ if consumers != 2 => false,
                 64 => false,
                 128 => true,
                 _ => !local_modified,
             },
+            ctas_per_sm: if consumers == 1 { 2 } else { 1 },
         })
     }
 
@@ -1009,11 +1023,11 @@ impl HopperTile {
     pub const fn threads(self) -> usize {
         (1 + self.consumers) * WARPGROUP_THREADS
     }
-    /// Registers per consumer thread: what the producer leaves of the 64K,
-    /// rounded down to `setmaxnreg`'s multiple of 8 (two consumers: 240,
-    /// three: 160).
+    /// Registers per consumer thread: what the producer leaves of the CTA's
+    /// share of the 64K, rounded down to `setmaxnreg`'s multiple of 8 (one
+    /// consumer, two CTAs per SM: 232; two consumers: 240; three: 160).
     pub const fn consumer_regs(self) -> u32 {
-        let left = 65536 - WARPGROUP_THREADS * Self::PRODUCER_REGS as usize;
+        let left = 65536 / self.ctas_per_sm - WARPGROUP_THREADS * Self::PRODUCER_REGS as usize;
         (left / (self.consumers * WARPGROUP_THREADS)) as u32 & !7
     }
     /// Bytes of the Q tile.
@@ -1060,8 +1074,10 @@ impl HopperTile {
 ///   and `local modified` for every other dense call (windows, non-causal
 ///   modifiers); packed and paged sequences stay on `Sm90` (TMA boxes do
 ///   not stop at a sequence's end). D = 64 has 192-row lines besides the
-///   128-row ones (not `local modified`, which spills with 192). A head dim
-///   without lines runs on the next one's ([`hopper_line_head_dim`]).
+///   128-row ones (not `local modified`, which spills with 192), and D = 64
+///   and 128 64-row lines (one consumer, two CTAs per SM) for plain full
+///   and causal calls. A head dim without lines runs on the next one's
+///   ([`hopper_line_head_dim`]).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
@@ -1082,10 +1098,14 @@ macro_rules! hopper_entries {
             fwd f16 64 causal plain dense 128;
             fwd f16 64 causal modified dense 128;
             fwd f16 64 local modified dense 128;
+            fwd f16 64 full plain dense 64;
+            fwd f16 64 causal plain dense 64;
             fwd f16 128 full plain dense 128;
             fwd f16 128 causal plain dense 128;
             fwd f16 128 causal modified dense 128;
             fwd f16 128 local modified dense 128;
+            fwd f16 128 full plain dense 64;
+            fwd f16 128 causal plain dense 64;
             fwd f16 192 full plain dense 128;
             fwd f16 192 causal plain dense 128;
             fwd f16 192 causal modified dense 128;
@@ -1101,10 +1121,14 @@ macro_rules! hopper_entries {
             fwd bf16 64 causal plain dense 128;
             fwd bf16 64 causal modified dense 128;
             fwd bf16 64 local modified dense 128;
+            fwd bf16 64 full plain dense 64;
+            fwd bf16 64 causal plain dense 64;
             fwd bf16 128 full plain dense 128;
             fwd bf16 128 causal plain dense 128;
             fwd bf16 128 causal modified dense 128;
             fwd bf16 128 local modified dense 128;
+            fwd bf16 128 full plain dense 64;
+            fwd bf16 128 causal plain dense 64;
             fwd bf16 192 full plain dense 128;
             fwd bf16 192 causal plain dense 128;
             fwd bf16 192 causal modified dense 128;
@@ -1270,7 +1294,7 @@ pub const fn hopper_padded_short(head_dim: usize, seqlen_k: usize) -> bool {
 /// The Hopper forward entry for a call: among the lines of
 /// [`hopper_line_head_dim`], the first whose policies cover it and whose
 /// rows are `rows` (the caller's choice, else [`hopper_rows`]), else the
-/// first that covers it; `None` sends the call to the `Sm90` module's
+/// first 128-row one that covers it, else the first that covers it; `None` sends the call to the `Sm90` module's
 /// kernels. Without a caller's `rows`, a [`hopper_padded_short`] call gets
 /// `None`; with them it takes its line (tuning and tests).
 pub fn find_hopper_entry(call: &HopperCall, rows: Option<usize>) -> Option<&'static Entry> {
@@ -1286,7 +1310,11 @@ pub fn find_hopper_entry(call: &HopperCall, rows: Option<usize>) -> Option<&'sta
             && e.policies.covers(call.need)
     });
     let first = covering.clone().next();
-    covering.find(|e| e.rows == rows).or(first)
+    let two_consumers = covering.clone().find(|e| e.rows == 2 * WGMMA_M);
+    covering
+        .find(|e| e.rows == rows)
+        .or(two_consumers)
+        .or(first)
 }
 
 /// The first (most specialised) entry of `kind` for `dtype` and `head_dim`
