@@ -47,6 +47,10 @@
 //! `--filter seed-SmolLM --timing graph` prints that report's columns (ms,
 //! tokens/s, memory, max error). `scripts/compare-torch.py` skips f32 rows.
 //!
+//! The `small-grid` rows are batch-1 prompts on few heads (8 x 512, 4 x 2k,
+//! 16 x 1k at D = 64 and 128, causal and not): grids smaller than an H100's
+//! SMs, which the Hopper dispatch serves with 64-row tiles.
+//!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-scores` (softcap, ALiBi, sinks),
@@ -497,6 +501,16 @@ fn shapes() -> Vec<Shape> {
     v.push(fwd(Dtype::F16, 1, 8, 512, 64, false, "seed-3060"));
     for s in [512, 1024, 2048, 4096, 8192] {
         v.push(fwd(Dtype::F16, 8, 32, s, 64, false, "seed-A100"));
+    }
+    // Batch-1 prompts on few heads: grids of at most an H100's SMs in 64-row
+    // CTAs, which the Hopper dispatch gives 64-row tiles, and a larger one
+    // (16 heads of 1k).
+    for head_dim in [64, 128] {
+        for causal in [false, true] {
+            for (h, s) in [(8, 512), (4, 2048), (16, 1024)] {
+                v.push(fwd(Dtype::F16, 1, h, s, head_dim, causal, "small-grid"));
+            }
+        }
     }
     // The T4 report (SmolLM-135M) ran f32: both dtypes.
     for dtype in [Dtype::F16, Dtype::F32] {

@@ -1953,11 +1953,12 @@ mod config {
         assert!(!hopper_padded_short(264, 1));
     }
 
-    /// The Hopper rows heuristic: 192 only for a call of at least one wave of
-    /// 192-row CTAs that is not causal over fewer than
-    /// `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; and every Hopper forward line is
-    /// reachable with `hopper_rows` (the GPU suite's random trials ask for
-    /// each), so each line's kernel is tested.
+    /// The Hopper rows heuristic: 64 over few keys on the D = 64 and 128
+    /// lines, or where 64-row CTAs do not outnumber the SMs; 192 for a call
+    /// of at least one wave of 192-row CTAs that is not causal over fewer
+    /// than `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; else 128. And every Hopper
+    /// forward line is reachable with `hopper_rows` (the GPU suite's random
+    /// trials ask for each), so each line's kernel is tested.
     #[test]
     fn hopper_rows_choice() {
         let plain = |mask| Policies {
@@ -1972,7 +1973,7 @@ mod config {
             batch: 1,
             heads: 44,
             seqlen_q: 576,
-            seqlen_k: 512,
+            seqlen_k: 4096,
             num_sms: 132,
         };
         // 3 x 44 = 132 CTAs of 192 rows: one wave.
@@ -1994,21 +1995,64 @@ mod config {
         );
         let causal = HopperCall {
             need: plain(MaskKind::Causal),
+            seqlen_k: HOPPER_WIDE_CAUSAL_MIN_KEYS - 1,
             ..base
         };
-        assert_eq!(hopper_rows(&causal), 128);
-        let long = HopperCall {
-            seqlen_k: HOPPER_WIDE_CAUSAL_MIN_KEYS,
+        let wide_causal = HopperCall {
+            seqlen_k: HOPPER_NARROW_MAX_KEYS_D64[1] + 1,
             ..causal
         };
-        assert_eq!(hopper_rows(&long), 192);
-        assert_eq!(
-            hopper_rows(&HopperCall {
-                seqlen_k: HOPPER_WIDE_CAUSAL_MIN_KEYS - 1,
+        assert_eq!(hopper_rows(&wide_causal), 192);
+        // Few keys: 64 rows on the D = 64 and 128 lines (D = 32 and 96 run
+        // on them), up to each line's limits, non-causal and causal.
+        for (d, max) in [
+            (32, HOPPER_NARROW_MAX_KEYS_D64),
+            (64, HOPPER_NARROW_MAX_KEYS_D64),
+            (96, HOPPER_NARROW_MAX_KEYS_D128),
+            (128, HOPPER_NARROW_MAX_KEYS_D128),
+        ] {
+            for (c, max) in [(base, max[0]), (causal, max[1])] {
+                let at = |seqlen_k| {
+                    hopper_rows(&HopperCall {
+                        head_dim: d,
+                        seqlen_k,
+                        ..c
+                    })
+                };
+                if max > 0 {
+                    assert_eq!(at(max), 64, "{d} {c:?}");
+                    assert_eq!(at(1), 64, "{d} {c:?}");
+                }
+                assert_ne!(at(max + 1), 64, "{d} {c:?}");
+            }
+        }
+        // Not past them, nor on lines without 64-row tiles.
+        let causal_d128 = HopperCall {
+            head_dim: 128,
+            ..causal
+        };
+        assert_eq!(hopper_rows(&causal_d128), 128);
+        for d in [192, 256] {
+            let short = HopperCall {
+                head_dim: d,
+                seqlen_k: 128,
                 ..causal
-            }),
-            128
-        );
+            };
+            assert_eq!(hopper_rows(&short), 128);
+        }
+        // Small grids: 64-row CTAs that each get an SM, whatever the keys.
+        for d in [64, 128, 256] {
+            let small = HopperCall {
+                head_dim: d,
+                heads: 2,
+                seqlen_q: 64 * 66,
+                seqlen_k: 16384,
+                ..base
+            };
+            assert_eq!(hopper_rows(&small), 64, "{d}");
+            let seqlen_q = small.seqlen_q + 1;
+            assert_ne!(hopper_rows(&HopperCall { seqlen_q, ..small }), 64, "{d}");
+        }
         let mut reached = HashSet::new();
         for dtype in [Dtype::F16, Dtype::Bf16] {
             for e in HOPPER_ENTRIES

@@ -1235,15 +1235,47 @@ pub struct HopperCall {
 /// 512 and 1k keys, 1.06x at 2k, 1.18x at 16k; docs/perf-notes.md v17).
 pub const HOPPER_WIDE_CAUSAL_MIN_KEYS: usize = 2048;
 
-/// Query rows per CTA for a Hopper forward call: 192 where the call fills
-/// at least one wave of such CTAs (fewer, shorter CTAs finish sooner on an
-/// idle GPU) and is not causal over short rows; 128 otherwise. The lines
-/// of a head dim without 192-row tiles take 128 whatever this says.
+/// Keys per query row below which a plain call on the D = 64 lines takes
+/// the 64-row tiles (two CTAs per SM), non-causal and causal: there a CTA's
+/// fixed cost is a large part of its time, and the other CTA's GEMMs hide
+/// it (H100, over the 192-row tile: non-causal 1.04-1.05x at 512 and 1k
+/// keys, 0.92x at 2k; causal over the 128/192-row tiles 1.13-1.16x at 512
+/// and 1k, 1.02-1.03x at 2k, 0.99-1.01x at 4k; docs/perf-notes.md v19).
+pub const HOPPER_NARROW_MAX_KEYS_D64: [usize; 2] = [1024, 2048];
+
+/// The same for the D = 128 lines, whose 64-row tiles take 64-key blocks:
+/// only causal calls over 512 keys gain (1.03-1.05x; non-causal 0.95x at
+/// 512, causal 0.96x at 1k).
+pub const HOPPER_NARROW_MAX_KEYS_D128: [usize; 2] = [0, 512];
+
+/// Query rows per CTA for a Hopper forward call:
+/// - 64 (one consumer, two CTAs per SM) on the lines of D = 64 and 128
+///   over few keys ([`HOPPER_NARROW_MAX_KEYS_D64`], [`HOPPER_NARROW_MAX_KEYS_D128`]),
+///   or where 64-row CTAs do not outnumber the SMs: each then has an SM to
+///   itself, twice as many SMs as 128-row tiles would use (H100, D = 64, 8
+///   or 9 heads of 512-1k rows: 1.19-1.31x);
+/// - 192 where the call fills at least one wave of such CTAs (fewer,
+///   shorter CTAs finish sooner on an idle GPU) and is not causal over short
+///   rows;
+/// - 128 otherwise.
+///
+/// A call whose line has no tile of the rows chosen takes its 128-row one
+/// ([`find_hopper_entry`]).
 pub const fn hopper_rows(call: &HopperCall) -> usize {
     const WIDE: usize = 3 * WGMMA_M;
+    let causal = matches!(call.need.mask, MaskKind::Causal);
+    let narrow_max = match hopper_line_head_dim(call.head_dim) {
+        Some(64) => HOPPER_NARROW_MAX_KEYS_D64,
+        Some(128) => HOPPER_NARROW_MAX_KEYS_D128,
+        _ => [0, 0],
+    };
+    let few_keys = call.seqlen_k <= narrow_max[causal as usize];
+    let narrow_ctas = call.batch * call.heads * call.seqlen_q.div_ceil(WGMMA_M);
+    if few_keys || narrow_ctas <= call.num_sms {
+        return WGMMA_M;
+    }
     let ctas = call.batch * call.heads * call.seqlen_q.div_ceil(WIDE);
-    let short_causal =
-        matches!(call.need.mask, MaskKind::Causal) && call.seqlen_k < HOPPER_WIDE_CAUSAL_MIN_KEYS;
+    let short_causal = causal && call.seqlen_k < HOPPER_WIDE_CAUSAL_MIN_KEYS;
     if ctas >= call.num_sms && !short_causal {
         WIDE
     } else {
