@@ -53,7 +53,8 @@
 //!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
-//! `policy-window` (sliding windows), `policy-scores` (softcap, ALiBi, sinks),
+//! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
+//! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks),
 //! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
 //! mean length) and `policy-decode` (windowed and soft-capped decode). Their
 //! FLOPs count only the visible (query, key) pairs, exactly, per sequence; the
@@ -576,6 +577,17 @@ fn shapes() -> Vec<Shape> {
         let plain = fwd(Dtype::F16, 1, 16, 16384, 128, causal, "policy-window");
         v.extend([plain, with(plain, Policy::Window(window))]);
     }
+    // gpt-oss-20b's prefill layers (64 heads over 8 KV heads, D = 64): a
+    // 128-key window on alternate layers, sinks on all.
+    let plain = Shape {
+        kv_heads: 8,
+        ..fwd(Dtype::F16, 1, 64, 4096, 64, true, "policy-gptoss")
+    };
+    v.extend([
+        plain,
+        with(plain, Policy::Window(Window::left(128))),
+        with(plain, Policy::Sinks(0.5)),
+    ]);
     for causal in [true, false] {
         let plain = fwd(Dtype::F16, 4, 16, 4096, 128, causal, "policy-scores");
         v.push(plain);

@@ -761,6 +761,10 @@ impl FlashAttention {
             heads: shape.heads,
             seqlen_q: shape.seqlen_q,
             seqlen_k: shape.seqlen_k,
+            window_keys: match (params.window_left, params.window_right) {
+                (l @ 0.., r @ 0..) => Some(l as usize + r as usize + 1),
+                _ => None,
+            },
             num_sms: self.num_sms,
         };
         let Some(entry) = find_hopper_entry(&call, opts.hopper_rows) else {

@@ -1828,6 +1828,7 @@ mod config {
             heads: 32,
             seqlen_q: 4096,
             seqlen_k: 4096,
+            window_keys: None,
             num_sms: 132,
         };
         // f32 stays on the mma.sync kernels.
@@ -1885,10 +1886,12 @@ mod config {
                     ),
                 ] {
                     let c = call(dtype, d, need);
-                    // The 64-row lines: plain full and causal at D = 64 and 128.
-                    let narrow = line_d <= 128
-                        && line.score == plain
-                        && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
+                    // The 64-row lines: every D = 64 line, plain full and
+                    // causal at D = 128.
+                    let narrow = line_d == 64
+                        || line_d == 128
+                            && line.score == plain
+                            && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
                     for rows in [None, Some(64), Some(128), Some(192)] {
                         let e = find_hopper_entry(&c, rows).unwrap();
                         assert_eq!(e.policies, line, "{need:?}");
@@ -1934,6 +1937,7 @@ mod config {
             heads: 8,
             seqlen_q: 64,
             seqlen_k,
+            window_keys: None,
             num_sms: 132,
         };
         let short = HOPPER_PADDED_MIN_KEYS - 1;
@@ -1974,6 +1978,7 @@ mod config {
             heads: 44,
             seqlen_q: 576,
             seqlen_k: 4096,
+            window_keys: None,
             num_sms: 132,
         };
         // 3 x 44 = 132 CTAs of 192 rows: one wave.
@@ -2040,6 +2045,30 @@ mod config {
             };
             assert_eq!(hopper_rows(&short), 128);
         }
+        // A window bounded on both sides counts its width as non-causal
+        // keys; one open on a side counts the sequence.
+        let local = HopperCall {
+            need: plain(MaskKind::Local),
+            seqlen_k: 16384,
+            ..base
+        };
+        let w = HOPPER_NARROW_MAX_KEYS_D64[0];
+        let with = |window_keys| {
+            hopper_rows(&HopperCall {
+                window_keys,
+                ..local
+            })
+        };
+        assert_eq!(with(Some(w)), 64);
+        assert_eq!(with(Some(129)), 64);
+        assert_ne!(with(Some(w + 1)), 64);
+        assert_ne!(with(None), 64);
+        let short = HopperCall {
+            seqlen_k: w,
+            window_keys: Some(4 * w),
+            ..local
+        };
+        assert_eq!(hopper_rows(&short), 64);
         // Small grids: 64-row CTAs that each get an SM, whatever the keys.
         for d in [64, 128, 256] {
             let small = HopperCall {

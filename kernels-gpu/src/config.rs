@@ -1074,9 +1074,9 @@ impl HopperTile {
 ///   and `local modified` for every other dense call (windows, non-causal
 ///   modifiers); packed and paged sequences stay on `Sm90` (TMA boxes do
 ///   not stop at a sequence's end). D = 64 has 192-row lines besides the
-///   128-row ones (not `local modified`, which spills with 192), and D = 64
-///   and 128 64-row lines (one consumer, two CTAs per SM) for plain full
-///   and causal calls. A head dim without lines runs on the next one's
+///   128-row ones (not `local modified`, which spills with 192); 64-row
+///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
+///   plain full and causal calls at D = 128. A head dim without lines runs on the next one's
 ///   ([`hopper_line_head_dim`]).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
@@ -1100,6 +1100,8 @@ macro_rules! hopper_entries {
             fwd f16 64 local modified dense 128;
             fwd f16 64 full plain dense 64;
             fwd f16 64 causal plain dense 64;
+            fwd f16 64 causal modified dense 64;
+            fwd f16 64 local modified dense 64;
             fwd f16 128 full plain dense 128;
             fwd f16 128 causal plain dense 128;
             fwd f16 128 causal modified dense 128;
@@ -1123,6 +1125,8 @@ macro_rules! hopper_entries {
             fwd bf16 64 local modified dense 128;
             fwd bf16 64 full plain dense 64;
             fwd bf16 64 causal plain dense 64;
+            fwd bf16 64 causal modified dense 64;
+            fwd bf16 64 local modified dense 64;
             fwd bf16 128 full plain dense 128;
             fwd bf16 128 causal plain dense 128;
             fwd bf16 128 causal modified dense 128;
@@ -1225,6 +1229,9 @@ pub struct HopperCall {
     pub seqlen_q: usize,
     /// Keys per sequence.
     pub seqlen_k: usize,
+    /// Keys one query row sees at most under a sliding window bounded on
+    /// both sides (left + right + 1); `None` without one.
+    pub window_keys: Option<usize>,
     /// The device's streaming multiprocessors.
     pub num_sms: usize,
 }
@@ -1250,7 +1257,8 @@ pub const HOPPER_NARROW_MAX_KEYS_D128: [usize; 2] = [0, 512];
 
 /// Query rows per CTA for a Hopper forward call:
 /// - 64 (one consumer, two CTAs per SM) on the lines of D = 64 and 128
-///   over few keys ([`HOPPER_NARROW_MAX_KEYS_D64`], [`HOPPER_NARROW_MAX_KEYS_D128`]),
+///   over few keys ([`HOPPER_NARROW_MAX_KEYS_D64`], [`HOPPER_NARROW_MAX_KEYS_D128`];
+///   a window bounded on both sides counts its width, as non-causal rows),
 ///   or where 64-row CTAs do not outnumber the SMs: each then has an SM to
 ///   itself, twice as many SMs as 128-row tiles would use (H100, D = 64, 8
 ///   or 9 heads of 512-1k rows: 1.19-1.31x);
@@ -1269,7 +1277,12 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
         Some(128) => HOPPER_NARROW_MAX_KEYS_D128,
         _ => [0, 0],
     };
-    let few_keys = call.seqlen_k <= narrow_max[causal as usize];
+    // A window bounded on both sides: every row sees about as many keys as
+    // a non-causal row of that length.
+    let few_keys = match (call.need.mask, call.window_keys) {
+        (MaskKind::Local, Some(w)) => w <= narrow_max[0] || call.seqlen_k <= narrow_max[0],
+        _ => call.seqlen_k <= narrow_max[causal as usize],
+    };
     let narrow_ctas = call.batch * call.heads * call.seqlen_q.div_ceil(WGMMA_M);
     if few_keys || narrow_ctas <= call.num_sms {
         return WGMMA_M;
