@@ -88,8 +88,8 @@ pub struct AttnOptions<'a> {
     pub num_splits: Option<usize>,
     /// Dense forward on the Hopper kernels only: query rows per CTA, 64, 128
     /// or 192, instead of the heuristic's choice (`config::hopper_rows`); a
-    /// call without a line of those rows (192 exists for D = 64, 64 for plain
-    /// full and causal calls at D = 64 and 128) takes its 128-row line.
+    /// call without a line of those rows (192 exists for D = 64, 64 for D = 64
+    /// and for plain full and causal calls at D = 128) takes its 128-row line.
     /// Setting it also runs a call on its Hopper line where the heuristic
     /// would keep it on `mma.sync` (`config::hopper_padded_short`: D = 32
     /// over few keys). For tuning and tests; other GPUs and the `mma.sync`

@@ -1076,8 +1076,8 @@ impl HopperTile {
 ///   not stop at a sequence's end). D = 64 has 192-row lines besides the
 ///   128-row ones (not `local modified`, which spills with 192); 64-row
 ///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
-///   plain full and causal calls at D = 128. A head dim without lines runs on the next one's
-///   ([`hopper_line_head_dim`]).
+///   plain full and causal calls at D = 128. A head dim without lines runs
+///   on the next one's ([`hopper_line_head_dim`]).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
@@ -1242,8 +1242,8 @@ pub struct HopperCall {
 /// 512 and 1k keys, 1.06x at 2k, 1.18x at 16k; docs/perf-notes.md v17).
 pub const HOPPER_WIDE_CAUSAL_MIN_KEYS: usize = 2048;
 
-/// Keys per query row below which a plain call on the D = 64 lines takes
-/// the 64-row tiles (two CTAs per SM), non-causal and causal: there a CTA's
+/// Keys per query row up to which a call on the D = 64 lines takes the
+/// 64-row tiles (two CTAs per SM), non-causal and causal: there a CTA's
 /// fixed cost is a large part of its time, and the other CTA's GEMMs hide
 /// it (H100, over the 192-row tile: non-causal 1.04-1.05x at 512 and 1k
 /// keys, 0.92x at 2k; causal over the 128/192-row tiles 1.13-1.16x at 512
