@@ -119,7 +119,7 @@
 //! `FlashAttention::new` took), `--forward-path auto|sm80` (on compute
 //! capability 9.0, `sm80` runs every forward row on the `mma.sync` kernels
 //! instead of the Hopper ones, to compare both; the first line says which),
-//! `--hopper-rows 64|128|192` (dense forward rows on the Hopper kernels take
+//! `--hopper-rows 64|128|192` (forward rows on the Hopper kernels take
 //! that many query rows per CTA where the head dim has such a line, instead
 //! of the heuristic's choice), `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
@@ -627,7 +627,7 @@ struct Bench<'a> {
     timing: Timing,
     /// `--splits N`: the decode rows' `num_splits`.
     splits: Option<usize>,
-    /// `--hopper-rows N`: the dense forward rows' `hopper_rows`.
+    /// `--hopper-rows N`: the forward rows' `hopper_rows`.
     hopper_rows: Option<usize>,
 }
 
@@ -1177,8 +1177,8 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
         } else {
             None
         },
-        // Only the dense forward takes it (decode and varlen refuse it).
-        hopper_rows: if s.kind == Kind::Forward && s.policy != Policy::Varlen {
+        // Only the forward takes it (decode refuses it).
+        hopper_rows: if s.kind == Kind::Forward {
             b.hopper_rows
         } else {
             None

@@ -189,6 +189,8 @@ struct Packed {
     cu_seqlens_k: u64,
     total_q: usize,
     total_k: usize,
+    /// The host's bound on a sequence's keys (the Hopper dispatch's length).
+    max_seqlen_k: usize,
     paged: Option<(u64, Paging)>,
 }
 
@@ -607,6 +609,7 @@ impl FlashAttention {
             cu_seqlens_k: cu_k,
             total_q: shape.total_q,
             total_k: shape.total_k,
+            max_seqlen_k: shape.max_seqlen_k,
             paged: None,
         };
         self.launch_forward::<T>(stream, &t, lse_ptr, &shape.grid(), Some(packed), opts)
@@ -663,6 +666,7 @@ impl FlashAttention {
             cu_seqlens_k: seqlens_k,
             total_q: shape.total_q,
             total_k: shape.total_k,
+            max_seqlen_k: shape.max_seqlen_k,
             paged: Some((table, paging)),
         };
         self.launch_forward::<T>(stream, &t, lse_ptr, &shape.grid(), Some(packed), opts)
@@ -679,10 +683,10 @@ impl FlashAttention {
         packed: Option<Packed>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
-        let seq = if packed.is_some() {
-            SeqKind::Ragged
-        } else {
-            SeqKind::Dense
+        let seq = match packed {
+            None => SeqKind::Dense,
+            Some(Packed { paged: None, .. }) => SeqKind::Packed,
+            Some(_) => SeqKind::Ragged,
         };
         let policy = policy_args(
             opts,
@@ -694,6 +698,7 @@ impl FlashAttention {
         );
         let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
         let tile = kernel.tile();
+        let packed_rows = packed.map(|p| (p.total_q, p.total_k, p.max_seqlen_k));
         let packed = packed.unwrap_or_default();
         let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {
@@ -724,9 +729,17 @@ impl FlashAttention {
             head_dim: shape.head_dim as u32,
             ..policy.params
         };
-        if packed.cu_seqlens_q == 0
-            && self.launch_hopper_forward::<T>(stream, t, shape, policy.need, opts, params)?
-        {
+        let on_hopper = packed.paged.is_none()
+            && self.launch_hopper_forward::<T>(
+                stream,
+                t,
+                shape,
+                packed_rows,
+                policy.need,
+                opts,
+                params,
+            )?;
+        if on_hopper {
             return Ok(());
         }
         let grid = (
@@ -737,15 +750,19 @@ impl FlashAttention {
         self.launch(stream, kernel, grid, ByValue(params))
     }
 
-    /// Runs a dense forward call on the Hopper kernels if this instance
-    /// uses them, an entry covers the call and TMA can address the tensors
-    /// (the driver refuses a map, e.g. for a zero stride, and the call then
-    /// stays on the `mma.sync` path). Returns whether it launched.
+    /// Runs a dense or packed forward call on the Hopper kernels if this
+    /// instance uses them, an entry covers the call and TMA can address the
+    /// tensors (the driver refuses a map, e.g. for a zero stride, and the
+    /// call then stays on the `mma.sync` path). `packed`: (total_q, total_k,
+    /// max_seqlen_k) of packed sequences, whose maps span all packed rows as
+    /// one sequence. Returns whether it launched.
+    #[allow(clippy::too_many_arguments)]
     fn launch_hopper_forward<T: AttnElement>(
         &self,
         stream: &CudaStream,
         t: &Bound,
         shape: &ForwardShape,
+        packed: Option<(usize, usize, usize)>,
         need: Policies,
         opts: &AttnOptions,
         params: AttnParams,
@@ -760,7 +777,7 @@ impl FlashAttention {
             batch: shape.batch,
             heads: shape.heads,
             seqlen_q: shape.seqlen_q,
-            seqlen_k: shape.seqlen_k,
+            seqlen_k: packed.map_or(shape.seqlen_k, |p| p.2),
             window_keys: match (params.window_left, params.window_right) {
                 (l @ 0.., r @ 0..) => Some(l as usize + r as usize + 1),
                 _ => None,
@@ -771,6 +788,11 @@ impl FlashAttention {
             return Ok(false);
         };
         let tile = entry.hopper_tile();
+        // (batch, Q rows, K/V rows) of the maps.
+        let (batch, rows_q, rows_k) = match packed {
+            Some((total_q, total_k, _)) => (1, total_q, total_k),
+            None => (shape.batch, shape.seqlen_q, shape.seqlen_k),
+        };
         let map = |x: &TensorInfo, seqlen: usize, heads: usize, box_rows: usize| {
             let s = &x.layout.strides;
             let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
@@ -781,7 +803,7 @@ impl FlashAttention {
                     shape.head_dim as u64,
                     seqlen as u64,
                     heads as u64,
-                    shape.batch as u64,
+                    batch as u64,
                 ],
                 strides: [bytes(s[1]), bytes(s[2]), bytes(s[0])],
                 box_rows: box_rows as u32,
@@ -789,9 +811,9 @@ impl FlashAttention {
             .ok()
         };
         let maps = (
-            map(&t.q, shape.seqlen_q, shape.heads, tile.block_m),
-            map(&t.k, shape.seqlen_k, shape.kv_heads, tile.block_n),
-            map(&t.v, shape.seqlen_k, shape.kv_heads, tile.block_n),
+            map(&t.q, rows_q, shape.heads, tile.block_m),
+            map(&t.k, rows_k, shape.kv_heads, tile.block_n),
+            map(&t.v, rows_k, shape.kv_heads, tile.block_n),
         );
         let (Some(q), Some(k), Some(v)) = maps else {
             return Ok(false);

@@ -86,15 +86,15 @@ pub struct AttnOptions<'a> {
     /// choice, in 1..=128, lowered to what the cache length allows (two key
     /// blocks per split). The forward entry points refuse it.
     pub num_splits: Option<usize>,
-    /// Dense forward on the Hopper kernels only: query rows per CTA, 64, 128
+    /// Forward on the Hopper kernels only: query rows per CTA, 64, 128
     /// or 192, instead of the heuristic's choice (`config::hopper_rows`); a
     /// call without a line of those rows (192 exists for D = 64, 64 for D = 64
     /// and for plain full and causal calls at D = 128) takes its 128-row line.
     /// Setting it also runs a call on its Hopper line where the heuristic
     /// would keep it on `mma.sync` (`config::hopper_padded_short`: D = 32
     /// over few keys). For tuning and tests; other GPUs and the `mma.sync`
-    /// path ignore it, other values are refused, and decode and varlen calls
-    /// refuse it.
+    /// path ignore it, other values are refused, and decode and paged varlen
+    /// calls refuse it. Packed (varlen) calls have 128-row lines only.
     pub hopper_rows: Option<usize>,
 }
 
@@ -472,14 +472,24 @@ pub fn check_forward(
     opts: &AttnOptions,
 ) -> Result<ForwardShape, FlashAttnError> {
     refuse("num_splits", opts.num_splits, "forward")?;
-    if let Some(got) = opts.hopper_rows {
-        // The rows of some Hopper line (64, 128 or 192).
-        let line = |e: &Entry| e.kind == KernelKind::WgmmaForward && e.rows == got;
-        if !HOPPER_ENTRIES.iter().any(line) {
-            return Err(FlashAttnError::HopperRows { got });
-        }
-    }
+    check_hopper_rows(opts)?;
     check_dense(q, k, v, o, lse_len, opts)
+}
+
+/// `hopper_rows`, where given, is the rows of some Hopper line (64, 128 or
+/// 192).
+fn check_hopper_rows(opts: &AttnOptions) -> Result<(), FlashAttnError> {
+    match opts.hopper_rows {
+        Some(got) => {
+            let line = |e: &Entry| e.kind == KernelKind::WgmmaForward && e.rows == got;
+            if HOPPER_ENTRIES.iter().any(line) {
+                Ok(())
+            } else {
+                Err(FlashAttnError::HopperRows { got })
+            }
+        }
+        None => Ok(()),
+    }
 }
 
 /// An option `entry` does not take: the forward kernels never split the
@@ -766,6 +776,7 @@ pub fn check_varlen(
     opts: &AttnOptions,
 ) -> Result<VarlenShape, FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
+    check_hopper_rows(opts)?;
     if cu_seqlens_k_len != cu_seqlens_q_len {
         return Err(FlashAttnError::SeqlensLength {
             expected: cu_seqlens_q_len,
@@ -805,6 +816,7 @@ pub fn check_varlen_paged(
     opts: &AttnOptions,
 ) -> Result<(VarlenShape, Paging), FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
+    refuse("hopper_rows", opts.hopper_rows, "paged varlen forward")?;
     if seqlens_k_len != batch {
         return Err(FlashAttnError::SeqlensLength {
             expected: batch,
@@ -857,7 +869,6 @@ fn check_packed(
         expect_dim(name, 0, 1, t.layout.shape[0])?;
     }
     refuse("num_splits", opts.num_splits, "varlen forward")?;
-    refuse("hopper_rows", opts.hopper_rows, "varlen forward")?;
     let shape = check_dense(q, k, v, o, None, opts)?;
     let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
     for (what, value, total) in [

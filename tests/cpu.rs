@@ -1673,7 +1673,7 @@ mod config {
     const DTYPES: [Dtype; 3] = [Dtype::F16, Dtype::Bf16, Dtype::F32];
     const MASKS: [MaskKind; 3] = [MaskKind::Full, MaskKind::Causal, MaskKind::Local];
     const SCORES: [ScoreKind; 2] = [ScoreKind::Plain, ScoreKind::Modified];
-    const SEQS: [SeqKind; 2] = [SeqKind::Dense, SeqKind::Ragged];
+    const SEQS: [SeqKind; 3] = [SeqKind::Dense, SeqKind::Packed, SeqKind::Ragged];
 
     fn word<T: std::fmt::Debug>(x: T) -> String {
         format!("{x:?}").to_lowercase()
@@ -1813,8 +1813,9 @@ mod config {
     /// modifiers, `local modified` for every other dense call) with the
     /// rows asked for where the head dim has them; D = 32 on the D = 64
     /// lines and D = 96 on the D = 128 ones (the smallest line head dim at
-    /// least as large); none for packed or paged sequences, f32 or a head
-    /// dim past the widest line, so those stay on sm_90.
+    /// least as large); packed sequences on their own 128-row lines; none
+    /// for paged K/V, f32 or a head dim past the widest line, so those stay
+    /// on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -1908,9 +1909,30 @@ mod config {
                         assert_eq!(e.hopper_tile().block_m, want);
                     }
                 }
-                for mask in [MaskKind::Full, MaskKind::Causal, MaskKind::Local] {
-                    let ragged = need(mask, plain, SeqKind::Ragged);
-                    assert!(find_hopper_entry(&call(dtype, d, ragged), None).is_none());
+                // Packed sequences: their own 128-row lines (plain full and
+                // causal, `local modified` for the rest) whatever rows are
+                // asked for; paged K/V none.
+                for (mask, score, line_mask) in [
+                    (MaskKind::Full, plain, MaskKind::Full),
+                    (MaskKind::Causal, plain, MaskKind::Causal),
+                    (MaskKind::Local, plain, MaskKind::Local),
+                    (MaskKind::Full, modified, MaskKind::Local),
+                    (MaskKind::Causal, modified, MaskKind::Local),
+                ] {
+                    let c = call(dtype, d, need(mask, score, SeqKind::Packed));
+                    for rows in [None, Some(64), Some(128), Some(192)] {
+                        let e = find_hopper_entry(&c, rows).unwrap();
+                        let want_score = if line_mask == MaskKind::Local {
+                            modified
+                        } else {
+                            plain
+                        };
+                        let want = need(line_mask, want_score, SeqKind::Packed);
+                        assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
+                        assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
+                    }
+                    let paged = need(mask, score, SeqKind::Ragged);
+                    assert!(find_hopper_entry(&call(dtype, d, paged), None).is_none());
                 }
             }
             let c = call(dtype, 264, dense(MaskKind::Full, plain));
@@ -2165,7 +2187,7 @@ mod config {
                 for hd in SUPPORTED_HEAD_DIMS {
                     for need in all_needs() {
                         // Decode reads its cache through runtime paging, never packed.
-                        if kind == KernelKind::Decode && need.seq == SeqKind::Ragged {
+                        if kind == KernelKind::Decode && need.seq != SeqKind::Dense {
                             assert!(find_entry(kind, dtype, hd, need).is_none());
                             continue;
                         }
@@ -2717,7 +2739,7 @@ mod kvcache_validation {
             })
         ));
         assert!(check_forward(&q, &kv, &kv, &o, None, &AttnOptions::default()).is_ok());
-        // hopper_rows: 64, 128 or 192 on the dense forward, refused elsewhere.
+        // hopper_rows: 64, 128 or 192 on the forward, refused by decode.
         let rows = |r| AttnOptions {
             hopper_rows: Some(r),
             ..Default::default()
@@ -3133,7 +3155,7 @@ mod index {
 
 mod varlen_paged_validation {
     use super::kvcache_validation::t;
-    use flash_attn::validate::{check_varlen_paged, AttnOptions, TensorInfo};
+    use flash_attn::validate::{check_varlen, check_varlen_paged, AttnOptions, TensorInfo};
     use flash_attn::{FlashAttnError, VarlenShape};
 
     const B: usize = 3;
@@ -3191,6 +3213,42 @@ mod varlen_paged_validation {
                 );
                 shape
             })
+        }
+    }
+
+    /// `hopper_rows` picks a tile for packed sequences (any Hopper line's
+    /// rows; the packed lines have 128) but not against a paged cache,
+    /// whose K/V stay on the `mma.sync` kernels.
+    #[test]
+    fn hopper_rows_is_packed_only() {
+        let c = Case::valid();
+        let kv = t([1, 40, HKV, D], 5 << 20);
+        let rows = |r| AttnOptions {
+            hopper_rows: Some(r),
+            ..Default::default()
+        };
+        let packed = |opts: &AttnOptions| {
+            check_varlen(&c.q, &kv, &kv, &c.o, B + 1, B + 1, 20, 40, None, opts)
+        };
+        let paged = |opts: &AttnOptions| {
+            check_varlen_paged(&c.q, &c.k, &c.v, &c.o, B + 1, B, c.table, 20, None, opts)
+        };
+        assert!(packed(&AttnOptions::default()).is_ok());
+        for r in [64, 128, 192] {
+            assert!(packed(&rows(r)).is_ok(), "{r}");
+            assert!(matches!(
+                paged(&rows(r)),
+                Err(FlashAttnError::Unsupported {
+                    what: "hopper_rows",
+                    entry: "paged varlen forward"
+                })
+            ));
+        }
+        for r in [0, 100, 256] {
+            assert!(matches!(
+                packed(&rows(r)),
+                Err(FlashAttnError::HopperRows { got }) if got == r
+            ));
         }
     }
 

@@ -1128,6 +1128,8 @@ struct VarlenCase {
     head_dim: usize,
     policy: Policy,
     seed: u64,
+    /// `AttnOptions::hopper_rows` (packed sequences have 128-row lines).
+    hopper_rows: Option<usize>,
 }
 
 fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
@@ -1172,9 +1174,14 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
         window: c.policy.window,
         softcap: c.policy.softcap,
     };
+    let launches = flash_attn::hopper::launches_on_this_thread();
     let want = with_options(&c.policy, &data, |opts, extras| {
         let (cq, ck) = (cuq.as_view(), cuk.as_view());
         let mut lse_view = lse.as_view_mut();
+        let opts = &AttnOptions {
+            hopper_rows: c.hopper_rows,
+            ..*opts
+        };
         gpu.fa
             .forward_varlen(
                 s,
@@ -1202,7 +1209,9 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
             extras,
         ))
     })?;
-    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &format!("{c:?}"))
+    let what = format!("{c:?}");
+    check_forward_path::<T>(gpu, (d, max_k, c.hopper_rows), launches, &what)?;
+    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
 }
 
 /// Checks a varlen call's O [total_q, H, D] and LSE [H, total_q] against the
@@ -1257,8 +1266,134 @@ fn varlen_strategy() -> impl Strategy<Value = VarlenCase> {
                 head_dim,
                 policy,
                 seed,
+                hopper_rows: None,
             },
         )
+}
+
+/// A packed sequence's last key block runs into the next sequence's rows
+/// (a Hopper line's TMA box reads them): with the middle sequence's Q and K
+/// all NaN and its V infinite or NaN, the other sequences' O and LSE still
+/// match the reference. Those keys are masked, and their V rows must be
+/// zeroed too, since P = 0 times an infinite V is NaN.
+fn run_varlen_isolation<T: AttnElement>(
+    gpu: &Gpu,
+    head_dim: usize,
+    causal: bool,
+) -> Result<(), String> {
+    let lens = [300usize, 200, 77];
+    let (h, hk, d) = (4, 2, head_dim);
+    let mut cu = vec![0i32];
+    for l in lens {
+        cu.push(cu.last().unwrap() + l as i32);
+    }
+    let total = *cu.last().unwrap() as usize;
+    let bad = cu[1] as usize..cu[2] as usize;
+    let mut rng = StdRng::seed_from_u64(17 + d as u64);
+    let mut q_host = random_values::<T>(&mut rng, total * h * d);
+    let mut k_host = random_values::<T>(&mut rng, total * hk * d);
+    let mut v_host = random_values::<T>(&mut rng, total * hk * d);
+    q_host[bad.start * h * d..bad.end * h * d].fill(nan::<T>());
+    k_host[bad.start * hk * d..bad.end * hk * d].fill(nan::<T>());
+    for (i, x) in v_host[bad.start * hk * d..bad.end * hk * d]
+        .iter_mut()
+        .enumerate()
+    {
+        *x = T::from_f64(if i % 3 == 0 { f64::NAN } else { f64::INFINITY });
+    }
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let up = |x: &[T]| s.clone_htod(x).map_err(e);
+    let (q, k, v, cu_d) = (
+        up(&q_host)?,
+        up(&k_host)?,
+        up(&v_host)?,
+        s.clone_htod(&cu).map_err(e)?,
+    );
+    let mut o = poisoned::<T>(gpu, total * h * d)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; h * total]).map_err(e)?;
+    let (ql, kvl) = (Layout::packed([total, h, d]), Layout::packed([total, hk, d]));
+    let max = *lens.iter().max().unwrap();
+    let launches = flash_attn::hopper::launches_on_this_thread();
+    let cu_view = cu_d.as_view();
+    gpu.fa
+        .forward_varlen(
+            s,
+            &TensorRef::new(q.as_view(), ql),
+            &TensorRef::new(k.as_view(), kvl),
+            &TensorRef::new(v.as_view(), kvl),
+            &mut TensorMut::new(o.as_view_mut(), ql),
+            Some(&mut lse.as_view_mut()),
+            &Varlen {
+                cu_seqlens_q: &cu_view,
+                cu_seqlens_k: &cu_view,
+                max_seqlen_q: max,
+                max_seqlen_k: max,
+            },
+            &AttnOptions {
+                causal,
+                ..Default::default()
+            },
+        )
+        .map_err(|x| x.to_string())?;
+    let what = format!("isolation D={d} causal={causal}");
+    check_forward_path::<T>(gpu, (d, max, None), launches, &what)?;
+    let shape = VarlenShape {
+        batch: lens.len(),
+        total_q: total,
+        total_k: total,
+        max_seqlen_q: max,
+        max_seqlen_k: max,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        window: Window::default(),
+        softcap: None,
+    };
+    let want = reference::varlen(
+        &shape,
+        &cu,
+        &cu,
+        &to_f64(&q_host),
+        &to_f64(&k_host),
+        &to_f64(&v_host),
+        &reference::Extras::default(),
+    );
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    let lse_host = s.clone_dtoh(&lse).map_err(e)?;
+    for b in [0, 2] {
+        let rows = cu[b] as usize..cu[b + 1] as usize;
+        let span = rows.start * h * d..rows.end * h * d;
+        let layout = Layout::packed([rows.len(), h, d]);
+        let what = format!("{what}, sequence {b}");
+        check_output(&o_host[span.clone()], &layout, &want.o[span], &what)?;
+        for hi in 0..h {
+            let span = hi * total + rows.start..hi * total + rows.end;
+            check_lse(&lse_host[span.clone()], &want.lse[span], &what)?;
+        }
+    }
+    Ok(())
+}
+
+/// Packed sequences on the Hopper lines: their head dims (with rows asked
+/// for or not, so D = 32 runs its line too), longer sequences whose tiles
+/// and key blocks cross into the next sequence's rows (which the kernel
+/// must mask and not store), empty ones and ones of a single row.
+fn hopper_varlen_strategy() -> impl Strategy<Value = VarlenCase> {
+    let len = prop_oneof![1 => Just(0usize), 1 => Just(1usize), 5 => 2usize..=700];
+    (
+        varlen_strategy(),
+        prop::collection::vec((len.clone(), len), 1..=6),
+        hopper_line(),
+    )
+        .prop_map(|(c, lens, (head_dim, hopper_rows))| VarlenCase {
+            lens,
+            head_dim,
+            hopper_rows,
+            ..c
+        })
 }
 
 /// Packed queries against a paged KV cache (chunked prefill). The
@@ -1344,6 +1479,7 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
         window: c.policy.window,
         softcap: c.policy.softcap,
     };
+    let launches = flash_attn::hopper::launches_on_this_thread();
     let want = with_options(&c.policy, &data, |opts, extras| {
         let (cq, sk) = (cuq.as_view(), seqlens_k.as_view());
         let block_table = BlockTable {
@@ -1378,7 +1514,13 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
             extras,
         ))
     })?;
-    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &format!("{c:?}"))
+    let what = format!("{c:?}");
+    // A paged cache stays on the `mma.sync` kernels (TMA reads contiguous rows).
+    let ran = flash_attn::hopper::launches_on_this_thread() - launches;
+    if ran != 0 {
+        return Err(format!("{what}: {ran} Hopper launches for a paged cache"));
+    }
+    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
 }
 
 fn varlen_paged_strategy() -> impl Strategy<Value = PagedVarlenCase> {
@@ -2677,6 +2819,28 @@ fn main() {
                 ("long", hopper_long_cases),
                 ("many_tiles", hopper_many_tile_cases),
             ];
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_varlen_random_", $name),
+                move || {
+                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
+                    proptest_trial(&g, case_count(), hopper_varlen_strategy(), run_varlen::<$t>)
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_varlen_isolation_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    check_hopper_path(gpu)?;
+                    for d in hopper_head_dims() {
+                        for causal in [false, true] {
+                            run_varlen_isolation::<$t>(gpu, d, causal)?;
+                        }
+                    }
+                    Ok(())
+                },
+            ));
             let g = gpu.clone();
             hopper_trials.push(Trial::test(
                 concat!("hopper_forward_alibi_sides_", $name),

@@ -58,8 +58,8 @@ fn packed_range(cu_seqlens: u64, b: u32, total: u32) -> (u32, u32) {
 }
 
 /// (start, length) of sequence `b`'s keys. Packed K/V: rows
-/// `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`. A paged cache (a block table is
-/// set): `cu_seqlens_k` holds i32 [B] key counts and every sequence starts at
+/// `cu_seqlens_k[b]..cu_seqlens_k[b + 1]`. A paged cache (`L::PAGED` and a
+/// block table is set): `cu_seqlens_k` holds i32 [B] key counts and every sequence starts at
 /// its own page 0. Either way the range is clamped by [`packed_range`]'s
 /// rule to `[0, total_k]` (for a paged cache, its capacity per sequence).
 /// Both entries are loaded and the start selected afterwards: a branch
@@ -67,8 +67,8 @@ fn packed_range(cu_seqlens: u64, b: u32, total: u32) -> (u32, u32) {
 /// registers and 4-16 bytes of stack); `b` < B, so entry `b` is in bounds for
 /// either layout.
 #[inline(always)]
-fn key_range(p: &AttnParams, b: u32) -> (u32, u32) {
-    let counts = (p.block_table != 0) as u64;
+fn key_range<L: Seq>(p: &AttnParams, b: u32) -> (u32, u32) {
+    let counts = (L::PAGED && p.block_table != 0) as u64;
     let at = |i: u64| global::ld_nc_s32(p.cu_seqlens_k + i * 4);
     let (first, end) = (at(b as u64), at(b as u64 + 1 - counts));
     let start = if counts != 0 { 0 } else { first };
@@ -107,7 +107,7 @@ impl BlockInfo {
         let varlen = L::RAGGED && p.cu_seqlens_q != 0;
         let (addr_batch, q_start, seqlen_q, k_start, mut seqlen_k) = if varlen {
             let (q_start, seqlen_q) = packed_range(p.cu_seqlens_q, batch, p.total_q);
-            let (k_start, seqlen_k) = key_range(p, batch);
+            let (k_start, seqlen_k) = key_range::<L>(p, batch);
             (0, q_start, seqlen_q, k_start, seqlen_k)
         } else {
             (batch, 0, p.seqlen_q, 0, p.seqlen_k)

@@ -31,6 +31,9 @@ macro_rules! ty {
     (dense) => {
         crate::kernels::policy::Dense
     };
+    (packed) => {
+        crate::kernels::policy::Packed
+    };
     (ragged) => {
         crate::kernels::policy::Ragged
     };

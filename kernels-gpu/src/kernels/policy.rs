@@ -70,18 +70,24 @@ impl Scores for Modified {
 
 pub trait Seq {
     const KIND: SeqKind;
-    /// Whether `cu_seqlens` and a paged K/V cache are read from the launch
-    /// parameters.
-    const RAGGED: bool = matches!(Self::KIND, SeqKind::Ragged);
+    /// Whether `cu_seqlens` are read from the launch parameters.
+    const RAGGED: bool = !matches!(Self::KIND, SeqKind::Dense);
+    /// Whether a paged K/V cache is read from the launch parameters.
+    const PAGED: bool = matches!(Self::KIND, SeqKind::Ragged);
 }
 
 /// [B, S, H, D] with batch strides.
 pub struct Dense;
+/// Packed sequences, K/V never paged (the Hopper lines).
+pub struct Packed;
 /// Packed sequences and/or a paged K/V cache.
 pub struct Ragged;
 
 impl Seq for Dense {
     const KIND: SeqKind = SeqKind::Dense;
+}
+impl Seq for Packed {
+    const KIND: SeqKind = SeqKind::Packed;
 }
 impl Seq for Ragged {
     const KIND: SeqKind = SeqKind::Ragged;

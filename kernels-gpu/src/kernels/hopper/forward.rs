@@ -12,8 +12,18 @@
 //! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
 //! sm_80 kernel's own.
+//!
+//! Packed sequences (`Seq = Packed`): the tensor maps span all packed rows
+//! (a batch of one), and a sequence's tiles start at its `cu_seqlens` rows.
+//! A box that runs past the sequence's end reads the next sequence's rows
+//! (TMA only zero-fills past the tensor): its queries give rows the
+//! epilogue does not store, and its keys lie past `seqlen_k`: masked to
+//! P = 0, and their V rows zeroed in shared memory before the first P·V
+//! ([`zero_rows_past`]), so that a NaN or infinity in another sequence's V
+//! (0 · inf = NaN) cannot reach this one, as the `mma.sync` kernels'
+//! zero-filled loads guarantee.
 use super::ring::{wait, TmaRing};
-use crate::arch::{barrier, global, mbarrier, setmaxnreg, smem, special, tma, wgmma};
+use crate::arch::{barrier, fence, global, mbarrier, setmaxnreg, smem, special, tma, wgmma};
 use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M};
 use crate::index::{
     k_major_desc, mn_major_desc, sw128_offset, OriginSide, SW128_ATOM_BYTES, SW128_ROW_BYTES,
@@ -32,6 +42,9 @@ const EPILOGUE_BARRIER: u32 = 1;
 /// Named barrier that consumer warpgroup c waits on for its turn to issue
 /// `wgmma`s: 4 + c ([`HopperTile::pingpong`]), past the epilogue's.
 const TURN_BARRIER: u32 = 4;
+/// Named barrier of every consumer thread once the V rows past a packed
+/// sequence's keys are zeroed ([`zero_rows_past`]), past the turn barriers.
+const ZEROED_BARRIER: u32 = 6;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
 #[derive(Clone, Copy)]
@@ -74,10 +87,7 @@ pub unsafe fn forward<
         assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
         assert!(STAGES as usize == t.stages && t.block_m == t.consumers * WGMMA_M);
         assert!(REGS == t.consumer_regs() && (!t.pingpong || t.consumers == 2));
-        assert!(
-            !L::RAGGED,
-            "packed sequences are not on the Hopper path yet"
-        );
+        assert!(!L::PAGED, "TMA boxes read contiguous K/V rows, not pages");
     }
     let a = SW128_ATOM_BYTES;
     let base = (smem::base() + a - 1) & !(a - 1);
@@ -112,6 +122,11 @@ pub unsafe fn forward<
 
     let heaviest_first = matches!(M::KIND, MaskKind::Causal);
     let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
+    // The grid covers the longest packed sequence; the CTA returns as a
+    // whole (`info` is uniform), with no load issued.
+    if L::RAGGED && !info.has_rows() {
+        return;
+    }
     // One branch per role: ptxas applies `setmaxnreg` only so.
     if tid < WARPGROUP_THREADS as u32 {
         setmaxnreg::dec::<{ HopperTile::PRODUCER_REGS }>();
@@ -120,7 +135,7 @@ pub unsafe fn forward<
         }
     } else {
         setmaxnreg::inc::<REGS>();
-        consume::<T, M, S, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
     }
 }
 
@@ -190,6 +205,7 @@ fn consume<
     T: Element,
     M: Mask,
     S: Scores,
+    L: Seq,
     const D: usize,
     const ST: usize,
     const OT: usize,
@@ -327,6 +343,14 @@ fn consume<
             None => softmax.advance(&mut s, p.scale_log2),
         };
         pf = pack(&s);
+        if L::RAGGED {
+            // Uniform: the first block visited is the sequence's last.
+            let keys_in_block = info.seqlen_k.saturating_sub(block(0) * bn);
+            if keys_in_block < bn {
+                let v_tile = sm.v + v_ring.wait_full(0) * kv_bytes;
+                zero_rows_past::<D>(v_tile, bn, keys_in_block, tile.consumers as u32);
+            }
+        }
     }
     // FlashAttention-3's intra-warpgroup overlap: S(i) and then P(i-1)·V(i-1)
     // are in flight together, and the softmax of S(i) runs while the
@@ -424,4 +448,27 @@ fn consume<
             global::st_v4_b32(dst + chunk as u64 * 16, v);
         }
     }
+}
+
+/// Zeroes rows `first..rows` of the V tile at `v_tile` (`rows` rows, SW128
+/// in 64-column groups: each row is 128 contiguous bytes of a group,
+/// whatever the swizzle does inside it) with every consumer thread, then
+/// makes the writes visible to `wgmma` (the async proxy) and waits for
+/// all consumers: they all read the whole tile.
+#[inline(always)]
+fn zero_rows_past<const D: usize>(v_tile: u32, rows: u32, first: u32, consumers: u32) {
+    const CHUNKS_PER_ROW: u32 = SW128_ROW_BYTES / 16;
+    let threads = consumers * WARPGROUP_THREADS as u32;
+    let tid = special::thread_idx_x() - WARPGROUP_THREADS as u32;
+    let per_group = (rows - first) * CHUNKS_PER_ROW;
+    let groups = (D / SW128_ROW_ELEMS) as u32;
+    let mut idx = tid;
+    while idx < per_group * groups {
+        let (group, chunk) = (idx / per_group, idx % per_group);
+        let row_start = v_tile + group * rows * SW128_ROW_BYTES + first * SW128_ROW_BYTES;
+        smem::st_v4_b32(row_start + chunk * 16, [0; 4]);
+        idx += threads;
+    }
+    fence::proxy_async_shared();
+    barrier::sync_named(ZEROED_BARRIER, threads);
 }
