@@ -15,7 +15,7 @@ use flash_attn_kernels::config::{
     KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
     COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS,
 };
-use flash_attn_kernels::index::FastDiv;
+use flash_attn_kernels::index::{paged_box_rows, FastDiv};
 use flash_attn_kernels::params::{
     AppendParams, AttnParams, BshStrides, CombineParams, HopperFwdMaps, MergeParams,
 };
@@ -698,7 +698,7 @@ impl FlashAttention {
         );
         let kernel = self.kernel(KernelKind::Forward, T::DTYPE, shape.head_dim, policy.need);
         let tile = kernel.tile();
-        let packed_rows = packed.map(|p| (p.total_q, p.total_k, p.max_seqlen_k));
+        let hopper_seqs = packed;
         let packed = packed.unwrap_or_default();
         let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {
@@ -729,16 +729,15 @@ impl FlashAttention {
             head_dim: shape.head_dim as u32,
             ..policy.params
         };
-        let on_hopper = packed.paged.is_none()
-            && self.launch_hopper_forward::<T>(
-                stream,
-                t,
-                shape,
-                packed_rows,
-                policy.need,
-                opts,
-                params,
-            )?;
+        let on_hopper = self.launch_hopper_forward::<T>(
+            stream,
+            t,
+            shape,
+            hopper_seqs,
+            policy.need,
+            opts,
+            params,
+        )?;
         if on_hopper {
             return Ok(());
         }
@@ -750,19 +749,19 @@ impl FlashAttention {
         self.launch(stream, kernel, grid, ByValue(params))
     }
 
-    /// Runs a dense or packed forward call on the Hopper kernels if this
-    /// instance uses them, an entry covers the call and TMA can address the
-    /// tensors (the driver refuses a map, e.g. for a zero stride, and the
-    /// call then stays on the `mma.sync` path). `packed`: (total_q, total_k,
-    /// max_seqlen_k) of packed sequences, whose maps span all packed rows as
-    /// one sequence. Returns whether it launched.
+    /// Runs a forward call on the Hopper kernels if this instance uses them,
+    /// an entry covers the call and TMA can address the tensors (the driver
+    /// refuses a map, e.g. for a zero stride, and the call then stays on the
+    /// `mma.sync` path). Packed sequences' maps span all packed rows as one
+    /// sequence; a paged cache's span its pool, a page per "sequence", in
+    /// boxes of `index::paged_box_rows` rows. Returns whether it launched.
     #[allow(clippy::too_many_arguments)]
     fn launch_hopper_forward<T: AttnElement>(
         &self,
         stream: &CudaStream,
         t: &Bound,
         shape: &ForwardShape,
-        packed: Option<(usize, usize, usize)>,
+        packed: Option<Packed>,
         need: Policies,
         opts: &AttnOptions,
         params: AttnParams,
@@ -777,7 +776,7 @@ impl FlashAttention {
             batch: shape.batch,
             heads: shape.heads,
             seqlen_q: shape.seqlen_q,
-            seqlen_k: packed.map_or(shape.seqlen_k, |p| p.2),
+            seqlen_k: packed.map_or(shape.seqlen_k, |p| p.max_seqlen_k),
             window_keys: match (params.window_left, params.window_right) {
                 (l @ 0.., r @ 0..) => Some(l as usize + r as usize + 1),
                 _ => None,
@@ -788,12 +787,30 @@ impl FlashAttention {
             return Ok(false);
         };
         let tile = entry.hopper_tile();
-        // (batch, Q rows, K/V rows) of the maps.
-        let (batch, rows_q, rows_k) = match packed {
-            Some((total_q, total_k, _)) => (1, total_q, total_k),
-            None => (shape.batch, shape.seqlen_q, shape.seqlen_k),
+        // The maps' (batch, rows) of Q and of K/V, and the K/V box rows.
+        let (q_dims, kv_dims, kv_box) = match packed {
+            None => (
+                (shape.batch, shape.seqlen_q),
+                (shape.batch, shape.seqlen_k),
+                tile.block_n,
+            ),
+            Some(Packed {
+                total_q,
+                total_k,
+                paged: None,
+                ..
+            }) => ((1, total_q), (1, total_k), tile.block_n),
+            Some(Packed {
+                total_q,
+                paged: Some((_, paging)),
+                ..
+            }) => (
+                (1, total_q),
+                (paging.num_pages, paging.page_size),
+                paged_box_rows(paging.page_size as u32, tile.block_n as u32) as usize,
+            ),
         };
-        let map = |x: &TensorInfo, seqlen: usize, heads: usize, box_rows: usize| {
+        let map = |x: &TensorInfo, (batch, seqlen): (usize, usize), heads: usize, box_rows: usize| {
             let s = &x.layout.strides;
             let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
             encode_tensor_map(&TiledTensor {
@@ -811,9 +828,9 @@ impl FlashAttention {
             .ok()
         };
         let maps = (
-            map(&t.q, rows_q, shape.heads, tile.block_m),
-            map(&t.k, rows_k, shape.kv_heads, tile.block_n),
-            map(&t.v, rows_k, shape.kv_heads, tile.block_n),
+            map(&t.q, q_dims, shape.heads, tile.block_m),
+            map(&t.k, kv_dims, shape.kv_heads, kv_box),
+            map(&t.v, kv_dims, shape.kv_heads, kv_box),
         );
         let (Some(q), Some(k), Some(v)) = maps else {
             return Ok(false);

@@ -93,8 +93,8 @@ pub struct AttnOptions<'a> {
     /// Setting it also runs a call on its Hopper line where the heuristic
     /// would keep it on `mma.sync` (`config::hopper_padded_short`: D = 32
     /// over few keys). For tuning and tests; other GPUs and the `mma.sync`
-    /// path ignore it, other values are refused, and decode and paged varlen
-    /// calls refuse it. Packed (varlen) calls have 128-row lines only.
+    /// path ignore it, other values are refused, and decode calls refuse it.
+    /// Varlen calls (packed or paged) have 128-row lines only.
     pub hopper_rows: Option<usize>,
 }
 
@@ -816,7 +816,7 @@ pub fn check_varlen_paged(
     opts: &AttnOptions,
 ) -> Result<(VarlenShape, Paging), FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
-    refuse("hopper_rows", opts.hopper_rows, "paged varlen forward")?;
+    check_hopper_rows(opts)?;
     if seqlens_k_len != batch {
         return Err(FlashAttnError::SeqlensLength {
             expected: batch,

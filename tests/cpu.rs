@@ -1813,9 +1813,9 @@ mod config {
     /// modifiers, `local modified` for every other dense call) with the
     /// rows asked for where the head dim has them; D = 32 on the D = 64
     /// lines and D = 96 on the D = 128 ones (the smallest line head dim at
-    /// least as large); packed sequences on their own 128-row lines; none
-    /// for paged K/V, f32 or a head dim past the widest line, so those stay
-    /// on sm_90.
+    /// least as large); packed sequences, against contiguous or paged K/V,
+    /// on their own 128-row lines; none for f32 or a head dim past the
+    /// widest line, so those stay on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -1911,7 +1911,8 @@ mod config {
                 }
                 // Packed sequences: their own 128-row lines (plain full and
                 // causal, `local modified` for the rest) whatever rows are
-                // asked for; paged K/V none.
+                // asked for; against paged K/V causal plain and `local
+                // modified` for the rest.
                 for (mask, score, line_mask) in [
                     (MaskKind::Full, plain, MaskKind::Full),
                     (MaskKind::Causal, plain, MaskKind::Causal),
@@ -1931,8 +1932,17 @@ mod config {
                         assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
                         assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
                     }
-                    let paged = need(mask, score, SeqKind::Ragged);
-                    assert!(find_hopper_entry(&call(dtype, d, paged), None).is_none());
+                    let paged = call(dtype, d, need(mask, score, SeqKind::Ragged));
+                    let (paged_mask, paged_score) = match (mask, score) {
+                        (MaskKind::Causal, ScoreKind::Plain) => (MaskKind::Causal, plain),
+                        _ => (MaskKind::Local, modified),
+                    };
+                    for rows in [None, Some(64), Some(192)] {
+                        let e = find_hopper_entry(&paged, rows).unwrap();
+                        let want = need(paged_mask, paged_score, SeqKind::Ragged);
+                        assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
+                        assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
+                    }
                 }
             }
             let c = call(dtype, 264, dense(MaskKind::Full, plain));
@@ -3216,11 +3226,10 @@ mod varlen_paged_validation {
         }
     }
 
-    /// `hopper_rows` picks a tile for packed sequences (any Hopper line's
-    /// rows; the packed lines have 128) but not against a paged cache,
-    /// whose K/V stay on the `mma.sync` kernels.
+    /// `hopper_rows` picks a tile for packed sequences, against contiguous
+    /// or paged K/V (any Hopper line's rows; their lines have 128).
     #[test]
-    fn hopper_rows_is_packed_only() {
+    fn hopper_rows_applies_to_varlen() {
         let c = Case::valid();
         let kv = t([1, 40, HKV, D], 5 << 20);
         let rows = |r| AttnOptions {
@@ -3236,19 +3245,12 @@ mod varlen_paged_validation {
         assert!(packed(&AttnOptions::default()).is_ok());
         for r in [64, 128, 192] {
             assert!(packed(&rows(r)).is_ok(), "{r}");
-            assert!(matches!(
-                paged(&rows(r)),
-                Err(FlashAttnError::Unsupported {
-                    what: "hopper_rows",
-                    entry: "paged varlen forward"
-                })
-            ));
+            assert!(paged(&rows(r)).is_ok(), "{r}");
         }
         for r in [0, 100, 256] {
-            assert!(matches!(
-                packed(&rows(r)),
-                Err(FlashAttnError::HopperRows { got }) if got == r
-            ));
+            for check in [packed(&rows(r)).map(|_| ()), paged(&rows(r)).map(|_| ())] {
+                assert!(matches!(check, Err(FlashAttnError::HopperRows { got }) if got == r));
+            }
         }
     }
 

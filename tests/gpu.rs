@@ -1312,7 +1312,10 @@ fn run_varlen_isolation<T: AttnElement>(
     );
     let mut o = poisoned::<T>(gpu, total * h * d)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; h * total]).map_err(e)?;
-    let (ql, kvl) = (Layout::packed([total, h, d]), Layout::packed([total, hk, d]));
+    let (ql, kvl) = (
+        Layout::packed([total, h, d]),
+        Layout::packed([total, hk, d]),
+    );
     let max = *lens.iter().max().unwrap();
     let launches = flash_attn::hopper::launches_on_this_thread();
     let cu_view = cu_d.as_view();
@@ -1410,6 +1413,8 @@ struct PagedVarlenCase {
     head_dim: usize,
     policy: Policy,
     seed: u64,
+    /// `AttnOptions::hopper_rows` (the paged lines have 128 rows).
+    hopper_rows: Option<usize>,
 }
 
 fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<(), String> {
@@ -1486,6 +1491,10 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
             table: table.as_view(),
             max_pages: c.max_pages,
         };
+        let opts = &AttnOptions {
+            hopper_rows: c.hopper_rows,
+            ..*opts
+        };
         let mut lse_view = lse.as_view_mut();
         gpu.fa
             .forward_varlen_paged(
@@ -1515,11 +1524,7 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
         ))
     })?;
     let what = format!("{c:?}");
-    // A paged cache stays on the `mma.sync` kernels (TMA reads contiguous rows).
-    let ran = flash_attn::hopper::launches_on_this_thread() - launches;
-    if ran != 0 {
-        return Err(format!("{what}: {ran} Hopper launches for a paged cache"));
-    }
+    check_forward_path::<T>(gpu, (d, cap, c.hopper_rows), launches, &what)?;
     check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
 }
 
@@ -1551,9 +1556,38 @@ fn varlen_paged_strategy() -> impl Strategy<Value = PagedVarlenCase> {
                     head_dim,
                     policy,
                     seed,
+                    hopper_rows: None,
                 }
             },
         )
+}
+
+/// Chunked prefill on the Hopper lines: their head dims, pages smaller than,
+/// equal to and larger than a key block and ones that do not divide it (the
+/// boxes are `index::paged_box_rows` rows), longer key counts than
+/// `varlen_paged_strategy`'s.
+fn hopper_varlen_paged_strategy() -> impl Strategy<Value = PagedVarlenCase> {
+    let k_len = prop_oneof![1 => -3i32..=0, 1 => Just(1i32), 6 => 2i32..=1100];
+    (
+        varlen_paged_strategy(),
+        prop::collection::vec(k_len, 4),
+        prop::sample::select(vec![16usize, 48, 64, 128, 256]),
+        prop::bool::weighted(0.3),
+        hopper_line(),
+    )
+        .prop_map(|(c, keys, page_size, short, (head_dim, hopper_rows))| {
+            let lens: Vec<(usize, i32)> = c.lens.iter().zip(keys).map(|(l, k)| (l.0, k)).collect();
+            let longest = lens.iter().map(|l| l.1.max(1) as usize).max().unwrap();
+            let pages = longest.div_ceil(page_size);
+            PagedVarlenCase {
+                lens,
+                page_size,
+                max_pages: if short { pages.max(2) - 1 } else { pages },
+                head_dim,
+                hopper_rows,
+                ..c
+            }
+        })
 }
 
 #[derive(Clone, Debug)]
@@ -2825,6 +2859,19 @@ fn main() {
                 move || {
                     check_hopper_path(g.as_ref().as_ref().unwrap())?;
                     proptest_trial(&g, case_count(), hopper_varlen_strategy(), run_varlen::<$t>)
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_varlen_paged_random_", $name),
+                move || {
+                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
+                    proptest_trial(
+                        &g,
+                        case_count(),
+                        hopper_varlen_paged_strategy(),
+                        run_varlen_paged::<$t>,
+                    )
                 },
             ));
             let g = gpu.clone();

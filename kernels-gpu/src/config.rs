@@ -548,9 +548,7 @@ pub enum SeqKind {
     /// [B, S, H, D] with per-batch strides.
     Dense,
     /// Packed sequences (`cu_seqlens`) when its launch parameter is set,
-    /// K/V never paged; covers `Dense`. The Hopper lines' layout: a TMA box
-    /// reads a packed tensor's rows whatever sequence owns them, so it
-    /// needs contiguous K/V rows, not pages.
+    /// K/V never paged (no page lookups compiled in); covers `Dense`.
     Packed,
     /// Packed sequences and/or K/V in a paged cache, each when its launch
     /// parameter is set; covers `Packed`.
@@ -1081,8 +1079,9 @@ impl HopperTile {
 ///   with score modifiers (softcap, ALiBi, sinks: Gemma 2, Bloom, gpt-oss),
 ///   and `local modified` for every other dense call (windows, non-causal
 ///   modifiers); the same three per head dim for packed sequences (128
-///   rows), while paged K/V stays on `Sm90` (a TMA box reads contiguous
-///   rows). D = 64 has 192-row lines besides the
+///   rows), and causal plus `local modified` for packed queries against a
+///   paged cache (chunked prefill; boxes of `index::paged_box_rows` rows
+///   per page). D = 64 has 192-row lines besides the
 ///   128-row ones (not `local modified`, which spills with 192); 64-row
 ///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
 ///   plain full and causal calls at D = 128. A head dim without lines runs
@@ -1137,6 +1136,14 @@ macro_rules! hopper_entries {
             fwd f16 256 full plain packed 128;
             fwd f16 256 causal plain packed 128;
             fwd f16 256 local modified packed 128;
+            fwd f16 64 causal plain ragged 128;
+            fwd f16 64 local modified ragged 128;
+            fwd f16 128 causal plain ragged 128;
+            fwd f16 128 local modified ragged 128;
+            fwd f16 192 causal plain ragged 128;
+            fwd f16 192 local modified ragged 128;
+            fwd f16 256 causal plain ragged 128;
+            fwd f16 256 local modified ragged 128;
             fwd bf16 64 full plain dense 192;
             fwd bf16 64 causal plain dense 192;
             fwd bf16 64 causal modified dense 192;
@@ -1174,6 +1181,14 @@ macro_rules! hopper_entries {
             fwd bf16 256 full plain packed 128;
             fwd bf16 256 causal plain packed 128;
             fwd bf16 256 local modified packed 128;
+            fwd bf16 64 causal plain ragged 128;
+            fwd bf16 64 local modified ragged 128;
+            fwd bf16 128 causal plain ragged 128;
+            fwd bf16 128 local modified ragged 128;
+            fwd bf16 192 causal plain ragged 128;
+            fwd bf16 192 local modified ragged 128;
+            fwd bf16 256 causal plain ragged 128;
+            fwd bf16 256 local modified ragged 128;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;

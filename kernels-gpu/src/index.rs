@@ -228,6 +228,19 @@ pub fn page_slot(entry: i32, num_pages: u32) -> u64 {
     entry.max(0).min(num_pages.max(1) as i32 - 1) as u64
 }
 
+/// Rows of one TMA box of a paged K/V block on the Hopper path: the
+/// largest count that divides both the page size and the block's keys
+/// (their gcd), so a box never straddles a page and a block is whole boxes.
+/// Page sizes and blocks are multiples of 16 keys, so boxes are too.
+#[inline(always)]
+pub const fn paged_box_rows(page_size: u32, block_n: u32) -> u32 {
+    let (mut a, mut b) = (page_size, block_n);
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 /// Physical 16-byte chunk of logical chunk `chunk` in row `row` of a
 /// swizzled shared-memory tile: XOR with the row within its group of
 /// [`SWIZZLE_ROWS`], so the 8 rows an `ldmatrix` phase reads hit 8 different

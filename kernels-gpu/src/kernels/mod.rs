@@ -5,7 +5,7 @@
 //! instantiates them as named PTX entry points.
 //! The `sm_90a` module (`PtxArch::Sm90a`) compiles `hopper` and the pieces
 //! it shares with the sm_80 kernels (block info, policies, mask, online
-//! softmax); the rest make the `sm_75`, `sm_80` and `sm_90` modules (sm_75
+//! softmax, page lookup); the rest make the `sm_75`, `sm_80` and `sm_90` modules (sm_75
 //! through `copy` and the m16n8k8 form of `element::F16::mma`).
 
 #[cfg(not(target_feature = "sm_90a"))]
@@ -31,7 +31,6 @@ mod mainloop;
 mod mask;
 #[cfg(not(target_feature = "sm_90a"))]
 mod merge;
-#[cfg(not(target_feature = "sm_90a"))]
 mod paging;
 mod policy;
 #[cfg(not(target_feature = "sm_90a"))]

@@ -78,7 +78,7 @@ pub trait Seq {
 
 /// [B, S, H, D] with batch strides.
 pub struct Dense;
-/// Packed sequences, K/V never paged (the Hopper lines).
+/// Packed sequences, K/V never paged.
 pub struct Packed;
 /// Packed sequences and/or a paged K/V cache.
 pub struct Ragged;

@@ -26,13 +26,13 @@ use super::ring::{wait, TmaRing};
 use crate::arch::{barrier, fence, global, mbarrier, setmaxnreg, smem, special, tma, wgmma};
 use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M};
 use crate::index::{
-    k_major_desc, mn_major_desc, sw128_offset, OriginSide, SW128_ATOM_BYTES, SW128_ROW_BYTES,
+    self, k_major_desc, mn_major_desc, sw128_offset, OriginSide, SW128_ATOM_BYTES, SW128_ROW_BYTES,
 };
 use crate::kernels::block_info::BlockInfo;
 use crate::kernels::element::Element;
-use crate::kernels::mask;
 use crate::kernels::policy::{self, policies, Mask, Modifiers, Scores, Seq};
 use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
+use crate::kernels::{mask, paging};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
 
@@ -87,7 +87,6 @@ pub unsafe fn forward<
         assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
         assert!(STAGES as usize == t.stages && t.block_m == t.consumers * WGMMA_M);
         assert!(REGS == t.consumer_regs() && (!t.pingpong || t.consumers == 2));
-        assert!(!L::PAGED, "TMA boxes read contiguous K/V rows, not pages");
     }
     let a = SW128_ATOM_BYTES;
     let base = (smem::base() + a - 1) & !(a - 1);
@@ -130,8 +129,10 @@ pub unsafe fn forward<
     // One branch per role: ptxas applies `setmaxnreg` only so.
     if tid < WARPGROUP_THREADS as u32 {
         setmaxnreg::dec::<{ HopperTile::PRODUCER_REGS }>();
-        if tid == 0 {
-            produce::<D, STAGES>(tile, &info, maps, sm, k_ring, v_ring);
+        // A paged cache takes the whole first warp: one page lookup and box
+        // per lane (`produce`).
+        if tid == 0 || (L::PAGED && tid < WARP_SIZE as u32) {
+            produce::<L, D, STAGES>(p, tile, &info, maps, sm, k_ring, v_ring);
         }
     } else {
         setmaxnreg::inc::<REGS>();
@@ -139,9 +140,16 @@ pub unsafe fn forward<
     }
 }
 
-/// The load loop: Q once, then K(n) and V(n) for n from `n_hi - 1` down.
+/// The load loop: Q once, then K(n) and V(n) for n from `n_hi - 1` down,
+/// by thread 0. From a paged cache (`L::PAGED` and a block table) the first
+/// warp loads each block as boxes of `index::paged_box_rows` rows, which
+/// never straddle a page: thread 0 claims the stages, then lane j looks up
+/// box j's page and issues its K and V boxes, so the table reads of a block
+/// overlap. A box whose first key lies past the sequence reads page 0
+/// (masked, and its V rows zeroed by the consumers).
 #[inline(always)]
-fn produce<const D: usize, const STAGES: u32>(
+fn produce<L: Seq, const D: usize, const STAGES: u32>(
+    p: &AttnParams,
     tile: HopperTile,
     info: &BlockInfo,
     maps: u64,
@@ -156,27 +164,77 @@ fn produce<const D: usize, const STAGES: u32>(
         map(core::mem::offset_of!(HopperFwdMaps, v)),
     );
     let groups = (D / SW128_ROW_ELEMS) as u32;
-    let batch = info.addr_batch as i32;
-    // One box per 64-column group: `rows` rows of 128 bytes at `dst`.
-    let load = |dst: u32, rows: usize, map: u64, row: u32, head: u32, bar: u32| {
+    // One box per 64-column group: `rows` rows of 128 bytes at `dst`, the
+    // groups `stride` rows apart.
+    let load = |dst: u32, stride: usize, map: u64, row: u32, head: u32, batch: u32, bar: u32| {
         for c in 0..groups {
             let coord = [
                 (c as usize * SW128_ROW_ELEMS) as i32,
                 row as i32,
                 head as i32,
-                batch,
+                batch as i32,
             ];
-            tma::load_4d(dst + c * rows as u32 * SW128_ROW_BYTES, map, coord, bar);
+            tma::load_4d(dst + c * stride as u32 * SW128_ROW_BYTES, map, coord, bar);
         }
     };
-    mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
-    let q_row = info.q_start + info.m0;
-    load(sm.q, tile.block_m, q_map, q_row, info.head_base, sm.q_full);
-
+    // Only a paged cache's loads use more than thread 0.
+    let lane = if L::PAGED { special::thread_idx_x() } else { 0 };
+    let leader = lane == 0;
     let (bn, bytes) = (tile.block_n as u32, tile.kv_bytes() as u32);
+    if leader {
+        mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
+        let q_row = info.q_start + info.m0;
+        let batch = info.addr_batch;
+        load(
+            sm.q,
+            tile.block_m,
+            q_map,
+            q_row,
+            info.head_base,
+            batch,
+            sm.q_full,
+        );
+    }
+
     let blocks = info.n_hi - info.n_lo;
+    if L::PAGED && p.block_table != 0 {
+        let box_rows = index::paged_box_rows(p.page_size.divisor, bn);
+        for i in 0..blocks {
+            if leader {
+                k_ring.acquire(i, bytes);
+                v_ring.acquire(i, bytes);
+            }
+            // The other lanes issue their boxes after the stages are claimed.
+            barrier::sync_warp();
+            let key = (info.n_hi - 1 - i) * bn + lane * box_rows;
+            if lane < bn / box_rows {
+                let (page, row) = if key < info.seqlen_k {
+                    let at = paging::locate(
+                        p.block_table,
+                        p.max_pages,
+                        p.page_size,
+                        p.num_pages,
+                        info.batch as u64,
+                        key,
+                    );
+                    (at.0 as u32, at.1 as u32)
+                } else {
+                    (0, 0)
+                };
+                let offset = lane * box_rows * SW128_ROW_BYTES;
+                let (s, full) = k_ring.slot(i);
+                let dst = sm.k + s * bytes + offset;
+                load(dst, tile.block_n, k_map, row, info.kv_head, page, full);
+                let (s, full) = v_ring.slot(i);
+                let dst = sm.v + s * bytes + offset;
+                load(dst, tile.block_n, v_map, row, info.kv_head, page, full);
+            }
+        }
+        return;
+    }
     for i in 0..blocks {
         let row = info.k_start + (info.n_hi - 1 - i) * bn;
+        let batch = info.addr_batch;
         let (s, full) = k_ring.acquire(i, bytes);
         load(
             sm.k + s * bytes,
@@ -184,6 +242,7 @@ fn produce<const D: usize, const STAGES: u32>(
             k_map,
             row,
             info.kv_head,
+            batch,
             full,
         );
         let (s, full) = v_ring.acquire(i, bytes);
@@ -193,6 +252,7 @@ fn produce<const D: usize, const STAGES: u32>(
             v_map,
             row,
             info.kv_head,
+            batch,
             full,
         );
     }

@@ -55,6 +55,14 @@ impl<const STAGES: u32> TmaRing<STAGES> {
         (s, full)
     }
 
+    /// Block `i`'s stage and full barrier, for the threads that issue its
+    /// loads after another claimed it with [`Self::acquire`].
+    #[inline(always)]
+    pub const fn slot(self, i: u32) -> (u32, u32) {
+        let s = Self::stage(i).0;
+        (s, self.full + 8 * s)
+    }
+
     /// A consumer waits until block `i` has landed; returns its stage.
     #[inline(always)]
     pub fn wait_full(self, i: u32) -> u32 {
