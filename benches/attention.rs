@@ -56,7 +56,8 @@
 //! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
 //! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks),
 //! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
-//! mean length) and `policy-decode` (windowed and soft-capped decode). Their
+//! mean length; causal also with K/V in shuffled pools of 16- and 256-token
+//! pages, `forward_varlen_paged`) and `policy-decode` (windowed and soft-capped decode). Their
 //! FLOPs count only the visible (query, key) pairs, exactly, per sequence; the
 //! last column compares each with its plain row (time full/window, overhead in
 //! %, or varlen/fixed TFLOP/s). Their JSON lines carry `"policy"` (`"none"`
@@ -142,8 +143,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use flash_attn::{
-    reference, AlibiSlopes, AttnElement, AttnOptions, Dtype, FlashAttention, Layout, TensorMut,
-    TensorRef, Varlen, Window,
+    reference, AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, Layout,
+    PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -228,6 +229,10 @@ enum Policy {
     /// `batch` packed sequences of [`varlen_seqlens`] lengths; the shape's
     /// `seqlen_q`/`seqlen_k` hold their mean (its plain row's sequence length).
     Varlen,
+    /// [`Policy::Varlen`] with K/V in a page pool of pages of this many
+    /// tokens (`forward_varlen_paged`: chunked prefill, here whole prompts),
+    /// the pages shuffled.
+    VarlenPaged(usize),
 }
 
 impl Policy {
@@ -244,7 +249,13 @@ impl Policy {
             Policy::Alibi => "alibi".into(),
             Policy::Sinks(s) => format!("sinks{s}"),
             Policy::Varlen => "varlen".into(),
+            Policy::VarlenPaged(page) => format!("varlen-paged{page}"),
         }
+    }
+
+    /// Packed sequences of [`varlen_seqlens`] lengths.
+    fn is_varlen(&self) -> bool {
+        matches!(self, Policy::Varlen | Policy::VarlenPaged(_))
     }
 }
 
@@ -349,7 +360,7 @@ impl Shape {
     }
     /// (seqlen_q, seqlen_k) of each sequence.
     fn sequences(&self) -> Vec<(usize, usize)> {
-        if self.policy == Policy::Varlen {
+        if self.policy.is_varlen() {
             varlen_seqlens().into_iter().map(|l| (l, l)).collect()
         } else {
             vec![(self.seqlen_q, self.seqlen_k); self.batch]
@@ -608,6 +619,10 @@ fn shapes() -> Vec<Shape> {
             "policy-varlen",
         );
         v.extend([plain, with(plain, Policy::Varlen)]);
+        if causal {
+            // Chunked prefill's layout (vLLM's 16-token pages, and large ones).
+            v.extend([16, 256].map(|page| with(plain, Policy::VarlenPaged(page))));
+        }
     }
     let plain = dec(8, 32, 8, 16384, 128, "policy-decode");
     v.extend([
@@ -1189,7 +1204,7 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
         Policy::Alibi | Policy::Sinks(_) => s.heads * 4,
         _ => 0,
     };
-    if s.policy == Policy::Varlen {
+    if s.policy.is_varlen() {
         return run_varlen::<T>(b, s, &opts, policy_bytes, free_before);
     }
     let (inputs, host) = random_sets::<T>(b, q_len, kv_len);
@@ -1284,6 +1299,48 @@ fn run_varlen<T: AttnElement>(
     let (inputs, host) = random_sets::<T>(b, q_len, kv_len);
     let sets = inputs.len();
     let mut o = b.stream.alloc_zeros::<T>(q_len).expect("alloc");
+    if let Policy::VarlenPaged(page) = s.policy {
+        let paged = PagedPools::new(b, &inputs[0], &lens, page, s.kv_heads * s.head_dim);
+        let seqlens_k = b
+            .stream
+            .clone_htod(&lens.iter().map(|&l| l as i32).collect::<Vec<_>>());
+        let seqlens_k = seqlens_k.expect("upload");
+        let (sk, table) = (seqlens_k.as_view(), paged.table.as_view());
+        let block_table = BlockTable {
+            table,
+            max_pages: paged.max_pages,
+        };
+        let seqs = PagedVarlen {
+            cu_seqlens_q: &cu,
+            max_seqlen_q: max,
+            seqlens_k: &sk,
+            block_table: &block_table,
+        };
+        let pool = Layout::contiguous([paged.num_pages, page, s.kv_heads, s.head_dim]);
+        let call = |q: &CudaSlice<T>, o: &mut CudaSlice<T>| {
+            b.fa.forward_varlen_paged(
+                &b.stream,
+                &TensorRef::new(q.as_view(), q_layout),
+                &TensorRef::new(paged.k.as_view(), pool),
+                &TensorRef::new(paged.v.as_view(), pool),
+                &mut TensorMut::new(o.as_view_mut(), q_layout),
+                None,
+                &seqs,
+                opts,
+            )
+            .expect("launch");
+        };
+        let ms = b.time(sets, |i| call(&inputs[i % sets][0], &mut o));
+        let spec = CheckSpec::new(s, &s.sequences());
+        let check = check_output(b, &spec, &host, &mut o, |o| call(&inputs[0][0], o));
+        let pool_len = paged.num_pages * page * s.kv_heads * s.head_dim;
+        let mem_bytes = (2 * q_len + 2 * pool_len) * size_of::<T>()
+            + cu_bytes
+            + paged.table.len() * 4
+            + lens.len() * 4
+            + policy_bytes;
+        return Measured::new(b, ms, check, mem_bytes, free_before);
+    }
     let call = |[q, k, v]: &[CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
         b.fa.forward_varlen(
             &b.stream,
@@ -1302,6 +1359,76 @@ fn run_varlen<T: AttnElement>(
     let check = check_output(b, &spec, &host, &mut o, |o| call(&inputs[0], o));
     let mem_bytes = (2 * q_len + 2 * kv_len) * size_of::<T>() + cu_bytes + policy_bytes;
     Measured::new(b, ms, check, mem_bytes, free_before)
+}
+
+/// The K/V of packed sequences copied into page pools, each sequence's
+/// pages a shuffled run of pool pages: its token `t` at row `t % page` of
+/// page `table[b][t / page]`. The pools hold the same K/V rows as the
+/// packed tensors, so the packed reference checks a paged call.
+struct PagedPools<T> {
+    k: CudaSlice<T>,
+    v: CudaSlice<T>,
+    table: CudaSlice<i32>,
+    max_pages: usize,
+    num_pages: usize,
+}
+
+impl<T: AttnElement> PagedPools<T> {
+    fn new(
+        b: &Bench,
+        [_, k, v]: &[CudaSlice<T>; 3],
+        lens: &[usize],
+        page: usize,
+        row: usize,
+    ) -> Self {
+        let pages: Vec<usize> = lens.iter().map(|l| l.div_ceil(page)).collect();
+        let max_pages = pages.iter().copied().max().unwrap_or(1).max(1);
+        let num_pages = pages.iter().sum::<usize>().max(1);
+        let mut order: Vec<i32> = (0..num_pages as i32).collect();
+        let mut rng = StdRng::seed_from_u64(0x9a9e);
+        for i in (1..order.len()).rev() {
+            order.swap(i, rng.random_range(0..=i));
+        }
+        let mut table = vec![0i32; lens.len() * max_pages];
+        let mut next = order.into_iter();
+        for (seq, &n) in pages.iter().enumerate() {
+            for p in 0..n {
+                table[seq * max_pages + p] = next.next().expect("a page per slot");
+            }
+        }
+        let copy = |src: &CudaSlice<T>| {
+            let mut pool = b
+                .stream
+                .alloc_zeros::<T>(num_pages * page * row)
+                .expect("alloc");
+            let mut start = 0;
+            for (seq, &len) in lens.iter().enumerate() {
+                for p in 0..pages[seq] {
+                    let slot = table[seq * max_pages + p] as usize;
+                    let rows = (len - p * page).min(page);
+                    let from = (start + p * page) * row;
+                    let to = slot * page * row;
+                    b.stream
+                        .memcpy_dtod(
+                            &src.slice(from..from + rows * row),
+                            &mut pool.slice_mut(to..to + rows * row),
+                        )
+                        .expect("copy");
+                }
+                start += len;
+            }
+            pool
+        };
+        let (k, v) = (copy(k), copy(v));
+        let table = b.stream.clone_htod(&table).expect("upload");
+        PagedPools {
+            k,
+            v,
+            table,
+            max_pages,
+            num_pages,
+        }
+    }
 }
 
 /// Decode through [`FlashAttention::decode_kvcache`] from a page pool: the
@@ -1866,7 +1993,9 @@ fn main() {
             .map(|&(_, plain_ms, plain_tflops)| {
                 let (key, value) = match s.policy {
                     Policy::Window(_) => ("full_over_window_time", plain_ms / ms),
-                    Policy::Varlen => ("varlen_over_fixed_tflops", tflops / plain_tflops),
+                    Policy::Varlen | Policy::VarlenPaged(_) => {
+                        ("varlen_over_fixed_tflops", tflops / plain_tflops)
+                    }
                     _ => ("overhead_pct", (ms / plain_ms - 1.0) * 100.0),
                 };
                 (key, value, plain_ms)
@@ -1960,8 +2089,11 @@ fn main() {
                 extra.insert(key.into(), value.into());
                 extra.insert("plain_ms".into(), plain_ms.into());
             }
-            if s.policy == Policy::Varlen {
+            if s.policy.is_varlen() {
                 extra.insert("seqlens".into(), varlen_seqlens().into());
+            }
+            if let Policy::VarlenPaged(page) = s.policy {
+                extra.insert("page_size".into(), page.into());
             }
             if let Policy::Window(w) = s.policy {
                 extra.insert("window_left".into(), w.left.into());

@@ -810,23 +810,24 @@ impl FlashAttention {
                 paged_box_rows(paging.page_size as u32, tile.block_n as u32) as usize,
             ),
         };
-        let map = |x: &TensorInfo, (batch, seqlen): (usize, usize), heads: usize, box_rows: usize| {
-            let s = &x.layout.strides;
-            let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
-            encode_tensor_map(&TiledTensor {
-                base: x.addr,
-                dtype: T::DTYPE,
-                dims: [
-                    shape.head_dim as u64,
-                    seqlen as u64,
-                    heads as u64,
-                    batch as u64,
-                ],
-                strides: [bytes(s[1]), bytes(s[2]), bytes(s[0])],
-                box_rows: box_rows as u32,
-            })
-            .ok()
-        };
+        let map =
+            |x: &TensorInfo, (batch, seqlen): (usize, usize), heads: usize, box_rows: usize| {
+                let s = &x.layout.strides;
+                let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
+                encode_tensor_map(&TiledTensor {
+                    base: x.addr,
+                    dtype: T::DTYPE,
+                    dims: [
+                        shape.head_dim as u64,
+                        seqlen as u64,
+                        heads as u64,
+                        batch as u64,
+                    ],
+                    strides: [bytes(s[1]), bytes(s[2]), bytes(s[0])],
+                    box_rows: box_rows as u32,
+                })
+                .ok()
+            };
         let maps = (
             map(&t.q, q_dims, shape.heads, tile.block_m),
             map(&t.k, kv_dims, shape.kv_heads, kv_box),
