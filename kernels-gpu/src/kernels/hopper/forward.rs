@@ -143,10 +143,10 @@ pub unsafe fn forward<
 /// The load loop: Q once, then K(n) and V(n) for n from `n_hi - 1` down,
 /// by thread 0. From a paged cache (`L::PAGED` and a block table) the first
 /// warp loads each block as boxes of `index::paged_box_rows` rows, which
-/// never straddle a page: thread 0 claims the stages, then lane j looks up
-/// box j's page and issues its K and V boxes, so the table reads of a block
-/// overlap. A box whose first key lies past the sequence reads page 0
-/// (masked, and its V rows zeroed by the consumers).
+/// never straddle a page: lane j looks up box j's page (the table reads of
+/// a block overlap), thread 0 claims the K stage, the lanes issue their K
+/// boxes, and likewise V. A box whose first key lies past the sequence
+/// reads page 0 (masked, and its V rows zeroed by the consumers).
 #[inline(always)]
 fn produce<L: Seq, const D: usize, const STAGES: u32>(
     p: &AttnParams,
@@ -199,35 +199,36 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
     let blocks = info.n_hi - info.n_lo;
     if L::PAGED && p.block_table != 0 {
         let box_rows = index::paged_box_rows(p.page_size.divisor, bn);
+        let boxes = bn / box_rows;
         for i in 0..blocks {
-            if leader {
-                k_ring.acquire(i, bytes);
-                v_ring.acquire(i, bytes);
-            }
-            // The other lanes issue their boxes after the stages are claimed.
-            barrier::sync_warp();
+            // The lookup first: its latency overlaps the wait for the stages.
             let key = (info.n_hi - 1 - i) * bn + lane * box_rows;
-            if lane < bn / box_rows {
-                let (page, row) = if key < info.seqlen_k {
-                    let at = paging::locate(
-                        p.block_table,
-                        p.max_pages,
-                        p.page_size,
-                        p.num_pages,
-                        info.batch as u64,
-                        key,
-                    );
-                    (at.0 as u32, at.1 as u32)
-                } else {
-                    (0, 0)
-                };
-                let offset = lane * box_rows * SW128_ROW_BYTES;
-                let (s, full) = k_ring.slot(i);
-                let dst = sm.k + s * bytes + offset;
-                load(dst, tile.block_n, k_map, row, info.kv_head, page, full);
-                let (s, full) = v_ring.slot(i);
-                let dst = sm.v + s * bytes + offset;
-                load(dst, tile.block_n, v_map, row, info.kv_head, page, full);
+            let (page, row) = if lane < boxes && key < info.seqlen_k {
+                let at = paging::locate(
+                    p.block_table,
+                    p.max_pages,
+                    p.page_size,
+                    p.num_pages,
+                    info.batch as u64,
+                    key,
+                );
+                (at.0 as u32, at.1 as u32)
+            } else {
+                (0, 0)
+            };
+            let offset = lane * box_rows * SW128_ROW_BYTES;
+            // K, then V, each once its stage is claimed: V's stage frees
+            // only after an earlier P·V, which K(i) must not wait for.
+            for (ring, base, map) in [(k_ring, sm.k, k_map), (v_ring, sm.v, v_map)] {
+                if leader {
+                    ring.acquire(i, bytes);
+                }
+                barrier::sync_warp();
+                if lane < boxes {
+                    let (s, full) = ring.slot(i);
+                    let dst = base + s * bytes + offset;
+                    load(dst, tile.block_n, map, row, info.kv_head, page, full);
+                }
             }
         }
         return;
