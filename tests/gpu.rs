@@ -24,7 +24,8 @@ use flash_attn::{
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{
-    hopper_line_head_dim, hopper_padded_short, AttnTile, KernelKind, PtxArch, HOPPER_ENTRIES,
+    hopper_line_head_dim, hopper_padded_short, AttnTile, KernelKind, PtxArch, SeqKind,
+    HOPPER_ENTRIES,
 };
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
@@ -123,9 +124,31 @@ fn check_forward_path<T: AttnElement>(
     launches_before: u64,
     what: &str,
 ) -> Result<(), String> {
+    check_path::<T>(
+        gpu,
+        (head_dim, seqlen_k, hopper_rows),
+        SeqKind::Dense,
+        launches_before,
+        what,
+    )
+}
+
+/// [`check_forward_path`] for a call whose sequences lie as `seq` says: the
+/// packed and paged lines do not cover every line head dim.
+fn check_path<T: AttnElement>(
+    gpu: &Gpu,
+    (head_dim, seqlen_k, hopper_rows): (usize, usize, Option<usize>),
+    seq: SeqKind,
+    launches_before: u64,
+    what: &str,
+) -> Result<(), String> {
+    let line_d = hopper_line_head_dim(head_dim);
+    let has_line = HOPPER_ENTRIES.iter().any(|e| {
+        e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d && e.policies.seq >= seq
+    });
     let served = gpu.fa.hopper_forward()
         && T::DTYPE != Dtype::F32
-        && hopper_line_head_dim(head_dim).is_some()
+        && has_line
         && (hopper_rows.is_some() || !hopper_padded_short(head_dim, seqlen_k));
     let ran = flash_attn::hopper::launches_on_this_thread() - launches_before;
     if ran == served as u64 {
@@ -1210,7 +1233,8 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
         ))
     })?;
     let what = format!("{c:?}");
-    check_forward_path::<T>(gpu, (d, max_k, c.hopper_rows), launches, &what)?;
+    let path = (d, max_k, c.hopper_rows);
+    check_path::<T>(gpu, path, SeqKind::Packed, launches, &what)?;
     check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
 }
 
@@ -1340,7 +1364,7 @@ fn run_varlen_isolation<T: AttnElement>(
         )
         .map_err(|x| x.to_string())?;
     let what = format!("isolation D={d} causal={causal}");
-    check_forward_path::<T>(gpu, (d, max, None), launches, &what)?;
+    check_path::<T>(gpu, (d, max, None), SeqKind::Packed, launches, &what)?;
     let shape = VarlenShape {
         batch: lens.len(),
         total_q: total,
@@ -1524,7 +1548,8 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
         ))
     })?;
     let what = format!("{c:?}");
-    check_forward_path::<T>(gpu, (d, cap, c.hopper_rows), launches, &what)?;
+    let path = (d, cap, c.hopper_rows);
+    check_path::<T>(gpu, path, SeqKind::Ragged, launches, &what)?;
     check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
 }
 
