@@ -2851,54 +2851,45 @@ fn main() {
         .as_ref()
         .is_some_and(|g| g.fa.ptx_arch().has_dtype(Dtype::Bf16));
     let mut hopper_trials = Vec::new();
+    macro_rules! hopper_random_trial {
+        ($label:literal, $name:literal, $strategy:expr, $run:expr) => {{
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(concat!($label, $name), move || {
+                check_hopper_path(g.as_ref().as_ref().unwrap())?;
+                proptest_trial(&g, case_count(), $strategy, $run)
+            }));
+        }};
+    }
     macro_rules! hopper_forward_trials {
         ($t:ty, $name:literal) => {{
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_forward_random_", $name),
-                move || {
-                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
-                    proptest_trial(&g, case_count(), hopper_fwd_strategy(), run_forward::<$t>)
-                },
-            ));
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_forward_policies_random_", $name),
-                move || {
-                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
-                    proptest_trial(
-                        &g,
-                        case_count(),
-                        hopper_policy_strategy(),
-                        run_forward_policy::<$t>,
-                    )
-                },
-            ));
+            hopper_random_trial!(
+                "hopper_forward_random_",
+                $name,
+                hopper_fwd_strategy(),
+                run_forward::<$t>
+            );
+            hopper_random_trial!(
+                "hopper_forward_policies_random_",
+                $name,
+                hopper_policy_strategy(),
+                run_forward_policy::<$t>
+            );
             let fixed: [(&str, fn() -> Vec<FwdCase>); 2] = [
                 ("long", hopper_long_cases),
                 ("many_tiles", hopper_many_tile_cases),
             ];
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_varlen_random_", $name),
-                move || {
-                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
-                    proptest_trial(&g, case_count(), hopper_varlen_strategy(), run_varlen::<$t>)
-                },
-            ));
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_varlen_paged_random_", $name),
-                move || {
-                    check_hopper_path(g.as_ref().as_ref().unwrap())?;
-                    proptest_trial(
-                        &g,
-                        case_count(),
-                        hopper_varlen_paged_strategy(),
-                        run_varlen_paged::<$t>,
-                    )
-                },
-            ));
+            hopper_random_trial!(
+                "hopper_varlen_random_",
+                $name,
+                hopper_varlen_strategy(),
+                run_varlen::<$t>
+            );
+            hopper_random_trial!(
+                "hopper_varlen_paged_random_",
+                $name,
+                hopper_varlen_paged_strategy(),
+                run_varlen_paged::<$t>
+            );
             let g = gpu.clone();
             hopper_trials.push(Trial::test(
                 concat!("hopper_varlen_isolation_", $name),

@@ -2,6 +2,7 @@
 //! sequence layout. The index arithmetic lives in `crate::index` (plain Rust,
 //! property-tested on the host); this module reads the launch parameters
 //! and device-side lengths it needs.
+use super::paging;
 use super::policy::{Mask, Seq};
 use crate::arch::{global, special};
 use crate::index::{self, KeyWindow};
@@ -209,7 +210,21 @@ impl BlockInfo {
         row_ptr(base, s, self.addr_batch, self.k_start + key, self.kv_head)
     }
 
-    /// Start of row `row` of page `page` (see `paging::locate`) for this
+    /// Pool page and row of key `key` of this CTA's sequence in a paged
+    /// cache (`paging::locate`; `key` below the sequence's capacity).
+    #[inline(always)]
+    pub fn locate_key(&self, p: &AttnParams, key: u32) -> (u64, u64) {
+        paging::locate(
+            p.block_table,
+            p.max_pages,
+            p.page_size,
+            p.num_pages,
+            self.batch as u64,
+            key,
+        )
+    }
+
+    /// Start of row `row` of page `page` (see `Self::locate_key`) for this
     /// CTA's KV head.
     #[inline(always)]
     pub fn page_row_ptr(&self, base: u64, s: &BshStrides, page: u64, row: u64) -> u64 {

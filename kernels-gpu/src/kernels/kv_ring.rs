@@ -8,7 +8,6 @@
 use super::block_info::BlockInfo;
 use super::copy;
 use super::element::Element;
-use super::paging;
 use super::smem_tile::SmemTile;
 use crate::arch::barrier;
 use crate::config::{AttnTile, CHUNK_ELEMS};
@@ -134,14 +133,7 @@ pub fn load_block<T: Element, const D: usize>(
             unroll::<PAGED_LOOKUP_GROUP>(|g| {
                 let key = first + cell(g).0;
                 if c0 + (g as u32) < per_thread && key < info.seqlen_k {
-                    slot[g] = paging::locate(
-                        p.block_table,
-                        p.max_pages,
-                        p.page_size,
-                        p.num_pages,
-                        info.batch as u64,
-                        key,
-                    );
+                    slot[g] = info.locate_key(p, key);
                 }
             });
             unroll::<PAGED_LOOKUP_GROUP>(|g| {
@@ -170,14 +162,7 @@ pub fn load_block<T: Element, const D: usize>(
     }
     // Contiguous, or a whole block inside one page: rows evenly strided.
     let (k, v) = if paged {
-        let (page, row) = paging::locate(
-            p.block_table,
-            p.max_pages,
-            p.page_size,
-            p.num_pages,
-            info.batch as u64,
-            first,
-        );
+        let (page, row) = info.locate_key(p, first);
         (
             info.page_row_ptr(p.k, &p.k_strides, page, row),
             info.page_row_ptr(p.v, &p.v_strides, page, row),

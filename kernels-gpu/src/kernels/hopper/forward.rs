@@ -13,7 +13,8 @@
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
 //! sm_80 kernel's own.
 //!
-//! Packed sequences (`Seq = Packed`): the tensor maps span all packed rows
+//! Packed sequences (`Seq = Packed`, or `Ragged` against a paged cache,
+//! whose K/V loads `produce` describes): the Q map spans all packed rows
 //! (a batch of one), and a sequence's tiles start at its `cu_seqlens` rows.
 //! A box that runs past the sequence's end reads the next sequence's rows
 //! (TMA only zero-fills past the tensor): its queries give rows the
@@ -30,9 +31,9 @@ use crate::index::{
 };
 use crate::kernels::block_info::BlockInfo;
 use crate::kernels::element::Element;
+use crate::kernels::mask;
 use crate::kernels::policy::{self, policies, Mask, Modifiers, Scores, Seq};
 use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
-use crate::kernels::{mask, paging};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
 
@@ -204,15 +205,8 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
             // The lookup first: its latency overlaps the wait for the stages.
             let key = (info.n_hi - 1 - i) * bn + lane * box_rows;
             let (page, row) = if lane < boxes && key < info.seqlen_k {
-                let at = paging::locate(
-                    p.block_table,
-                    p.max_pages,
-                    p.page_size,
-                    p.num_pages,
-                    info.batch as u64,
-                    key,
-                );
-                (at.0 as u32, at.1 as u32)
+                let (page, row) = info.locate_key(p, key);
+                (page as u32, row as u32)
             } else {
                 (0, 0)
             };
