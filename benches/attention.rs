@@ -1031,7 +1031,7 @@ impl CheckSpec {
         };
         let key = |j: usize, buf: &mut [f64]| x.k.read(kv_start(j), buf);
         let value = |j: usize, buf: &mut [f64]| x.v.read(kv_start(j), buf);
-        reference::output_row(&spec, &q, key, value).0
+        reference::output_row(&spec, &q, key, value, d).0
     }
 
     /// Compares `got(token row, head)` (one row of O, D values) with the
@@ -1700,6 +1700,7 @@ fn self_test() {
                 heads: s.heads,
                 kv_heads: s.kv_heads,
                 head_dim: s.head_dim,
+                v_head_dim: 0,
                 causal: s.causal,
                 softmax_scale: scale,
                 window: s.window(),

@@ -726,7 +726,7 @@ impl FlashAttention {
             max_pages: paging.max_pages as u32,
             page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
-            head_dim: shape.head_dim as u32,
+            head_dim: shape.v_dim() as u32,
             ..policy.params
         };
         let on_hopper = self.launch_hopper_forward::<T>(
@@ -810,6 +810,8 @@ impl FlashAttention {
                 paged_box_rows(paging.page_size as u32, tile.block_n as u32) as usize,
             ),
         };
+        // Each map has its tensor's own head dim: TMA zero-fills the line's
+        // columns past it (a smaller head dim, or V's own).
         let map =
             |x: &TensorInfo, (batch, seqlen): (usize, usize), heads: usize, box_rows: usize| {
                 let s = &x.layout.strides;
@@ -818,7 +820,7 @@ impl FlashAttention {
                     base: x.addr,
                     dtype: T::DTYPE,
                     dims: [
-                        shape.head_dim as u64,
+                        x.layout.shape[3] as u64,
                         seqlen as u64,
                         heads as u64,
                         batch as u64,

@@ -351,8 +351,15 @@ impl Attn {
         let guards = self.policy.lock();
         let views = guards.views()?;
         let opts = views.options(&self.policy)?;
-        let shape = q_l.shape().clone();
-        let o_layout = Layout::contiguous(q_layout.shape);
+        // O is Q's shape with V's head dim (which may be its own, as in
+        // DeepSeek's MLA prefill).
+        let mut dims = q_l.dims().to_vec();
+        if let Some(last) = dims.last_mut() {
+            *last = v_layout.shape[3];
+        }
+        let shape = Shape::from(dims);
+        let [b, s, h, _] = q_layout.shape;
+        let o_layout = Layout::contiguous([b, s, h, v_layout.shape[3]]);
         let mut o = match self.seqs {
             // SAFETY: the dense kernel writes every element of O (rows that
             // see no key get 0); a refused call drops the buffer unread.
@@ -360,7 +367,6 @@ impl Attn {
             // Varlen leaves rows outside every sequence unwritten: start from 0.
             _ => dev.alloc_zeros::<T>(shape.elem_count())?,
         };
-        let [b, s, h, _] = q_layout.shape;
         let mut lse = match &self.lse {
             Some(_) => Some(dev.alloc_zeros::<f32>(b * s * h)?),
             None => None,
@@ -510,7 +516,9 @@ qkv_op!(Attn, "flash-attn");
 /// `q` is `[batch, seq_len_q, num_heads_q, head_size]`, `k` and `v`
 /// `[batch, seq_len_kv, num_heads_kv, head_size]` (num_heads_kv divides
 /// num_heads_q: MQA/GQA); the result has `q`'s shape. `causal` is the
-/// bottom-right-aligned mask.
+/// bottom-right-aligned mask. `v` may have a head size of its own, a
+/// multiple of 8 up to q/k's (DeepSeek's MLA prefill: 192 for q·k, 128 for
+/// v); the result then has that last dimension, in every forward op here.
 pub fn flash_attn(
     q: &Tensor,
     k: &Tensor,

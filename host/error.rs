@@ -15,6 +15,15 @@ pub enum FlashAttnError {
         supported: &'static [usize],
     },
 
+    /// V (and O) may have a head dim of their own, within Q/K's.
+    #[error("V head dim {v} is not supported with Q/K head dim {qk}: it must be a positive multiple of 8, at most the Q/K head dim")]
+    UnsupportedVHeadDim {
+        /// The head dim of V (and O).
+        v: usize,
+        /// The head dim of Q and K.
+        qk: usize,
+    },
+
     /// GQA/MQA needs the query heads to be a multiple of the KV heads.
     #[error("{heads} query heads are not a multiple of {kv_heads} KV heads (MQA/GQA needs heads % kv_heads == 0)")]
     HeadsNotDivisible {

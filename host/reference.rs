@@ -61,6 +61,8 @@ struct Problem<'a> {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
+    /// Head dim of V and O.
+    v_head_dim: usize,
     /// The mask, `causal` folded in.
     window: Window,
     scale: f64,
@@ -191,17 +193,19 @@ pub fn softmax_row(
 }
 
 /// O and LSE of one query row, as [`softmax_row`], with `value(j, buf)`
-/// reading V like `key` reads K. Only visible keys contribute, so whatever
-/// lies behind the mask (even a non-finite value) cannot reach the output.
+/// reading V (rows of `v_dim` elements, V's own head dim) like `key` reads
+/// K. Only visible keys contribute, so whatever lies behind the mask (even
+/// a non-finite value) cannot reach the output.
 pub fn output_row(
     spec: &RowSpec,
     q: &[f64],
     key: impl FnMut(usize, &mut [f64]),
     mut value: impl FnMut(usize, &mut [f64]),
+    v_dim: usize,
 ) -> (Vec<f64>, f64) {
     let row = softmax_row(spec, q, key);
-    let mut o = vec![0.0; q.len()];
-    let mut v = vec![0.0; q.len()];
+    let mut o = vec![0.0; v_dim];
+    let mut v = vec![0.0; v_dim];
     for (j, &pj) in row.keys.zip(&row.p) {
         value(j, &mut v);
         for (oc, vc) in o.iter_mut().zip(&v) {
@@ -217,7 +221,7 @@ impl<'a> Problem<'a> {
         batch: usize,
         heads: usize,
         kv_heads: usize,
-        head_dim: usize,
+        (head_dim, v_head_dim): (usize, usize),
         window: Window,
         scale: f32,
         softcap: Option<f32>,
@@ -250,6 +254,7 @@ impl<'a> Problem<'a> {
             heads,
             kv_heads,
             head_dim,
+            v_head_dim,
             window,
             scale: f64::from(scale),
             softcap: softcap.map(f64::from),
@@ -259,9 +264,14 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Panics unless `t` holds `rows` rows of `heads` heads.
+    /// Panics unless `t` holds `rows` rows of `heads` heads of Q/K's head dim.
     fn check_len(&self, name: &str, got: usize, rows: usize, heads: usize) {
-        let needed = rows * heads * self.head_dim;
+        self.check_len_dim(name, got, rows, heads, self.head_dim);
+    }
+
+    /// Panics unless `t` holds `rows` rows of `heads` heads of `dim` elements.
+    fn check_len_dim(&self, name: &str, got: usize, rows: usize, heads: usize, dim: usize) {
+        let needed = rows * heads * dim;
         assert!(
             got >= needed,
             "reference: {name} has {got} elements, the shape needs {needed}"
@@ -273,12 +283,13 @@ impl<'a> Problem<'a> {
         &self.q[start..start + self.head_dim]
     }
 
-    /// Row `row` of K or V for query head `h`: MQA/GQA maps consecutive groups
-    /// of `heads / kv_heads` query heads onto one KV head.
-    fn kv_row<'t>(&self, t: &'t [f64], row: usize, h: usize) -> &'t [f64] {
+    /// Row `row` of K or V (rows of `dim` elements) for query head `h`:
+    /// MQA/GQA maps consecutive groups of `heads / kv_heads` query heads onto
+    /// one KV head.
+    fn kv_row<'t>(&self, t: &'t [f64], row: usize, h: usize, dim: usize) -> &'t [f64] {
         let kv_head = h / (self.heads / self.kv_heads);
-        let start = (row * self.kv_heads + kv_head) * self.head_dim;
-        &t[start..start + self.head_dim]
+        let start = (row * self.kv_heads + kv_head) * dim;
+        &t[start..start + dim]
     }
 
     fn alibi_slope(&self, seq: &Seq, h: usize) -> Option<f64> {
@@ -303,19 +314,22 @@ impl<'a> Problem<'a> {
         }
     }
 
-    /// Reads row `j` of `seq`'s keys (or values) of query head `h` from `t`.
+    /// Reads row `j` of `seq`'s keys (or values, `dim` = V's head dim) of
+    /// query head `h` from `t`.
     fn reader<'t>(
         &'t self,
         t: &'t [f64],
         seq: &'t Seq,
         h: usize,
+        dim: usize,
     ) -> impl FnMut(usize, &mut [f64]) + 't {
-        move |j, buf| buf.copy_from_slice(self.kv_row(t, seq.k_start + j, h))
+        move |j, buf| buf.copy_from_slice(self.kv_row(t, seq.k_start + j, h, dim))
     }
 
     fn row(&self, seq: &Seq, i: usize, h: usize) -> RowSoftmax {
         let q = self.q_row(seq.q_start + i, h);
-        softmax_row(&self.spec(seq, i, h), q, self.reader(self.k, seq, h))
+        let key = self.reader(self.k, seq, h, self.head_dim);
+        softmax_row(&self.spec(seq, i, h), q, key)
     }
 
     /// O (`q_rows` rows, rows no sequence owns left 0) and LSE (`lse_len`
@@ -329,7 +343,7 @@ impl<'a> Problem<'a> {
         lse_len: usize,
         lse_index: impl Fn(&Seq, usize, usize) -> usize,
     ) -> RefOutput {
-        let (h_n, d) = (self.heads, self.head_dim);
+        let (h_n, d) = (self.heads, self.v_head_dim);
         let mut o = vec![0.0; q_rows * h_n * d];
         let mut lse = vec![f64::NEG_INFINITY; lse_len];
         for seq in seqs {
@@ -340,8 +354,9 @@ impl<'a> Problem<'a> {
                     let (row_o, row_lse) = output_row(
                         &spec,
                         q,
-                        self.reader(self.k, seq, h),
-                        self.reader(v, seq, h),
+                        self.reader(self.k, seq, h, self.head_dim),
+                        self.reader(v, seq, h, d),
+                        d,
                     );
                     lse[lse_index(seq, h, i)] = row_lse;
                     let out_start = ((seq.q_start + i) * h_n + h) * d;
@@ -363,7 +378,7 @@ fn forward_problem<'a>(
         shape.batch,
         shape.heads,
         shape.kv_heads,
-        shape.head_dim,
+        (shape.head_dim, shape.v_dim()),
         shape.mask(),
         shape.softmax_scale,
         shape.softcap,
@@ -398,8 +413,9 @@ pub fn attention(shape: &ForwardShape, q: &[f64], k: &[f64], v: &[f64]) -> RefOu
     attention_ext(shape, q, k, v, &Extras::default())
 }
 
-/// Attention of `q` over `k`/`v`. q: [B, Sq, H, D], k/v: [B, Skv, Hkv, D], all
-/// contiguous row-major f64; every policy of the module docs applies.
+/// Attention of `q` over `k`/`v`. q: [B, Sq, H, D], k: [B, Skv, Hkv, D], v:
+/// [B, Skv, Hkv, Dv] (`shape.v_dim()`; O is [B, Sq, H, Dv]), all contiguous
+/// row-major f64; every policy of the module docs applies.
 ///
 /// Panics if a slice is shorter than `shape` requires, or if an extra has the
 /// wrong length.
@@ -411,7 +427,8 @@ pub fn attention_ext(
     extras: &Extras,
 ) -> RefOutput {
     let (p, seqs) = forward_problem(shape, q, k, extras);
-    p.check_len("v", v.len(), shape.batch * shape.seqlen_k, p.kv_heads);
+    let rows_k = shape.batch * shape.seqlen_k;
+    p.check_len_dim("v", v.len(), rows_k, p.kv_heads, p.v_head_dim);
     let rows = shape.batch * shape.seqlen_q;
     p.attend(v, &seqs, rows, rows * p.heads, batched_lse_index(p.heads))
 }
@@ -477,7 +494,7 @@ pub fn decode_ext(
         shape.batch,
         shape.heads,
         shape.kv_heads,
-        shape.head_dim,
+        (shape.head_dim, shape.head_dim),
         shape.mask(),
         shape.softmax_scale,
         shape.softcap,
@@ -563,7 +580,7 @@ pub fn varlen(
         shape.batch,
         shape.heads,
         shape.kv_heads,
-        shape.head_dim,
+        (shape.head_dim, shape.v_dim()),
         shape.mask(),
         shape.softmax_scale,
         shape.softcap,
@@ -573,7 +590,7 @@ pub fn varlen(
     );
     p.check_len("q", q.len(), shape.total_q, p.heads);
     p.check_len("k", k.len(), shape.total_k, p.kv_heads);
-    p.check_len("v", v.len(), shape.total_k, p.kv_heads);
+    p.check_len_dim("v", v.len(), shape.total_k, p.kv_heads, p.v_head_dim);
     let cu_q = offsets("cu_seqlens_q", cu_seqlens_q, shape.batch, shape.total_q);
     let cu_k = offsets("cu_seqlens_k", cu_seqlens_k, shape.batch, shape.total_k);
     let seqs: Vec<Seq> = (0..shape.batch)

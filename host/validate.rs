@@ -122,8 +122,12 @@ pub struct ForwardShape {
     pub heads: usize,
     /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
-    /// Head dimension.
+    /// Head dimension of Q and K.
     pub head_dim: usize,
+    /// Head dimension of V and O, at most `head_dim` (DeepSeek's MLA
+    /// prefill: 192 for Q·K, 128 for V); 0 means `head_dim`
+    /// ([`ForwardShape::v_dim`]).
+    pub v_head_dim: usize,
     /// Bottom-right-aligned causal mask.
     pub causal: bool,
     /// The scale applied to q·k (default 1/sqrt(head_dim) resolved).
@@ -138,6 +142,19 @@ impl ForwardShape {
     /// The window the mask applies (`causal` folded in).
     pub fn mask(&self) -> Window {
         self.window.effective(self.causal)
+    }
+
+    /// The head dim of V and O (`v_head_dim`, or `head_dim` for 0).
+    pub fn v_dim(&self) -> usize {
+        v_dim(self.head_dim, self.v_head_dim)
+    }
+}
+
+fn v_dim(head_dim: usize, v_head_dim: usize) -> usize {
+    if v_head_dim == 0 {
+        head_dim
+    } else {
+        v_head_dim
     }
 }
 
@@ -195,8 +212,11 @@ pub struct VarlenShape {
     pub heads: usize,
     /// Key/value heads (divides `heads`).
     pub kv_heads: usize,
-    /// Head dimension.
+    /// Head dimension of Q and K.
     pub head_dim: usize,
+    /// Head dimension of V and O, as [`ForwardShape::v_head_dim`] (0 means
+    /// `head_dim`).
+    pub v_head_dim: usize,
     /// Bottom-right-aligned causal mask.
     pub causal: bool,
     /// The scale applied to q·k (default 1/sqrt(head_dim) resolved).
@@ -213,6 +233,11 @@ impl VarlenShape {
         self.window.effective(self.causal)
     }
 
+    /// The head dim of V and O (`v_head_dim`, or `head_dim` for 0).
+    pub fn v_dim(&self) -> usize {
+        v_dim(self.head_dim, self.v_head_dim)
+    }
+
     /// The launch geometry: `max_seqlen_q` rows per sequence (the kernel
     /// reads each sequence's own lengths on the device) and `total_k` as the
     /// bound of every key count.
@@ -224,6 +249,7 @@ impl VarlenShape {
             heads: self.heads,
             kv_heads: self.kv_heads,
             head_dim: self.head_dim,
+            v_head_dim: self.v_head_dim,
             causal: self.causal,
             softmax_scale: self.softmax_scale,
             window: self.window,
@@ -524,9 +550,20 @@ fn check_dense(
     let [kb, seqlen_k, kv_heads, kd] = k.layout.shape;
     expect_dim("k", 0, batch, kb)?;
     expect_dim("k", 3, head_dim, kd)?;
-    expect_shape("v", k.layout.shape, v.layout.shape)?;
-    expect_shape("o", q.layout.shape, o.layout.shape)?;
+    // V, and so O, may have a head dim of their own.
+    let v_head_dim = v.layout.shape[3];
+    expect_shape(
+        "v",
+        with_head_dim(k.layout.shape, v_head_dim),
+        v.layout.shape,
+    )?;
+    expect_shape(
+        "o",
+        with_head_dim(q.layout.shape, v_head_dim),
+        o.layout.shape,
+    )?;
     let softmax_scale = check_heads_and_scale(head_dim, heads, kv_heads, opts)?;
+    check_v_head_dim(head_dim, v_head_dim)?;
     if batch > MAX_GRID_YZ {
         return Err(FlashAttnError::TooLarge {
             what: "batch",
@@ -543,11 +580,28 @@ fn check_dense(
         heads,
         kv_heads,
         head_dim,
+        v_head_dim,
         causal: opts.causal,
         softmax_scale,
         window: opts.window,
         softcap: opts.softcap,
     })
+}
+
+fn with_head_dim([b, s, h, _]: [usize; 4], head_dim: usize) -> [usize; 4] {
+    [b, s, h, head_dim]
+}
+
+/// V's head dim: a positive multiple of 8 within Q/K's (the kernel of Q/K's
+/// head dim loads V's missing columns as zeros).
+pub fn check_v_head_dim(head_dim: usize, v_head_dim: usize) -> Result<(), FlashAttnError> {
+    if v_head_dim == 0 || v_head_dim % CHUNK_ELEMS != 0 || v_head_dim > head_dim {
+        return Err(FlashAttnError::UnsupportedVHeadDim {
+            v: v_head_dim,
+            qk: head_dim,
+        });
+    }
+    Ok(())
 }
 
 /// Validates a decode call: Q/O [B, Sq, H, D], K/V caches [B, Lmax, Hkv, D],
@@ -565,6 +619,12 @@ pub fn check_decode(
 ) -> Result<DecodeShape, FlashAttnError> {
     refuse("hopper_rows", opts.hopper_rows, "decode")?;
     let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
+    if shape.v_head_dim != shape.head_dim {
+        return Err(FlashAttnError::Unsupported {
+            what: "a V head dim other than Q/K's",
+            entry: "decode",
+        });
+    }
     if let Some(n) = opts.num_splits {
         if n == 0 || n > MAX_SPLITS {
             return Err(FlashAttnError::NumSplits {
@@ -824,7 +884,12 @@ pub fn check_varlen_paged(
         });
     }
     let paging = check_paging(k_cache, batch, block_table)?;
-    expect_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
+    let v_head_dim = v_cache.layout.shape[3];
+    expect_shape(
+        "v_cache",
+        with_head_dim(k_cache.layout.shape, v_head_dim),
+        v_cache.layout.shape,
+    )?;
     let k = logical_cache("k_cache", k_cache, 1, paging)?;
     let v = logical_cache("v_cache", v_cache, 1, paging)?;
     let capacity = k.layout.shape[1];
@@ -900,6 +965,7 @@ fn check_packed(
         heads: shape.heads,
         kv_heads: shape.kv_heads,
         head_dim: shape.head_dim,
+        v_head_dim: shape.v_head_dim,
         causal: opts.causal,
         softmax_scale: shape.softmax_scale,
         window: opts.window,

@@ -976,6 +976,7 @@ proptest! {
             heads: s.heads,
             kv_heads: s.kv_heads,
             head_dim: s.head_dim,
+            v_head_dim: 0,
             causal: s.causal,
             softmax_scale: s.softmax_scale,
             window: s.window,
@@ -1025,7 +1026,7 @@ proptest! {
             batch, total_q, total_k,
             max_seqlen_q: lens.iter().map(|l| l.0).max().unwrap(),
             max_seqlen_k: lens.iter().map(|l| l.1).max().unwrap(),
-            heads, kv_heads, head_dim, causal,
+            heads, kv_heads, head_dim, v_head_dim: 0, causal,
             softmax_scale: scale(head_dim, None),
             window, softcap,
         };
@@ -1037,7 +1038,7 @@ proptest! {
         for b in 0..batch {
             let (sq, sk) = lens[b];
             let fwd = ForwardShape {
-                batch: 1, seqlen_q: sq, seqlen_k: sk, heads, kv_heads, head_dim, causal,
+                batch: 1, seqlen_q: sq, seqlen_k: sk, heads, kv_heads, head_dim, v_head_dim: 0, causal,
                 softmax_scale: shape.softmax_scale, window, softcap,
             };
             let kb = &k[cu_k[b] * kv_row..cu_k[b + 1] * kv_row];
@@ -1127,7 +1128,7 @@ proptest! {
                 lse: out.lse[b * lse_per_b..][..lse_per_b].to_vec(),
             };
             let fwd = ForwardShape {
-                batch: 1, seqlen_q, seqlen_k: n, heads, kv_heads, head_dim, causal,
+                batch: 1, seqlen_q, seqlen_k: n, heads, kv_heads, head_dim, v_head_dim: 0, causal,
                 softmax_scale: shape.softmax_scale, window, softcap,
             };
             let prefix = n * kv_heads * head_dim;
@@ -1237,6 +1238,7 @@ fn valid_forward_and_decode_pass() {
             heads: H,
             kv_heads: HKV,
             head_dim: D,
+            v_head_dim: D,
             causal: true,
             softmax_scale: 0.125,
             ..Default::default()
@@ -1299,6 +1301,7 @@ fn packed_qkv_views_validate() {
             heads: h,
             kv_heads: h,
             head_dim: d,
+            v_head_dim: d,
             causal: false,
             softmax_scale: 1.0 / 8.0,
             ..Default::default()
@@ -1311,6 +1314,88 @@ fn packed_qkv_views_validate() {
         check_forward(&view(0), &view(1), &v, &o, None, &opts),
         Err(FlashAttnError::BufferTooSmall { tensor: "v", .. })
     ));
+}
+
+#[test]
+fn v_head_dim_of_its_own() {
+    // DeepSeek's MLA prefill: Q·K over 192, V and O 128.
+    let mut a = Args::with_shapes([B, SQ, H, 192], [B, SK, HKV, 192]);
+    let narrow = |s: [usize; 4], addr| info(Layout::contiguous(s), addr);
+    a.v = narrow([B, SK, HKV, 128], a.v.addr);
+    a.o = narrow([B, SQ, H, 128], a.o.addr);
+    let shape = a.forward().unwrap();
+    assert_eq!(
+        (shape.head_dim, shape.v_head_dim, shape.v_dim()),
+        (192, 128, 128)
+    );
+    // The default scale is Q/K's.
+    assert_eq!(shape.softmax_scale, 1.0 / 192f32.sqrt());
+    assert!(matches!(
+        a.decode(B),
+        Err(FlashAttnError::Unsupported {
+            entry: "decode",
+            ..
+        })
+    ));
+    // O has V's head dim.
+    let o = a.o;
+    a.o = narrow([B, SQ, H, 192], o.addr);
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::ShapeMismatch {
+            tensor: "o",
+            dim: "head_dim",
+            expected: 128,
+            got: 192
+        })
+    ));
+    // V's head dim lies within Q/K's.
+    for dv in [200, 256] {
+        a.v = narrow([B, SK, HKV, dv], a.v.addr);
+        a.o = narrow([B, SQ, H, dv], o.addr);
+        assert!(
+            matches!(a.forward(), Err(FlashAttnError::UnsupportedVHeadDim { v, qk: 192 }) if v == dv),
+            "V head dim {dv}"
+        );
+    }
+    // V's other dims are K's.
+    a.v = narrow([B, SK + 1, HKV, 128], a.v.addr);
+    a.o = narrow([B, SQ, H, 128], o.addr);
+    assert!(matches!(
+        a.forward(),
+        Err(FlashAttnError::ShapeMismatch {
+            tensor: "v",
+            dim: "seqlen",
+            ..
+        })
+    ));
+    let unit = ForwardShape {
+        v_head_dim: 0,
+        ..shape
+    };
+    assert_eq!(unit.v_dim(), 192);
+}
+
+proptest! {
+    /// O with V's own head dim Dv is the first Dv columns of O over the
+    /// whole V (each column of O is P times that column of V), with the same LSE.
+    #[test]
+    fn v_head_dim_is_a_slice_of_v(
+        s in forward_shape(None),
+        frac in 0.0f64..1.0,
+        seed in any::<u64>(),
+    ) {
+        let d = s.head_dim;
+        let dv = 1 + ((d - 1) as f64 * frac) as usize;
+        let x = qkv(&s, seed);
+        let whole = reference::attention(&s, &x.q, &x.k, &x.v);
+        let v: Vec<f64> = x.v.chunks(d).flat_map(|r| r[..dv].to_vec()).collect();
+        let narrow = reference::attention(&ForwardShape { v_head_dim: dv, ..s }, &x.q, &x.k, &v);
+        prop_assert_eq!(&whole.lse, &narrow.lse);
+        for (w, n) in whole.o.chunks(d).zip(narrow.o.chunks(dv)) {
+            prop_assert_eq!(&w[..dv], n);
+        }
+    }
 }
 
 #[test]
@@ -1361,12 +1446,13 @@ fn k_head_dim_mismatch() {
     ));
 }
 
+/// V's head dim may differ from K's (`v_head_dim_of_its_own`), no other dim.
 #[test]
 fn v_must_match_k() {
-    for dim in 0..4 {
+    for dim in 0..3 {
         let mut a = Args::new();
         let mut shape = a.k.layout.shape;
-        shape[dim] += if dim == 3 { 64 } else { 1 };
+        shape[dim] += 1;
         a.v = info(Layout::contiguous(shape), a.v.addr);
         assert!(
             matches!(a.forward(), Err(FlashAttnError::ShapeMismatch { tensor: "v", dim: got, .. }) if got == DIMS[dim]),

@@ -112,6 +112,17 @@ fn gapped_layout(shape: [usize; 4]) -> Layout {
     }
 }
 
+/// V's (and O's) head dim for a case of Q/K head dim `d`: `given`, or for
+/// one case in four a multiple of 8 below `d` drawn from the seed (V's
+/// missing columns load as zeros; DeepSeek's MLA prefill is 192 / 128).
+fn v_dim(d: usize, given: Option<usize>, seed: u64) -> usize {
+    given.unwrap_or(if seed % 4 == 0 {
+        8 * (1 + (seed >> 32) as usize % (d / 8))
+    } else {
+        d
+    })
+}
+
 /// A dense forward call since `launches_before` (this thread's Hopper
 /// launch count) ran on the Hopper kernels exactly when they serve it: the
 /// instance has the Hopper forward on, the dtype is 16-bit, a line serves
@@ -910,12 +921,13 @@ fn random_inputs<T: AttnElement>(
     gpu: &Gpu,
     rng: &mut StdRng,
     nq: usize,
-    nkv: usize,
+    nk: usize,
+    nv: usize,
 ) -> Result<Inputs<T>, String> {
     let (q_host, k_host, v_host) = (
         random_values::<T>(rng, nq),
-        random_values::<T>(rng, nkv),
-        random_values::<T>(rng, nkv),
+        random_values::<T>(rng, nk),
+        random_values::<T>(rng, nv),
     );
     let up = |x: &[T]| gpu.stream.clone_htod(x).map_err(|e| e.to_string());
     Ok(Inputs {
@@ -1042,6 +1054,8 @@ struct PolicyFwdCase {
     seed: u64,
     /// `AttnOptions::hopper_rows`.
     hopper_rows: Option<usize>,
+    /// V's head dim ([`v_dim`]).
+    v_head_dim: Option<usize>,
 }
 
 fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String> {
@@ -1049,16 +1063,24 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
     let (b, sq, sk, h, hk, d) = (
         c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.kv_heads, c.head_dim,
     );
-    let (ql, kvl) = (
+    let dv = v_dim(d, c.v_head_dim, c.seed);
+    let (ql, kl, vl) = (
         Layout::contiguous([b, sq, h, d]),
         Layout::contiguous([b, sk, hk, d]),
+        Layout::contiguous([b, sk, hk, dv]),
     );
-    let x = random_inputs::<T>(gpu, &mut rng, b * sq * h * d, b * sk * hk * d)?;
+    let x = random_inputs::<T>(
+        gpu,
+        &mut rng,
+        b * sq * h * d,
+        b * sk * hk * d,
+        b * sk * hk * dv,
+    )?;
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
     // As in `run_forward`: O with gaps, and the path checked.
-    let ol = gapped_layout([b, sq, h, d]);
+    let ol = gapped_layout([b, sq, h, dv]);
     let mut o = poisoned::<T>(gpu, b * ol.strides[0])?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     let launches = flash_attn::hopper::launches_on_this_thread();
@@ -1069,6 +1091,7 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
         heads: h,
         kv_heads: hk,
         head_dim: d,
+        v_head_dim: dv,
         causal: c.policy.causal,
         softmax_scale: 1.0 / (d as f32).sqrt(),
         window: c.policy.window,
@@ -1084,8 +1107,8 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             .forward(
                 s,
                 &TensorRef::new(x.q.as_view(), ql),
-                &TensorRef::new(x.k.as_view(), kvl),
-                &TensorRef::new(x.v.as_view(), kvl),
+                &TensorRef::new(x.k.as_view(), kl),
+                &TensorRef::new(x.v.as_view(), vl),
                 &mut TensorMut::new(o.as_view_mut(), ol),
                 Some(&mut lse_view),
                 opts,
@@ -1099,20 +1122,12 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             extras,
         ))
     })?;
-    check_forward_path::<T>(
-        gpu,
-        (d, c.seqlen_k, c.hopper_rows),
-        launches,
-        &format!("{c:?}"),
-    )?;
+    let what = format!("{c:?} dv={dv}");
+    check_forward_path::<T>(gpu, (d, c.seqlen_k, c.hopper_rows), launches, &what)?;
     let o_host = s.clone_dtoh(&o).map_err(e)?;
-    check_output(&o_host, &ol, &want.o, &format!("{c:?}"))?;
-    check_untouched_outside(&o_host, &ol, &format!("{c:?}"))?;
-    check_lse(
-        &s.clone_dtoh(&lse).map_err(e)?,
-        &want.lse,
-        &format!("{c:?}"),
-    )
+    check_output(&o_host, &ol, &want.o, &what)?;
+    check_untouched_outside(&o_host, &ol, &what)?;
+    check_lse(&s.clone_dtoh(&lse).map_err(e)?, &want.lse, &what)
 }
 
 fn policy_fwd_strategy() -> impl Strategy<Value = PolicyFwdCase> {
@@ -1137,6 +1152,7 @@ fn policy_fwd_strategy() -> impl Strategy<Value = PolicyFwdCase> {
                     policy,
                     seed,
                     hopper_rows: None,
+                    v_head_dim: None,
                 }
             },
         )
@@ -1158,6 +1174,7 @@ struct VarlenCase {
 fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(c.seed);
     let (h, hk, d) = (c.heads, c.kv_heads, c.head_dim);
+    let dv = v_dim(d, None, c.seed);
     let mut cu_q = vec![0i32];
     let mut cu_k = vec![0i32];
     for &(lq, lk) in &c.lens {
@@ -1171,8 +1188,9 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
     let (tq, tk) = (tq.max(1), tk.max(1));
     let max_q = c.lens.iter().map(|l| l.0).max().unwrap().max(1);
     let max_k = c.lens.iter().map(|l| l.1).max().unwrap().max(1);
-    let (ql, kvl) = (Layout::packed([tq, h, d]), Layout::packed([tk, hk, d]));
-    let x = random_inputs::<T>(gpu, &mut rng, tq * h * d, tk * hk * d)?;
+    let (ql, kl) = (Layout::packed([tq, h, d]), Layout::packed([tk, hk, d]));
+    let (vl, ol) = (Layout::packed([tk, hk, dv]), Layout::packed([tq, h, dv]));
+    let x = random_inputs::<T>(gpu, &mut rng, tq * h * d, tk * hk * d, tk * hk * dv)?;
     let batch = c.lens.len();
     let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
     let s = &gpu.stream;
@@ -1181,7 +1199,7 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
         s.clone_htod(&cu_q).map_err(e)?,
         s.clone_htod(&cu_k).map_err(e)?,
     );
-    let mut o = poisoned::<T>(gpu, tq * h * d)?;
+    let mut o = poisoned::<T>(gpu, tq * h * dv)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; h * tq]).map_err(e)?;
     let shape = VarlenShape {
         batch,
@@ -1192,6 +1210,7 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
         heads: h,
         kv_heads: hk,
         head_dim: d,
+        v_head_dim: dv,
         causal: c.policy.causal,
         softmax_scale: 1.0 / (d as f32).sqrt(),
         window: c.policy.window,
@@ -1209,9 +1228,9 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
             .forward_varlen(
                 s,
                 &TensorRef::new(x.q.as_view(), ql),
-                &TensorRef::new(x.k.as_view(), kvl),
-                &TensorRef::new(x.v.as_view(), kvl),
-                &mut TensorMut::new(o.as_view_mut(), ql),
+                &TensorRef::new(x.k.as_view(), kl),
+                &TensorRef::new(x.v.as_view(), vl),
+                &mut TensorMut::new(o.as_view_mut(), ol),
                 Some(&mut lse_view),
                 &Varlen {
                     cu_seqlens_q: &cq,
@@ -1232,10 +1251,10 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
             extras,
         ))
     })?;
-    let what = format!("{c:?}");
+    let what = format!("{c:?} dv={dv}");
     let path = (d, max_k, c.hopper_rows);
     check_path::<T>(gpu, path, SeqKind::Packed, launches, &what)?;
-    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
+    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, dv), &want, &what)
 }
 
 /// Checks a varlen call's O [total_q, H, D] and LSE [H, total_q] against the
@@ -1374,6 +1393,7 @@ fn run_varlen_isolation<T: AttnElement>(
         heads: h,
         kv_heads: hk,
         head_dim: d,
+        v_head_dim: d,
         causal,
         softmax_scale: 1.0 / (d as f32).sqrt(),
         window: Window::default(),
@@ -1444,6 +1464,9 @@ struct PagedVarlenCase {
 fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(c.seed);
     let (h, hk, d, batch) = (c.heads, c.kv_heads, c.head_dim, c.lens.len());
+    // V's own head dim: the first `dv` columns of a D-wide pool, read
+    // through a layout of V's shape with the pool's strides.
+    let dv = v_dim(d, None, c.seed);
     // The cache as the decode tests build it: each sequence's first
     // (clamped) keys random, the rest NaN, pages shuffled in a pool with
     // spare NaN pages, so any read past a sequence poisons its output.
@@ -1469,7 +1492,9 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
         let keys = (n.max(0) as usize).min(cap);
         let rows = bi * cap * hk * d..(bi * cap + keys) * hk * d;
         k_packed.extend(to_f64(&st.k_logical[rows.clone()]));
-        v_packed.extend(to_f64(&st.v_logical[rows]));
+        for v_row in st.v_logical[rows].chunks(d) {
+            v_packed.extend(to_f64(&v_row[..dv]));
+        }
         cu_q.push(cu_q.last().unwrap() + lq as i32);
         cu_k.push(cu_k.last().unwrap() + keys as i32);
     }
@@ -1492,7 +1517,12 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
     let seqlens_k = s.clone_htod(&kv.seqlens).map_err(e)?;
     let table = s.clone_htod(&st.table).map_err(e)?;
     let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
-    let mut o = poisoned::<T>(gpu, tq * h * d)?;
+    let v_pool_layout = Layout {
+        shape: [pool.shape[0], pool.shape[1], pool.shape[2], dv],
+        ..pool
+    };
+    let ol = Layout::packed([tq, h, dv]);
+    let mut o = poisoned::<T>(gpu, tq * h * dv)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; h * tq]).map_err(e)?;
     let shape = VarlenShape {
         batch,
@@ -1503,6 +1533,7 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
         heads: h,
         kv_heads: hk,
         head_dim: d,
+        v_head_dim: dv,
         causal: c.policy.causal,
         softmax_scale: 1.0 / (d as f32).sqrt(),
         window: c.policy.window,
@@ -1525,8 +1556,8 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
                 s,
                 &TensorRef::new(q.as_view(), ql),
                 &TensorRef::new(k_pool.as_view(), pool),
-                &TensorRef::new(v_pool.as_view(), pool),
-                &mut TensorMut::new(o.as_view_mut(), ql),
+                &TensorRef::new(v_pool.as_view(), v_pool_layout),
+                &mut TensorMut::new(o.as_view_mut(), ol),
                 Some(&mut lse_view),
                 &PagedVarlen {
                     cu_seqlens_q: &cq,
@@ -1547,10 +1578,10 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
             extras,
         ))
     })?;
-    let what = format!("{c:?}");
+    let what = format!("{c:?} dv={dv}");
     let path = (d, cap, c.hopper_rows);
     check_path::<T>(gpu, path, SeqKind::Ragged, launches, &what)?;
-    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, d), &want, &what)
+    check_packed_outputs(gpu, &o, &lse, &cu_q, (tq, h, dv), &want, &what)
 }
 
 fn varlen_paged_strategy() -> impl Strategy<Value = PagedVarlenCase> {
@@ -1642,7 +1673,13 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
     );
     let ql = Layout::contiguous([b, sq, h, d]);
     let cl = Layout::contiguous([b, l, hk, d]);
-    let x = random_inputs::<T>(gpu, &mut rng, b * sq * h * d, b * l * hk * d)?;
+    let x = random_inputs::<T>(
+        gpu,
+        &mut rng,
+        b * sq * h * d,
+        b * l * hk * d,
+        b * l * hk * d,
+    )?;
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
@@ -1750,7 +1787,13 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     let cut = rng.random_range(1..sk);
     let ql = Layout::contiguous([b, sq, h, d]);
     let full = Layout::contiguous([b, sk, hk, d]);
-    let x = random_inputs::<T>(gpu, &mut rng, b * sq * h * d, b * sk * hk * d)?;
+    let x = random_inputs::<T>(
+        gpu,
+        &mut rng,
+        b * sq * h * d,
+        b * sk * hk * d,
+        b * sk * hk * d,
+    )?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
     // The two key ranges as strided views of the same K/V.
@@ -2241,6 +2284,7 @@ fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
                     },
                     seed: 29 + k as u64,
                     hopper_rows,
+                    v_head_dim: None,
                 });
             }
         }

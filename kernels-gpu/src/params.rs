@@ -124,10 +124,26 @@ pub struct AttnParams {
     /// Packed K/V rows, or with a `block_table` the capacity per sequence
     /// (max_pages x page_size); see `total_q`.
     pub total_k: u32,
-    /// Head dim of Q, K, V and O. Read by the Hopper forward only, whose
-    /// lines also serve smaller head dims (`config::hopper_line_head_dim`):
-    /// it stores the first `head_dim` columns of O (at most its D; 0 = D).
+    /// Head dim of V and O (the columns of V loaded and of O stored; at
+    /// most the kernel's D; 0 = D). Smaller than D when V has its own head
+    /// dim (DeepSeek's MLA prefill: Q·K over 192, V and O 128) or when a
+    /// Hopper line serves a smaller head dim (`config::hopper_line_head_dim`):
+    /// V's columns past it load as zeros, so O's are 0 and not stored. See
+    /// [`AttnParams::v_chunks`].
     pub head_dim: u32,
+}
+
+impl AttnParams {
+    /// The 16-byte chunks (8 elements) of a V or O row of a kernel of head
+    /// dim `d`: `head_dim / 8`, clamped to `d / 8`, or `d / 8` for 0.
+    #[inline(always)]
+    pub fn v_chunks(&self, d: usize) -> u32 {
+        let all = (d / 8) as u32;
+        match self.head_dim / 8 {
+            0 => all,
+            n => n.min(all),
+        }
+    }
 }
 
 /// Parameters of the KV-cache append kernel: copies K/V_new [B, Snew, Hkv, D]

@@ -38,11 +38,15 @@ pub fn write_output<T: Element, const D: usize, const MT: usize, const OT: usize
     if T::BYTES == 4 {
         // f32 O straight from the accumulators: each lane's pairs are 8-byte
         // stores, four lanes a full 32-byte sector of a row.
+        let stored = p.v_chunks(D);
         unroll::<MT>(|mt| {
             unroll::<2>(|r| {
                 let row = lane.acc_row(tile, mt, r);
                 if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
                     unroll::<OT>(|dd| {
+                        if dd as u32 >= stored {
+                            return;
+                        }
                         let col = dd as u32 * 8 + 2 * lane.pair();
                         global::st_v2_b32(
                             dst + (col * T::BYTES) as u64,
@@ -74,10 +78,14 @@ pub fn write_output<T: Element, const D: usize, const MT: usize, const OT: usize
     barrier::sync_cta();
 
     let chunks = tile.row_chunks() as u32;
+    let stored = p.v_chunks(D);
     let per_thread = tile.block_m * tile.row_chunks() / tile.threads();
     for i in 0..per_thread {
         let idx = lane.tid + (i * tile.threads()) as u32;
         let (row, chunk) = (idx / chunks, idx % chunks);
+        if chunk >= stored {
+            continue;
+        }
         if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
             global::st_v4_b32(
                 dst + chunk as u64 * 16,

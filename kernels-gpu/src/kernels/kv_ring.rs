@@ -116,6 +116,8 @@ pub fn load_block<T: Element, const D: usize>(
     };
     let first = n * tile.block_n as u32;
     let paged = may_page && p.block_table != 0;
+    // V's own head dim: its chunks past it load as zeros.
+    let (chunks_all, v_chunks) = (tile.row_chunks() as u32, p.v_chunks(D));
     if paged && p.page_size.divisor % tile.block_n as u32 != 0 {
         // Row by row. The table reads of a group are all issued before its
         // copies, so their latencies overlap instead of adding up: one read
@@ -149,7 +151,11 @@ pub fn load_block<T: Element, const D: usize>(
                         let k = info.page_row_ptr(p.k, &p.k_strides, page, in_page) + chunk_off;
                         let v = info.page_row_ptr(p.v, &p.v_strides, page, in_page) + chunk_off;
                         T::stage(k_dst, k, true);
-                        T::stage(v_dst, v, true);
+                        if chunk < v_chunks {
+                            T::stage(v_dst, v, true);
+                        } else {
+                            T::stage(v_dst, p.v, false);
+                        }
                     } else {
                         T::stage(k_dst, p.k, false);
                         T::stage(v_dst, p.v, false);
@@ -175,6 +181,7 @@ pub fn load_block<T: Element, const D: usize>(
     };
     let valid = info.seqlen_k.saturating_sub(first);
     let (rows, threads) = (tile.block_n, tile.threads());
-    k_tile.load_rows_async::<T, true>(rows, threads, tid, k, p.k_strides.row as u64 * 2, valid);
-    v_tile.load_rows_async::<T, false>(rows, threads, tid, v, p.v_strides.row as u64 * 2, valid);
+    let (k_stride, v_stride) = (p.k_strides.row as u64 * 2, p.v_strides.row as u64 * 2);
+    k_tile.load_rows_async::<T, true>(rows, threads, tid, k, k_stride, valid, chunks_all);
+    v_tile.load_rows_async::<T, false>(rows, threads, tid, v, v_stride, valid, v_chunks);
 }

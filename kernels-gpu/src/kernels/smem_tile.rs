@@ -107,8 +107,9 @@ impl<const D: usize> SmemTile<D> {
     }
 
     /// Issues copies (`Element::stage`) of `rows` rows that are evenly spaced in global
-    /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`
-    /// are zero-filled with a 0-byte read of `src`. The threads split into
+    /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`,
+    /// and chunks from `valid_chunks` on, are zero-filled with a 0-byte read
+    /// of `src`. The threads split into
     /// whole rows of [`copy_row_lanes`] chunk lanes (lanes past the row's
     /// chunks copy nothing), so each thread keeps one chunk column and its
     /// shared and global addresses advance by constants. `ROW_PAIRS`: see
@@ -122,6 +123,7 @@ impl<const D: usize> SmemTile<D> {
         src: u64,
         stride_bytes: u64,
         valid: u32,
+        valid_chunks: u32,
     ) {
         let lanes = copy_row_lanes(D);
         let rows_per_pass = threads / lanes;
@@ -143,7 +145,9 @@ impl<const D: usize> SmemTile<D> {
         // it with a compile-time row offset. Comparing `row0 + offset < valid`
         // instead lets LLVM hoist every `row0 + offset` out of the key loop,
         // one register per copy.
-        let remaining = valid as i32 - row0 as i32;
+        // A chunk past `valid_chunks` (V's own head dim) is zero in every row.
+        let rows_valid = if chunk < valid_chunks { valid } else { 0 };
+        let remaining = rows_valid as i32 - row0 as i32;
         let mut i = 0;
         while i < rows / rows_per_pass {
             let dst = self.store_addr::<ROW_PAIRS>(row0 + (i * rows_per_pass) as u32, chunk);

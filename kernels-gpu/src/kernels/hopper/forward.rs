@@ -485,12 +485,9 @@ fn consume<
     });
     barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
     let chunks = (D / 8) as u32;
-    // A smaller head dim on this tile: O's columns past it are TMA's zero
-    // columns of V, and O has no room for them (0: the tile's).
-    let stored = match p.head_dim / 8 {
-        0 => chunks,
-        n => n.min(chunks),
-    };
+    // A smaller V/O head dim: O's columns past it are TMA's zero columns of
+    // V, and O has no room for them.
+    let stored = p.v_chunks(D);
     for k in 0..(WGMMA_M * D / 8 / WARPGROUP_THREADS) as u32 {
         let idx = wg_tid + k * WARPGROUP_THREADS as u32;
         let row = c * WGMMA_M as u32 + idx / chunks;
