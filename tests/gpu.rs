@@ -2240,6 +2240,72 @@ fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
     })
 }
 
+/// V with a head dim of its own, each call's V an exact allocation (so
+/// that memcheck sees a load of V's missing columns in its last row):
+/// DeepSeek's MLA prefill (192 / 128, causal and not), the smallest V
+/// (8 columns), a Hopper line's padded head dim (96 / 40); varlen and
+/// chunked prefill with seeds that draw V's head dim ([`v_dim`]).
+fn v_head_dim_cases<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
+    let plain = |causal| Policy {
+        causal,
+        window: Window::default(),
+        softcap: None,
+        alibi: None,
+        sinks: false,
+    };
+    for (d, dv, causal, kv_heads) in [
+        (192, 128, true, 2),
+        (192, 128, false, 4),
+        (128, 8, true, 1),
+        (64, 32, false, 2),
+        (96, 40, true, 4),
+    ] {
+        run_forward_policy::<T>(
+            gpu,
+            &PolicyFwdCase {
+                batch: 2,
+                seqlen_q: 300,
+                seqlen_k: 517,
+                heads: 4,
+                kv_heads,
+                head_dim: d,
+                policy: plain(causal),
+                seed: 7 + d as u64,
+                hopper_rows: None,
+                v_head_dim: Some(dv),
+            },
+        )?;
+    }
+    // Seeds that are multiples of 4 draw a V head dim below D.
+    for (d, seed) in [(192, 4u64 << 32), (128, 12 << 32), (64, 20)] {
+        let c = VarlenCase {
+            lens: vec![(300, 517), (0, 40), (129, 1), (64, 200)],
+            heads: 4,
+            kv_heads: 2,
+            head_dim: d,
+            policy: plain(true),
+            seed,
+            hopper_rows: None,
+        };
+        run_varlen::<T>(gpu, &c)?;
+        run_varlen_paged::<T>(
+            gpu,
+            &PagedVarlenCase {
+                lens: vec![(300, 517), (0, 40), (129, 1), (64, 200)],
+                page_size: 16,
+                max_pages: 33,
+                heads: 4,
+                kv_heads: 2,
+                head_dim: d,
+                policy: plain(true),
+                seed,
+                hopper_rows: None,
+            },
+        )?;
+    }
+    Ok(())
+}
+
 /// ALiBi over key blocks on either side of every row's origin and across
 /// it (`index::OriginSide`): full attention with Sq = Skv, Sq < Skv and
 /// Sq > Skv, a two-sided window and causal, plain and under a softcap, with
@@ -2673,6 +2739,11 @@ fn main() {
                 policy_decode_strategy(),
                 run_decode_policy::<$t>
             );
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!("v_head_dim_", $name), move || {
+                let gpu = g.as_ref().as_ref().unwrap();
+                v_head_dim_cases::<$t>(gpu).map_err(Failed::from)
+            }));
             let g = gpu.clone();
             trials.push(Trial::test(
                 concat!("lazy_rescale_past_slack_", $name),
