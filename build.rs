@@ -1,9 +1,10 @@
 //! Provides the kernels to the host crate: writes into `$OUT_DIR` the PTX of
 //! every module (`flash_attn_sm75.ptx`, `flash_attn_sm80.ptx`, `flash_attn_sm90.ptx`,
 //! `flash_attn_sm90a.ptx`, embedded with `include_str!`), its manifest, and
-//! the committed cubins (the `flash-attn-cubins` package, `kernels-cubin/`
-//! here) that were assembled from exactly that PTX (empty files for the
-//! others, whose GPUs then JIT the PTX).
+//! the committed cubins (the `flash-attn-cubins` and
+//! `flash-attn-cubins-hopper` packages, `kernels-cubin/` and
+//! `kernels-cubin-hopper/` here) that were assembled from exactly that PTX
+//! (empty files for the others, whose GPUs then JIT the PTX).
 //!
 //! The PTX comes from the `flash-attn-kernels` package (`kernels-gpu/` here,
 //! the unpacked crate for a crates.io user), one of two ways:
@@ -71,9 +72,14 @@ fn main() {
         &out_dir.join(OUT_MANIFEST),
         ptx.manifest.to_json().as_bytes(),
     );
-    let cubins = Path::new(flash_attn_cubins::CUBIN_DIR);
-    println!("cargo:rerun-if-changed={}", cubins.display());
-    embed_cubins(cubins, &out_dir, &ptx);
+    let cubins = [
+        Path::new(flash_attn_cubins::CUBIN_DIR),
+        Path::new(flash_attn_cubins_hopper::CUBIN_DIR),
+    ];
+    for dir in cubins {
+        println!("cargo:rerun-if-changed={}", dir.display());
+    }
+    embed_cubins(&cubins, &out_dir, &ptx);
 }
 
 fn kernel_rustc() -> Option<PathBuf> {
@@ -111,9 +117,9 @@ fn build_from_source(package: &Path, out_dir: &Path, rustc: &Path) -> PtxSet {
 
 /// Copies each committed cubin assembled from this build's PTX into OUT_DIR,
 /// and an empty file for the others (the host then loads the PTX for that GPU).
-fn embed_cubins(cubin_dir: &Path, out_dir: &Path, ptx: &PtxSet) {
+fn embed_cubins(cubin_dirs: &[&Path], out_dir: &Path, ptx: &PtxSet) {
     let mut stale = Vec::new();
-    for (name, bytes) in artifacts::matching_cubins(cubin_dir, ptx) {
+    for (name, bytes) in artifacts::matching_cubins(cubin_dirs, ptx) {
         if bytes.is_none() {
             stale.push(name);
         }

@@ -56,8 +56,9 @@
 //! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
 //! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks),
 //! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
-//! mean length; causal also with K/V in shuffled pools of 16- and 256-token
-//! pages, `forward_varlen_paged`) and `policy-decode` (windowed and soft-capped decode). Their
+//! mean length, D = 128, and D = 192 causal, MLA prefill's Q·K width;
+//! causal also with K/V in shuffled pools of 16- and 256-token pages,
+//! `forward_varlen_paged`) and `policy-decode` (windowed and soft-capped decode). Their
 //! FLOPs count only the visible (query, key) pairs, exactly, per sequence; the
 //! last column compares each with its plain row (time full/window, overhead in
 //! %, or varlen/fixed TFLOP/s). Their JSON lines carry `"policy"` (`"none"`
@@ -608,13 +609,14 @@ fn shapes() -> Vec<Shape> {
     }
     let lens = varlen_seqlens();
     let mean = (lens.iter().sum::<usize>() + VARLEN_SEQS / 2) / VARLEN_SEQS;
-    for causal in [true, false] {
+    // D = 192 causal: the Q·K width of DeepSeek's MLA prefill.
+    for (causal, head_dim) in [(true, 128), (false, 128), (true, 192)] {
         let plain = fwd(
             Dtype::F16,
             VARLEN_SEQS,
             16,
             mean,
-            128,
+            head_dim,
             causal,
             "policy-varlen",
         );

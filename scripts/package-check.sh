@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Packages flash-attn, flash-attn-kernels and flash-attn-cubins as `cargo
+# Packages flash-attn, flash-attn-kernels, flash-attn-cubins and
+# flash-attn-cubins-hopper as `cargo
 # publish` would, reports each .crate's size against crates.io's 10 MiB limit,
 # then unpacks them into a scratch directory and builds and tests flash-attn
 # from the unpacked crates with stable Rust alone: no RUSTC_BOOTSTRAP,
 # FLASH_ATTN_PTX=committed (no kernel toolchain is looked for), the PTX from
-# the unpacked flash-attn-kernels and the cubins from flash-attn-cubins.
+# the unpacked flash-attn-kernels and the cubins from the two cubin crates.
 #
 #   scripts/package-check.sh [--allow-dirty]
 set -euo pipefail
@@ -29,7 +30,7 @@ cargo package --workspace --no-verify "${allow_dirty[@]}"
 
 limit=$((10 * 1024 * 1024))
 status=0
-crates=(flash-attn flash-attn-kernels flash-attn-cubins)
+crates=(flash-attn flash-attn-kernels flash-attn-cubins flash-attn-cubins-hopper)
 for name in "${crates[@]}"; do
     crate=target/package/$name-$version.crate
     bytes=$(stat -c %s "$crate")
@@ -59,6 +60,7 @@ echo "package-check: unpacked into $scratch; cargo test there (stable, committed
     env -u RUSTC_BOOTSTRAP -u FLASH_ATTN_KERNEL_RUSTC FLASH_ATTN_PTX=committed \
         CARGO_TARGET_DIR="$repo/target" \
         cargo test --config "patch.crates-io.flash-attn-kernels.path=\"../flash-attn-kernels-$version\"" \
-            --config "patch.crates-io.flash-attn-cubins.path=\"../flash-attn-cubins-$version\""
+            --config "patch.crates-io.flash-attn-cubins.path=\"../flash-attn-cubins-$version\"" \
+            --config "patch.crates-io.flash-attn-cubins-hopper.path=\"../flash-attn-cubins-hopper-$version\""
 )
 echo "package-check: OK"

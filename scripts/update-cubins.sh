@@ -7,8 +7,10 @@
 #                                          sm_89 (RTX 40xx, L4)
 #   kernels-gpu/ptx/flash_attn_sm90.ptx -> sm_90 (H100, H200), twice
 #   kernels-gpu/ptx/flash_attn_sm90a.ptx -> sm_90a (the Hopper forward), twice
-# into kernels-cubin/cubin/ (the flash-attn-cubins package) with a manifest
-# of hashes that build.rs checks.
+# into kernels-cubin/cubin/ (the flash-attn-cubins package: sm_75 to sm_89)
+# and kernels-cubin-hopper/cubin/ (flash-attn-cubins-hopper: sm_90, sm_90a),
+# each with a manifest of hashes that build.rs checks: two packages, so that
+# each crate stays under crates.io's 10 MiB.
 #
 #   scripts/update-cubins.sh          refresh the committed cubins (then commit)
 #   scripts/update-cubins.sh --check  fail if rebuilding them gives other bytes
@@ -58,26 +60,29 @@ ptxas13=$(pinned_ptxas 13.0.88 nvidia-cuda-nvcc nvidia/cu13/bin/ptxas)
 version="$("$ptxas12" --version | tail -n 1); $("$ptxas13" --version | tail -n 1)"
 
 ptx_dir=kernels-gpu/ptx
-cubin_dir=kernels-cubin/cubin
-# cubin -> "arch ptx-module ptxas"
+cubin_dirs=(kernels-cubin/cubin kernels-cubin-hopper/cubin)
+# cubin -> "arch ptx-module ptxas package-dir"
 declare -A jobs=(
-    [flash_attn_sm75.cubin]="75 sm75 $ptxas12"
-    [flash_attn_sm80.cubin]="80 sm80 $ptxas12"
-    [flash_attn_sm86.cubin]="86 sm80 $ptxas12"
-    [flash_attn_sm89.cubin]="89 sm80 $ptxas12"
-    [flash_attn_sm90.cubin]="90 sm90 $ptxas12"
-    [flash_attn_sm90.cu13.cubin]="90 sm90 $ptxas13"
-    [flash_attn_sm90a.cubin]="90a sm90a $ptxas12"
-    [flash_attn_sm90a.cu13.cubin]="90a sm90a $ptxas13"
+    [flash_attn_sm75.cubin]="75 sm75 $ptxas12 kernels-cubin/cubin"
+    [flash_attn_sm80.cubin]="80 sm80 $ptxas12 kernels-cubin/cubin"
+    [flash_attn_sm86.cubin]="86 sm80 $ptxas12 kernels-cubin/cubin"
+    [flash_attn_sm89.cubin]="89 sm80 $ptxas12 kernels-cubin/cubin"
+    [flash_attn_sm90.cubin]="90 sm90 $ptxas12 kernels-cubin-hopper/cubin"
+    [flash_attn_sm90.cu13.cubin]="90 sm90 $ptxas13 kernels-cubin-hopper/cubin"
+    [flash_attn_sm90a.cubin]="90a sm90a $ptxas12 kernels-cubin-hopper/cubin"
+    [flash_attn_sm90a.cu13.cubin]="90a sm90a $ptxas13 kernels-cubin-hopper/cubin"
 )
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
 pids=()
+for dir in "${cubin_dirs[@]}"; do
+    mkdir -p "$tmp/$dir"
+done
 for cubin in "${!jobs[@]}"; do
-    read -r arch module ptxas <<<"${jobs[$cubin]}"
-    "$ptxas" -arch="sm_$arch" "$ptx_dir/flash_attn_$module.ptx" -o "$tmp/$cubin" &
+    read -r arch module ptxas dir <<<"${jobs[$cubin]}"
+    "$ptxas" -arch="sm_$arch" "$ptx_dir/flash_attn_$module.ptx" -o "$tmp/$dir/$cubin" &
     pids+=($!)
 done
 for pid in "${pids[@]}"; do
@@ -87,38 +92,50 @@ done
 # build.rs (flash_attn_kernels::artifacts::matching_cubins) embeds a cubin
 # only if the PTX it names still has the recorded hash.
 for cubin in "${!jobs[@]}"; do
-    read -r _ module _ <<<"${jobs[$cubin]}"
-    echo "$cubin flash_attn_$module.ptx"
+    read -r _ module _ dir <<<"${jobs[$cubin]}"
+    echo "$cubin flash_attn_$module.ptx $dir"
 done | python3 -c '
 import hashlib, json, sys
 tmp, ptx_dir, version = sys.argv[1:]
 sha = lambda path: hashlib.sha256(open(path, "rb").read()).hexdigest()
-cubins = {}
+dirs = {}
 for line in sys.stdin:
-    cubin, ptx = line.split()
-    cubins[cubin] = {"sha256": sha(f"{tmp}/{cubin}"), "ptx": ptx, "ptx_sha256": sha(f"{ptx_dir}/{ptx}")}
-manifest = {"about": "cubins assembled from ../ptx by scripts/update-cubins.sh", "ptxas": version, "cubins": cubins}
-open(f"{tmp}/manifest.json", "w").write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    cubin, ptx, d = line.split()
+    dirs.setdefault(d, {})[cubin] = {"sha256": sha(f"{tmp}/{d}/{cubin}"), "ptx": ptx, "ptx_sha256": sha(f"{ptx_dir}/{ptx}")}
+for d, cubins in dirs.items():
+    manifest = {"about": "cubins assembled from flash-attn-kernels ptx/ by scripts/update-cubins.sh", "ptxas": version, "cubins": cubins}
+    open(f"{tmp}/{d}/manifest.json", "w").write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 ' "$tmp" "$ptx_dir" "$version"
 
 if ((check)); then
     status=0
-    for f in "$tmp"/*; do
-        name=$(basename "$f")
-        if ! cmp -s "$f" "$cubin_dir/$name"; then
-            echo "update-cubins: $cubin_dir/$name differs from a rebuild with ptxas $version" >&2
-            status=1
-        fi
+    for dir in "${cubin_dirs[@]}"; do
+        for f in "$tmp/$dir"/*; do
+            name=$(basename "$f")
+            if ! cmp -s "$f" "$dir/$name"; then
+                echo "update-cubins: $dir/$name differs from a rebuild with ptxas $version" >&2
+                status=1
+            fi
+        done
+        for f in "$dir"/*; do
+            if [[ ! -e "$tmp/$dir/$(basename "$f")" ]]; then
+                echo "update-cubins: $f is not made by this script" >&2
+                status=1
+            fi
+        done
     done
     if ((status)); then
-        echo "update-cubins: run scripts/update-cubins.sh and commit $cubin_dir" >&2
+        echo "update-cubins: run scripts/update-cubins.sh and commit ${cubin_dirs[*]}" >&2
         exit 1
     fi
     echo "update-cubins: OK, the committed cubins match a rebuild with ptxas $version"
     exit 0
 fi
 
-mkdir -p "$cubin_dir"
-cp "$tmp"/* "$cubin_dir/"
-( cd "$cubin_dir" && ls -l --time-style=+ ./*.cubin | awk '{print $5, $NF}' )
-echo "update-cubins: wrote $cubin_dir (ptxas $version)"
+for dir in "${cubin_dirs[@]}"; do
+    rm -f "$dir"/*.cubin "$dir"/manifest.json
+    mkdir -p "$dir"
+    cp "$tmp/$dir"/* "$dir/"
+    ( cd "$dir" && ls -l --time-style=+ ./*.cubin | awk '{print $5, $NF}' )
+    echo "update-cubins: wrote $dir (ptxas $version)"
+done

@@ -1900,8 +1900,8 @@ mod config {
     /// rows asked for where the head dim has them; D = 32 on the D = 64
     /// lines and D = 96 on the D = 128 ones (the smallest line head dim at
     /// least as large); packed sequences, against contiguous or paged K/V,
-    /// on their own 128-row lines (but not at D = 192); none for f32 or a
-    /// head dim past the widest line, so those stay on sm_90.
+    /// on their own 128-row lines; none for f32 or a head dim past the
+    /// widest line, so those stay on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -1998,8 +1998,7 @@ mod config {
                 // Packed sequences: their own 128-row lines (plain full and
                 // causal, `local modified` for the rest) whatever rows are
                 // asked for; against paged K/V causal plain and `local
-                // modified` for the rest; none at D = 192 (the cubins
-                // crate's size limit).
+                // modified` for the rest.
                 for (mask, score, line_mask) in [
                     (MaskKind::Full, plain, MaskKind::Full),
                     (MaskKind::Causal, plain, MaskKind::Causal),
@@ -2008,12 +2007,6 @@ mod config {
                     (MaskKind::Causal, modified, MaskKind::Local),
                 ] {
                     let c = call(dtype, d, need(mask, score, SeqKind::Packed));
-                    let paged = call(dtype, d, need(mask, score, SeqKind::Ragged));
-                    if line_d == 192 {
-                        assert!(find_hopper_entry(&c, None).is_none());
-                        assert!(find_hopper_entry(&paged, Some(128)).is_none());
-                        continue;
-                    }
                     for rows in [None, Some(64), Some(128), Some(192)] {
                         let e = find_hopper_entry(&c, rows).unwrap();
                         let want_score = if line_mask == MaskKind::Local {
@@ -2025,6 +2018,7 @@ mod config {
                         assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
                         assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
                     }
+                    let paged = call(dtype, d, need(mask, score, SeqKind::Ragged));
                     let (paged_mask, paged_score) = match (mask, score) {
                         (MaskKind::Causal, ScoreKind::Plain) => (MaskKind::Causal, plain),
                         _ => (MaskKind::Local, modified),

@@ -1,4 +1,5 @@
-//! The committed cubins of flash-attn's kernels and their manifest, in
+//! The committed cubins of flash-attn's kernels for Turing, Ampere and Ada
+//! (Hopper's are `flash-attn-cubins-hopper`) and their manifest, in
 //! [`CUBIN_DIR`]. flash-attn's build script embeds those that were assembled
 //! from the PTX it embeds (`flash_attn_kernels::artifacts::matching_cubins`).
 //! A package of its own so that each crate stays under crates.io's size limit.

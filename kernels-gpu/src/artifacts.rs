@@ -7,9 +7,9 @@
 //! - this package's `ptx/flash_attn_sm{80,90,90a}.ptx` and
 //!   `ptx/manifest.json` ([`PtxManifest`]): written by
 //!   `scripts/update-ptx.sh` from a source build; CI rebuilds and compares.
-//! - the `flash-attn-cubins` package's `cubin/*.cubin` and
-//!   `cubin/manifest.json`: assembled from that PTX by
-//!   `scripts/update-cubins.sh` with pinned ptxas versions.
+//! - the `flash-attn-cubins` (Turing to Ada) and `flash-attn-cubins-hopper`
+//!   packages' `cubin/*.cubin` and `cubin/manifest.json`: assembled from
+//!   that PTX by `scripts/update-cubins.sh` with pinned ptxas versions.
 
 extern crate std;
 
@@ -256,19 +256,31 @@ pub fn committed_ptx(package_dir: &Path) -> Result<PtxSet, CommittedError> {
     Ok(PtxSet { manifest, modules })
 }
 
-/// Each of [`CUBINS`] with its bytes if the committed cubin in `dir` (the
-/// flash-attn-cubins package's) is intact and was assembled from the PTX in
-/// `ptx` (by the hashes in its `manifest.json`), else `None`: a kernel edit
-/// never runs stale machine code.
-pub fn matching_cubins(dir: &Path, ptx: &PtxSet) -> Vec<(&'static str, Option<Vec<u8>>)> {
-    let manifest: Value = fs::read(dir.join(MANIFEST))
-        .ok()
-        .and_then(|t| serde_json::from_slice(&t).ok())
-        .unwrap_or(Value::Null);
+/// Each of [`CUBINS`] with its bytes if the committed cubin in the first of
+/// `dirs` (the cubin packages') whose `manifest.json` lists it is intact
+/// and was assembled from the PTX in `ptx` (by the hashes in that
+/// manifest), else `None`: a kernel edit never runs stale machine code.
+pub fn matching_cubins(dirs: &[&Path], ptx: &PtxSet) -> Vec<(&'static str, Option<Vec<u8>>)> {
+    let manifests: Vec<(&Path, Value)> = dirs
+        .iter()
+        .map(|&dir| {
+            let manifest = fs::read(dir.join(MANIFEST))
+                .ok()
+                .and_then(|t| serde_json::from_slice(&t).ok())
+                .unwrap_or(Value::Null);
+            (dir, manifest)
+        })
+        .collect();
     CUBINS
         .iter()
         .map(|&(name, arch)| {
-            let entry = &manifest["cubins"][name];
+            let Some((dir, entry)) = manifests
+                .iter()
+                .map(|(dir, m)| (*dir, &m["cubins"][name]))
+                .find(|(_, e)| !e.is_null())
+            else {
+                return (name, None);
+            };
             let ptx_text = ptx.modules.iter().find(|(a, _)| *a == arch).map(|(_, t)| t);
             let ptx_matches = ptx_text.is_some_and(|t| {
                 entry["ptx"].as_str() == Some(&*ptx_file_name(arch))

@@ -1081,9 +1081,7 @@ impl HopperTile {
 ///   modifiers); the same three per head dim for packed sequences (128
 ///   rows), and causal plus `local modified` for packed queries against a
 ///   paged cache (chunked prefill; boxes of `index::paged_box_rows` rows
-///   per page), except at D = 192, whose varlen calls stay on `Sm90`: the
-///   cubins crate must stay under crates.io's 10 MiB, and no model we know
-///   packs D = 192 sequences. D = 64 has 192-row lines besides the
+///   per page). D = 64 has 192-row lines besides the
 ///   128-row ones (not `local modified`, which spills with 192); 64-row
 ///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
 ///   plain full and causal calls at D = 128. A head dim without lines runs
@@ -1132,6 +1130,9 @@ macro_rules! hopper_entries {
             fwd f16 128 full plain packed 128;
             fwd f16 128 causal plain packed 128;
             fwd f16 128 local modified packed 128;
+            fwd f16 192 full plain packed 128;
+            fwd f16 192 causal plain packed 128;
+            fwd f16 192 local modified packed 128;
             fwd f16 256 full plain packed 128;
             fwd f16 256 causal plain packed 128;
             fwd f16 256 local modified packed 128;
@@ -1139,6 +1140,8 @@ macro_rules! hopper_entries {
             fwd f16 64 local modified ragged 128;
             fwd f16 128 causal plain ragged 128;
             fwd f16 128 local modified ragged 128;
+            fwd f16 192 causal plain ragged 128;
+            fwd f16 192 local modified ragged 128;
             fwd f16 256 causal plain ragged 128;
             fwd f16 256 local modified ragged 128;
             fwd bf16 64 full plain dense 192;
@@ -1172,6 +1175,9 @@ macro_rules! hopper_entries {
             fwd bf16 128 full plain packed 128;
             fwd bf16 128 causal plain packed 128;
             fwd bf16 128 local modified packed 128;
+            fwd bf16 192 full plain packed 128;
+            fwd bf16 192 causal plain packed 128;
+            fwd bf16 192 local modified packed 128;
             fwd bf16 256 full plain packed 128;
             fwd bf16 256 causal plain packed 128;
             fwd bf16 256 local modified packed 128;
@@ -1179,6 +1185,8 @@ macro_rules! hopper_entries {
             fwd bf16 64 local modified ragged 128;
             fwd bf16 128 causal plain ragged 128;
             fwd bf16 128 local modified ragged 128;
+            fwd bf16 192 causal plain ragged 128;
+            fwd bf16 192 local modified ragged 128;
             fwd bf16 256 causal plain ragged 128;
             fwd bf16 256 local modified ragged 128;
             wgmma f16 64 64;
