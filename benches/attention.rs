@@ -55,6 +55,7 @@
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
 //! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks),
+//! `policy-gemma2` (Gemma 2 9B's and 27B's prefill, plain and softcap 50),
 //! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
 //! mean length, D = 128, and D = 192 causal, MLA prefill's Q·K width;
 //! causal also with K/V in shuffled pools of 16- and 256-token pages,
@@ -606,6 +607,15 @@ fn shapes() -> Vec<Shape> {
         for policy in [Policy::Softcap(50.0), Policy::Alibi, Policy::Sinks(0.5)] {
             v.push(with(plain, policy));
         }
+    }
+    // Gemma 2's own prefill shapes with its softcap 50: 9B (16 heads over
+    // 8 KV heads, D = 256) and 27B (32 over 16, D = 128), causal.
+    for (heads, kv_heads, head_dim) in [(16, 8, 256), (32, 16, 128)] {
+        let plain = Shape {
+            kv_heads,
+            ..fwd(Dtype::F16, 2, heads, 4096, head_dim, true, "policy-gemma2")
+        };
+        v.extend([plain, with(plain, Policy::Softcap(50.0))]);
     }
     let lens = varlen_seqlens();
     let mean = (lens.iter().sum::<usize>() + VARLEN_SEQS / 2) / VARLEN_SEQS;
