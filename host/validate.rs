@@ -551,12 +551,7 @@ fn check_dense(
     expect_dim("k", 0, batch, kb)?;
     expect_dim("k", 3, head_dim, kd)?;
     // V, and so O, may have a head dim of their own.
-    let v_head_dim = v.layout.shape[3];
-    expect_shape(
-        "v",
-        with_head_dim(k.layout.shape, v_head_dim),
-        v.layout.shape,
-    )?;
+    let v_head_dim = expect_v_shape("v", k.layout.shape, v.layout.shape)?;
     expect_shape(
         "o",
         with_head_dim(q.layout.shape, v_head_dim),
@@ -590,6 +585,17 @@ fn check_dense(
 
 fn with_head_dim([b, s, h, _]: [usize; 4], head_dim: usize) -> [usize; 4] {
     [b, s, h, head_dim]
+}
+
+/// V's shape is K's but for a head dim of its own, which it returns
+/// ([`check_v_head_dim`] checks that one).
+fn expect_v_shape(
+    tensor: &'static str,
+    k: [usize; 4],
+    v: [usize; 4],
+) -> Result<usize, FlashAttnError> {
+    expect_shape(tensor, with_head_dim(k, v[3]), v)?;
+    Ok(v[3])
 }
 
 /// V's head dim: a positive multiple of 8 within Q/K's (the kernel of Q/K's
@@ -884,12 +890,7 @@ pub fn check_varlen_paged(
         });
     }
     let paging = check_paging(k_cache, batch, block_table)?;
-    let v_head_dim = v_cache.layout.shape[3];
-    expect_shape(
-        "v_cache",
-        with_head_dim(k_cache.layout.shape, v_head_dim),
-        v_cache.layout.shape,
-    )?;
+    expect_v_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
     let k = logical_cache("k_cache", k_cache, 1, paging)?;
     let v = logical_cache("v_cache", v_cache, 1, paging)?;
     let capacity = k.layout.shape[1];

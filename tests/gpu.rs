@@ -925,14 +925,14 @@ struct Inputs<T> {
 fn random_inputs<T: AttnElement>(
     gpu: &Gpu,
     rng: &mut StdRng,
-    nq: usize,
-    nk: usize,
-    nv: usize,
+    [q, k, v]: [&Layout; 3],
 ) -> Result<Inputs<T>, String> {
+    // Contiguous layouts: their elements are the product of their shapes.
+    let len = |l: &Layout| l.shape.iter().product();
     let (q_host, k_host, v_host) = (
-        random_values::<T>(rng, nq),
-        random_values::<T>(rng, nk),
-        random_values::<T>(rng, nv),
+        random_values::<T>(rng, len(q)),
+        random_values::<T>(rng, len(k)),
+        random_values::<T>(rng, len(v)),
     );
     let up = |x: &[T]| gpu.stream.clone_htod(x).map_err(|e| e.to_string());
     Ok(Inputs {
@@ -1074,13 +1074,7 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
         Layout::contiguous([b, sk, hk, d]),
         Layout::contiguous([b, sk, hk, dv]),
     );
-    let x = random_inputs::<T>(
-        gpu,
-        &mut rng,
-        b * sq * h * d,
-        b * sk * hk * d,
-        b * sk * hk * dv,
-    )?;
+    let x = random_inputs::<T>(gpu, &mut rng, [&ql, &kl, &vl])?;
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
@@ -1195,7 +1189,7 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
     let max_k = c.lens.iter().map(|l| l.1).max().unwrap().max(1);
     let (ql, kl) = (Layout::packed([tq, h, d]), Layout::packed([tk, hk, d]));
     let (vl, ol) = (Layout::packed([tk, hk, dv]), Layout::packed([tq, h, dv]));
-    let x = random_inputs::<T>(gpu, &mut rng, tq * h * d, tk * hk * d, tk * hk * dv)?;
+    let x = random_inputs::<T>(gpu, &mut rng, [&ql, &kl, &vl])?;
     let batch = c.lens.len();
     let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
     let s = &gpu.stream;
@@ -1678,13 +1672,7 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
     );
     let ql = Layout::contiguous([b, sq, h, d]);
     let cl = Layout::contiguous([b, l, hk, d]);
-    let x = random_inputs::<T>(
-        gpu,
-        &mut rng,
-        b * sq * h * d,
-        b * l * hk * d,
-        b * l * hk * d,
-    )?;
+    let x = random_inputs::<T>(gpu, &mut rng, [&ql, &cl, &cl])?;
     let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
@@ -1792,13 +1780,7 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     let cut = rng.random_range(1..sk);
     let ql = Layout::contiguous([b, sq, h, d]);
     let full = Layout::contiguous([b, sk, hk, d]);
-    let x = random_inputs::<T>(
-        gpu,
-        &mut rng,
-        b * sq * h * d,
-        b * sk * hk * d,
-        b * sk * hk * d,
-    )?;
+    let x = random_inputs::<T>(gpu, &mut rng, [&ql, &full, &full])?;
     let s = &gpu.stream;
     let e = |x: cudarc::driver::DriverError| x.to_string();
     // The two key ranges as strided views of the same K/V.
