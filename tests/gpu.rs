@@ -2275,16 +2275,17 @@ fn v_head_dim_cases<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
             hopper_rows: None,
         };
         run_varlen::<T>(gpu, &c)?;
+        // The same sequences' keys from 16-token pages.
         run_varlen_paged::<T>(
             gpu,
             &PagedVarlenCase {
-                lens: vec![(300, 517), (0, 40), (129, 1), (64, 200)],
+                lens: c.lens.iter().map(|&(q, k)| (q, k as i32)).collect(),
                 page_size: 16,
                 max_pages: 33,
-                heads: 4,
-                kv_heads: 2,
+                heads: c.heads,
+                kv_heads: c.kv_heads,
                 head_dim: d,
-                policy: plain(true),
+                policy: c.policy.clone(),
                 seed,
                 hopper_rows: None,
             },
