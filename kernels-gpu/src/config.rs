@@ -967,7 +967,7 @@ impl HopperTile {
     /// (O 96, S 56, P 28; with 128 keys two K and V stages would not fit in
     /// shared memory) and D = 256 80 keys as FlashAttention-3 does (O 128,
     /// S 40, P 20): Q plus two K and V stages then fill 217 and 225 of 227
-    /// KiB. Rows: 128 (two consumer warpgroups)
+    /// KiB (D = 128's paged lines take three: 224 KiB). Rows: 128 (two consumer warpgroups)
     /// for every head dim; 192 (three, as FlashAttention-3 at D = 64) for
     /// D = 64, whose S, P and O fit the 160 registers three consumers leave
     /// each, so a CTA's fixed cost (prologue, the first K block's latency,
@@ -1003,7 +1003,15 @@ impl HopperTile {
             consumers,
             block_m: rows,
             block_n,
-            stages: 2,
+            // A third K/V stage fits D = 128's 128-row tiles (224 of 227
+            // KiB). Measured (docs/perf-notes.md, v22): it makes paged loads
+            // of 16-token pages 1.06x faster (each block is 16 small boxes
+            // per tensor, so the ring needs more depth to hide them) and the
+            // dense lines 1-2 % slower, so only the paged lines take it.
+            stages: match (head_dim, rows, policies.seq) {
+                (128, 128, SeqKind::Ragged) => 3,
+                _ => 2,
+            },
             // Measured per head dim (docs/perf-notes.md, v16; D = 192 as
             // 256, not measured); the turn barriers pair two warpgroups.
             // The D = 256 window/modifier line spills with them.
