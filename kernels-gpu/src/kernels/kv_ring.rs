@@ -145,21 +145,23 @@ pub fn load_block<T: Element, const D: usize>(
                         k_tile.store_addr::<true>(row, chunk),
                         v_tile.store_addr::<false>(row, chunk),
                     );
-                    if first + row < info.seqlen_k {
-                        let (page, in_page) = slot[g];
-                        let chunk_off = chunk as u64 * (CHUNK_ELEMS as u32 * T::BYTES) as u64;
+                    let (page, in_page) = slot[g];
+                    let chunk_off = chunk as u64 * (CHUNK_ELEMS as u32 * T::BYTES) as u64;
+                    let row_ok = first + row < info.seqlen_k;
+                    if row_ok {
                         let k = info.page_row_ptr(p.k, &p.k_strides, page, in_page) + chunk_off;
-                        let v = info.page_row_ptr(p.v, &p.v_strides, page, in_page) + chunk_off;
                         T::stage(k_dst, k, true);
-                        if chunk < v_chunks {
-                            T::stage(v_dst, v, true);
-                        } else {
-                            T::stage(v_dst, p.v, false);
-                        }
                     } else {
                         T::stage(k_dst, p.k, false);
-                        T::stage(v_dst, p.v, false);
                     }
+                    // V's chunks past its own head dim are zeros, like rows
+                    // past the keys: one copy, its source and size selected,
+                    // and the test reads the parameter itself (a derived
+                    // value kept live made the sm_90 kernels spill).
+                    let v_ok =
+                        row_ok && (p.head_dim == 0 || chunk * (CHUNK_ELEMS as u32) < p.head_dim);
+                    let v = info.page_row_ptr(p.v, &p.v_strides, page, in_page) + chunk_off;
+                    T::stage(v_dst, if v_ok { v } else { p.v }, v_ok);
                 }
             });
             c0 += PAGED_LOOKUP_GROUP as u32;
