@@ -124,7 +124,10 @@
 //! instead of the Hopper ones, to compare both; the first line says which),
 //! `--hopper-rows 64|128|192` (forward rows on the Hopper kernels take
 //! that many query rows per CTA where the head dim has such a line, instead
-//! of the heuristic's choice), `--splits N` (decode rows split their keys N ways, lowered
+//! of the heuristic's choice), `--hopper-persistent on|off` (forward rows
+//! on the Hopper kernels take their persistent line, where one covers them,
+//! or a line of one CTA per tile, instead of the heuristic's choice),
+//! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
 //! `"ring_stages"`), `--json PATH`, `--plot PATH.png` (after the run, draw
@@ -656,6 +659,8 @@ struct Bench<'a> {
     splits: Option<usize>,
     /// `--hopper-rows N`: the forward rows' `hopper_rows`.
     hopper_rows: Option<usize>,
+    /// `--hopper-persistent on|off`: the forward rows' `hopper_persistent`.
+    hopper_persistent: Option<bool>,
 }
 
 impl Bench<'_> {
@@ -1207,6 +1212,11 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
         // Only the forward takes it (decode refuses it).
         hopper_rows: if s.kind == Kind::Forward {
             b.hopper_rows
+        } else {
+            None
+        },
+        hopper_persistent: if s.kind == Kind::Forward {
+            b.hopper_persistent
         } else {
             None
         },
@@ -1837,6 +1847,15 @@ fn main() {
             std::process::exit(2);
         }
     });
+    let hopper_persistent = match value_of("--hopper-persistent").as_deref() {
+        None => None,
+        Some("on") => Some(true),
+        Some("off") => Some(false),
+        Some(other) => {
+            eprintln!("--hopper-persistent wants on or off, not {other:?}");
+            std::process::exit(2);
+        }
+    };
     let hopper_forward = match value_of("--forward-path").as_deref() {
         None | Some("auto") => true,
         Some("sm80") => false,
@@ -1922,6 +1941,7 @@ fn main() {
             timing,
             splits,
             hopper_rows,
+            hopper_persistent,
         }
     };
     println!(

@@ -783,7 +783,7 @@ impl FlashAttention {
             },
             num_sms: self.num_sms,
         };
-        let Some(entry) = find_hopper_entry(&call, opts.hopper_rows) else {
+        let Some(entry) = find_hopper_entry(&call, opts.hopper_rows, opts.hopper_persistent) else {
             return Ok(false);
         };
         let tile = entry.hopper_tile();
@@ -838,11 +838,15 @@ impl FlashAttention {
         let (Some(q), Some(k), Some(v)) = maps else {
             return Ok(false);
         };
-        let grid = (
-            shape.seqlen_q.div_ceil(tile.block_m) as u32,
-            shape.heads as u32,
-            shape.batch as u32,
-        );
+        let m_blocks = shape.seqlen_q.div_ceil(tile.block_m);
+        let grid = if tile.persistent {
+            // One CTA per SM at most, each looping over the tiles
+            // (`index::persistent_step`).
+            let tiles = m_blocks * shape.heads * shape.batch;
+            (tiles.min(self.num_sms).max(1) as u32, 1, 1)
+        } else {
+            (m_blocks as u32, shape.heads as u32, shape.batch as u32)
+        };
         module.launch_forward(stream, entry, HopperFwdMaps { q, k, v }, params, grid)?;
         Ok(true)
     }

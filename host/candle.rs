@@ -277,6 +277,7 @@ impl<'g> PolicyViews<'g> {
             sinks: self.sinks.as_ref(),
             num_splits: None,
             hopper_rows: None,
+            hopper_persistent: None,
         })
     }
 }

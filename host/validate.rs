@@ -96,6 +96,13 @@ pub struct AttnOptions<'a> {
     /// path ignore it, other values are refused, and decode calls refuse it.
     /// Varlen calls (packed or paged) have 128-row lines only.
     pub hopper_rows: Option<usize>,
+    /// Forward on the Hopper kernels only: `Some(true)` takes the call's
+    /// persistent line (at most one CTA per SM, each looping over tiles:
+    /// D = 64 and 128, 128 rows, plain full and causal, dense) where one
+    /// covers it, `Some(false)` a line with one CTA per tile, instead of the
+    /// heuristic's choice (`config::hopper_persistent`). For tuning and tests,
+    /// as `hopper_rows`; decode calls refuse it.
+    pub hopper_persistent: Option<bool>,
 }
 
 /// What validation needs to know of one tensor argument.
@@ -624,6 +631,11 @@ pub fn check_decode(
     opts: &AttnOptions,
 ) -> Result<DecodeShape, FlashAttnError> {
     refuse("hopper_rows", opts.hopper_rows, "decode")?;
+    refuse(
+        "hopper_persistent",
+        opts.hopper_persistent.map(usize::from),
+        "decode",
+    )?;
     let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
     if shape.v_head_dim != shape.head_dim {
         return Err(FlashAttnError::Unsupported {

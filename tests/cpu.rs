@@ -1800,13 +1800,14 @@ mod config {
             if e.kind == KernelKind::WgmmaForward {
                 let p = e.policies;
                 let want = format!(
-                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}_m{}",
+                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}_m{}{}",
                     e.dtype.name(),
                     e.head_dim,
                     word(p.mask),
                     word(p.score),
                     word(p.seq),
-                    e.rows
+                    e.rows,
+                    if e.persistent { "_persistent" } else { "" }
                 );
                 assert_eq!(e.name, want);
                 let t = e.hopper_tile();
@@ -1847,7 +1848,7 @@ mod config {
     /// barriers are 8-byte aligned past the last tile; registers add up.
     #[test]
     fn hopper_tiles_fit_and_align() {
-        use flash_attn_kernels::config::{HopperTile, PtxArch, SWIZZLE_ATOM_BYTES, WGMMA_M};
+        use flash_attn_kernels::config::{PtxArch, SWIZZLE_ATOM_BYTES, WGMMA_M};
         let atom = SWIZZLE_ATOM_BYTES;
         let mut seen = 0;
         for e in HOPPER_ENTRIES
@@ -1859,10 +1860,7 @@ mod config {
             assert!(t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes(), "{t:?}");
             assert_eq!(t.block_m, t.consumers * WGMMA_M);
             assert!(t.block_m <= 256, "a TMA box has at most 256 rows: {t:?}");
-            let (p, c) = (
-                HopperTile::PRODUCER_REGS as usize,
-                t.consumer_regs() as usize,
-            );
+            let (p, c) = (t.producer_regs() as usize, t.consumer_regs() as usize);
             // Registers and shared memory (with the 1 KiB the hardware
             // reserves per CTA, of 228 KiB per SM) for `ctas_per_sm` CTAs.
             assert_eq!(t.ctas_per_sm, if t.consumers == 1 { 2 } else { 1 });
@@ -1881,14 +1879,28 @@ mod config {
                 t.block_n % 16 == 0 && t.block_n <= 256 && t.head_dim % 64 == 0,
                 "{t:?}"
             );
+            // Q buffers (two in a persistent CTA), then the K/V stages.
+            let qb = if t.persistent { 2 } else { 1 };
+            assert_eq!(t.q_buffers(), qb, "{t:?}");
+            for b in 0..qb {
+                assert_eq!(t.q_offset(b) % atom, 0, "{t:?}");
+            }
+            assert_eq!(t.k_offset(0), qb * t.q_bytes(), "{t:?}");
             for s in 0..t.stages {
                 assert_eq!(t.k_offset(s) % atom, 0, "{t:?}");
                 assert_eq!(t.v_offset(s) % atom, 0, "{t:?}");
-                assert!(t.k_offset(s) >= t.q_bytes());
             }
             assert_eq!(t.v_offset(0), t.k_offset(t.stages));
             assert_eq!(t.barrier(0), t.v_offset(t.stages));
-            assert_eq!(t.barriers(), 1 + 4 * t.stages);
+            // Q full per buffer, Q empty per buffer of a persistent CTA,
+            // then the rings' four per stage.
+            let q_barriers = qb * (1 + t.persistent as usize);
+            assert_eq!(t.k_ring(), q_barriers, "{t:?}");
+            assert_eq!(t.barriers(), q_barriers + 4 * t.stages);
+            if t.persistent {
+                assert_eq!((t.q_empty(0), t.q_empty(1)), (2, 3), "{t:?}");
+                assert!(t.block_m == 128 && t.head_dim <= 128, "{t:?}");
+            }
             assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()));
         }
         assert!(seen > 0);
@@ -1921,7 +1933,7 @@ mod config {
         // f32 stays on the mma.sync kernels.
         for d in SUPPORTED_HEAD_DIMS {
             let any = need(MaskKind::Local, modified, SeqKind::Dense);
-            assert!(find_hopper_entry(&call(Dtype::F32, d, any), None).is_none());
+            assert!(find_hopper_entry(&call(Dtype::F32, d, any), None, None).is_none());
         }
         for (d, line_d) in [
             (32, 64),
@@ -1980,7 +1992,7 @@ mod config {
                             && line.score == plain
                             && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
                     for rows in [None, Some(64), Some(128), Some(192)] {
-                        let e = find_hopper_entry(&c, rows).unwrap();
+                        let e = find_hopper_entry(&c, rows, None).unwrap();
                         assert_eq!(e.policies, line, "{need:?}");
                         assert_eq!((e.head_dim, e.dtype), (line_d, dtype));
                         // Rows where asked for (or chosen) and the line has
@@ -2008,7 +2020,7 @@ mod config {
                 ] {
                     let c = call(dtype, d, need(mask, score, SeqKind::Packed));
                     for rows in [None, Some(64), Some(128), Some(192)] {
-                        let e = find_hopper_entry(&c, rows).unwrap();
+                        let e = find_hopper_entry(&c, rows, None).unwrap();
                         let want_score = if line_mask == MaskKind::Local {
                             modified
                         } else {
@@ -2024,7 +2036,7 @@ mod config {
                         _ => (MaskKind::Local, modified),
                     };
                     for rows in [None, Some(64), Some(192)] {
-                        let e = find_hopper_entry(&paged, rows).unwrap();
+                        let e = find_hopper_entry(&paged, rows, None).unwrap();
                         let want = need(paged_mask, paged_score, SeqKind::Ragged);
                         assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
                         assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
@@ -2032,7 +2044,7 @@ mod config {
                 }
             }
             let c = call(dtype, 264, dense(MaskKind::Full, plain));
-            assert!(find_hopper_entry(&c, None).is_none());
+            assert!(find_hopper_entry(&c, None, None).is_none());
         }
     }
 
@@ -2062,15 +2074,18 @@ mod config {
         for d in [8, 16, 24, 32] {
             assert!(hopper_padded_short(d, short), "{d}");
             assert!(!hopper_padded_short(d, HOPPER_PADDED_MIN_KEYS), "{d}");
-            assert!(find_hopper_entry(&call(d, short), None).is_none(), "{d}");
-            let asked = find_hopper_entry(&call(d, short), Some(128)).unwrap();
+            assert!(
+                find_hopper_entry(&call(d, short), None, None).is_none(),
+                "{d}"
+            );
+            let asked = find_hopper_entry(&call(d, short), Some(128), None).unwrap();
             assert_eq!(asked.head_dim, 64);
-            let long = find_hopper_entry(&call(d, HOPPER_PADDED_MIN_KEYS), None).unwrap();
+            let long = find_hopper_entry(&call(d, HOPPER_PADDED_MIN_KEYS), None, None).unwrap();
             assert_eq!(long.head_dim, 64);
         }
         for d in [40, 64, 72, 96, 128, 192, 256] {
             assert!(!hopper_padded_short(d, 1), "{d}");
-            assert!(find_hopper_entry(&call(d, 1), None).is_some(), "{d}");
+            assert!(find_hopper_entry(&call(d, 1), None, None).is_some(), "{d}");
         }
         assert!(!hopper_padded_short(264, 1));
     }
@@ -2081,6 +2096,66 @@ mod config {
     /// than `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; else 128. And every Hopper
     /// forward line is reachable with `hopper_rows` (the GPU suite's random
     /// trials ask for each), so each line's kernel is tested.
+    /// The persistent lines: chosen up to `HOPPER_PERSISTENT_MAX_KEYS` keys
+    /// (a padded head dim's causal calls up to
+    /// `HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`) where one covers the call,
+    /// never past them, for a call without a line (D = 256, modifiers,
+    /// packed sequences) or when other rows or `Some(false)` are asked for;
+    /// `Some(true)` takes one at any length.
+    #[test]
+    fn hopper_persistent_choice() {
+        let need = |mask, score, seq| Policies { mask, score, seq };
+        let plain = |mask| need(mask, ScoreKind::Plain, SeqKind::Dense);
+        let call = |head_dim, mask, seqlen_k| HopperCall {
+            dtype: Dtype::Bf16,
+            head_dim,
+            need: plain(mask),
+            batch: 8,
+            heads: 16,
+            seqlen_q: seqlen_k,
+            seqlen_k,
+            window_keys: None,
+            num_sms: 132,
+        };
+        let persistent = |c: &HopperCall, rows, asked| {
+            find_hopper_entry(c, rows, asked).is_some_and(|e| e.persistent)
+        };
+        for (mask, i) in [(MaskKind::Full, 0), (MaskKind::Causal, 1)] {
+            for d in [64, 128, 96, 32] {
+                let padded = hopper_line_head_dim(d) != Some(d);
+                let max = if padded && i == 1 {
+                    HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL
+                } else {
+                    HOPPER_PERSISTENT_MAX_KEYS[i]
+                };
+                let (short, long) = (call(d, mask, max), call(d, mask, max + 1));
+                // D = 32 stays on `mma.sync` over few keys unless rows are asked.
+                let rows = if d == 32 { Some(128) } else { None };
+                assert!(persistent(&short, rows, None), "{d} {mask:?}");
+                assert!(!persistent(&long, rows, None), "{d} {mask:?}");
+                assert!(persistent(&long, Some(128), Some(true)), "{d} {mask:?}");
+                assert!(
+                    persistent(&long, None, Some(true)) || d == 32,
+                    "{d} {mask:?}"
+                );
+                assert!(!persistent(&short, rows, Some(false)), "{d} {mask:?}");
+                assert!(!persistent(&short, Some(64), Some(true)), "{d} {mask:?}");
+            }
+            let short = call(256, mask, 512);
+            assert!(!persistent(&short, None, Some(true)));
+        }
+        for (score, seq) in [
+            (ScoreKind::Modified, SeqKind::Dense),
+            (ScoreKind::Plain, SeqKind::Packed),
+        ] {
+            let c = HopperCall {
+                need: need(MaskKind::Causal, score, seq),
+                ..call(128, MaskKind::Causal, 512)
+            };
+            assert!(!persistent(&c, None, Some(true)), "{score:?} {seq:?}");
+        }
+    }
+
     #[test]
     fn hopper_rows_choice() {
         let plain = |mask| Policies {
@@ -2213,7 +2288,17 @@ mod config {
                     ..base
                 };
                 for rows in [Some(64), Some(128), Some(192)] {
-                    reached.insert(find_hopper_entry(&c, rows).unwrap().name);
+                    for persistent in [None, Some(false), Some(true)] {
+                        let got = find_hopper_entry(&c, rows, persistent).unwrap();
+                        // A persistent line only when asked for or chosen
+                        // by the heuristic, never with other rows asked for.
+                        if got.persistent {
+                            let chosen = persistent.unwrap_or(hopper_persistent(&c));
+                            assert!(chosen, "{}", got.name);
+                            assert_eq!(rows, Some(got.rows), "{}", got.name);
+                        }
+                        reached.insert(got.name);
+                    }
                 }
             }
         }
@@ -3144,6 +3229,86 @@ mod index {
                 .filter(|&n| n < FastDiv::DIVIDEND_LIMIT)
             {
                 assert_eq!(f.divmod(n), (n / d, n % d), "{n} / {d}");
+            }
+        }
+    }
+
+    /// A persistent grid's steps give every (query block, pair) to exactly
+    /// one CTA once, whatever the grid; paired (causal) units add up to the
+    /// same key blocks (block m sees m + 1; an odd M's middle unit half),
+    /// heavy block first, so CTAs' totals differ by at most two units'
+    /// (unpaired, one CTA of 132 would carry twice another's); the units of
+    /// one wave are
+    /// consecutive: a wave's tiles touch at most grid / M + 2 pairs.
+    #[test]
+    fn persistent_steps_partition_the_grid() {
+        for m_blocks in [1u32, 2, 3, 4, 7, 8, 16, 33] {
+            for pairs in [1u32, 2, 5, 9, 64, 131, 512] {
+                let total = m_blocks * pairs;
+                for paired in [false, true] {
+                    for grid in [1u32, 7, 132, 264] {
+                        let mut seen = vec![false; total as usize];
+                        let mut loads = Vec::new();
+                        for cta in 0..grid.min(total) {
+                            let (mut step, mut load, mut tiles) = (0, 0, Vec::new());
+                            while let Some((m, pair, next)) =
+                                persistent_step(step, cta, grid, m_blocks, pairs, paired)
+                            {
+                                assert!(m < m_blocks && pair < pairs, "{step} -> ({m}, {pair})");
+                                assert!(next > step);
+                                let i = (pair * m_blocks + m) as usize;
+                                assert!(
+                                    !std::mem::replace(&mut seen[i], true),
+                                    "({m}, {pair}) twice"
+                                );
+                                load += m + 1;
+                                tiles.push((step, m, pair));
+                                step = next;
+                            }
+                            if paired {
+                                // A unit's second block (odd step) follows
+                                // its heavy twin, or the previous pair's
+                                // middle block.
+                                for &(st, m, pair) in &tiles {
+                                    if st % 2 == 1 {
+                                        let twin = tiles.iter().find(|t| t.0 == st - 1);
+                                        let want = if 2 * m + 1 == m_blocks {
+                                            (st - 1, m, pair - 1)
+                                        } else {
+                                            (st - 1, m_blocks - 1 - m, pair)
+                                        };
+                                        assert_eq!(twin, Some(&want));
+                                        assert!(want.1 >= m);
+                                    }
+                                }
+                            }
+                            loads.push(load);
+                        }
+                        assert!(
+                            seen.iter().all(|&s| s),
+                            "{m_blocks} x {pairs} on {grid}: a tile missed"
+                        );
+                        if paired {
+                            let (lo, hi) =
+                                (loads.iter().min().unwrap(), loads.iter().max().unwrap());
+                            assert!(
+                                hi - lo <= 2 * (m_blocks + 1),
+                                "{m_blocks} x {pairs} on {grid}: {loads:?}"
+                            );
+                        }
+                        // The first wave (step 0 of every CTA) spans few pairs.
+                        let first: std::collections::BTreeSet<u32> = (0..grid.min(total))
+                            .filter_map(|c| persistent_step(0, c, grid, m_blocks, pairs, paired))
+                            .map(|(_, pair, _)| pair)
+                            .collect();
+                        let per_pair = if paired {
+                            (m_blocks / 2).max(1)
+                        } else {
+                            m_blocks
+                        };
+                        assert!(first.len() as u32 <= grid / per_pair + 2, "{first:?}");
+                    }
+                }
             }
         }
     }

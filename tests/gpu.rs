@@ -279,6 +279,8 @@ struct FwdCase {
     seed: u64,
     /// `AttnOptions::hopper_rows`: which Hopper line of the head dim runs.
     hopper_rows: Option<usize>,
+    /// `AttnOptions::hopper_persistent`: its persistent twin, if any.
+    hopper_persistent: Option<bool>,
 }
 
 fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
@@ -339,6 +341,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
         causal: c.causal,
         softmax_scale: None,
         hopper_rows: c.hopper_rows,
+        hopper_persistent: c.hopper_persistent,
         ..Default::default()
     };
     {
@@ -1976,6 +1979,7 @@ fn fwd_strategy() -> impl Strategy<Value = FwdCase> {
                     packed_qkv: false,
                     seed,
                     hopper_rows: None,
+                    hopper_persistent: None,
                 }
             },
         )
@@ -2056,6 +2060,7 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
         packed_qkv: false,
         seed: 7,
         hopper_rows: None,
+        hopper_persistent: None,
     };
     let mut v = Vec::new();
     for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
@@ -2153,15 +2158,26 @@ fn hopper_head_dims() -> Vec<usize> {
 /// Every row count of the Hopper lines that serve a head dim, as
 /// `hopper_rows` asks for them: the fixed cases run each of those lines.
 fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
-    let line_d = hopper_line_head_dim(head_dim);
-    let mut rows: Vec<usize> = HOPPER_ENTRIES
-        .iter()
-        .filter(|e| e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d)
-        .map(|e| e.rows)
+    let mut rows: Vec<usize> = hopper_lines_of(head_dim)
+        .into_iter()
+        .map(|(r, _)| r)
         .collect();
-    rows.sort();
     rows.dedup();
     rows.into_iter().map(Some).collect()
+}
+
+/// Every (rows, persistent) of the Hopper lines that serve a head dim,
+/// sorted: the plain fixed cases run each.
+fn hopper_lines_of(head_dim: usize) -> Vec<(usize, bool)> {
+    let line_d = hopper_line_head_dim(head_dim);
+    let mut lines: Vec<(usize, bool)> = HOPPER_ENTRIES
+        .iter()
+        .filter(|e| e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d)
+        .map(|e| (e.rows, e.persistent))
+        .collect();
+    lines.sort();
+    lines.dedup();
+    lines
 }
 
 /// A Hopper head dim with the heuristic's rows or either line's
@@ -2175,13 +2191,20 @@ fn hopper_line() -> impl Strategy<Value = (usize, Option<usize>)> {
 }
 
 /// Forward cases the Hopper kernels serve (their head dims, plain, dense),
-/// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks.
+/// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks; the
+/// persistent lines asked for in one case of three.
 fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
-    (fwd_strategy(), hopper_line()).prop_map(|(c, (head_dim, hopper_rows))| FwdCase {
-        head_dim,
-        hopper_rows,
-        ..c
-    })
+    (
+        fwd_strategy(),
+        hopper_line(),
+        prop::sample::select(vec![None, Some(false), Some(true)]),
+    )
+        .prop_map(|(c, (head_dim, hopper_rows), hopper_persistent)| FwdCase {
+            head_dim,
+            hopper_rows,
+            hopper_persistent,
+            ..c
+        })
 }
 
 /// Every (batch, Sq, Skv, heads, KV heads) shape in both mask kinds, per
@@ -2195,7 +2218,7 @@ fn hopper_cases(
     let mut v = Vec::new();
     for causal in [false, true] {
         for head_dim in hopper_head_dims() {
-            for hopper_rows in hopper_rows_of(head_dim) {
+            for (rows, persistent) in hopper_lines_of(head_dim) {
                 for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
                     v.push(FwdCase {
                         batch,
@@ -2208,7 +2231,8 @@ fn hopper_cases(
                         with_lse,
                         packed_qkv,
                         seed,
-                        hopper_rows,
+                        hopper_rows: Some(rows),
+                        hopper_persistent: Some(persistent),
                     });
                 }
             }
@@ -2815,6 +2839,7 @@ fn main() {
                 packed_qkv: false,
                 seed: 7,
                 hopper_rows: None,
+                hopper_persistent: None,
             };
             run_forward::<f16>(&ptx, &c)?;
         }

@@ -602,6 +602,9 @@ pub struct Entry {
     /// table line's last word); 0 for every other kind, whose tile follows
     /// from the kind, head dim, policies and module ([`Self::tile`]).
     pub rows: usize,
+    /// A [`KernelKind::WgmmaForward`] entry whose CTAs loop over tiles
+    /// ([`HopperTile::persistent`]; the table line's `persistent` word).
+    pub persistent: bool,
 }
 
 impl Entry {
@@ -641,7 +644,7 @@ impl Entry {
     }
     /// The tile of a [`KernelKind::WgmmaForward`] entry.
     pub const fn hopper_tile(&self) -> HopperTile {
-        HopperTile::of(self.head_dim, self.policies, self.rows)
+        HopperTile::of(self.head_dim, self.policies, self.rows, self.persistent)
     }
 }
 
@@ -841,6 +844,12 @@ macro_rules! table_word {
     (seq ragged) => {
         SeqKind::Ragged
     };
+    (grid) => {
+        false
+    };
+    (grid persistent) => {
+        true
+    };
 }
 
 macro_rules! entry_rows {
@@ -862,10 +871,11 @@ macro_rules! entry_rows {
                     seq: table_word!(seq $seq),
                 },
                 rows: 0,
+                persistent: false,
             },)*
-            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0 },
-            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0 },
-            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0 },
+            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false },
+            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false },
+            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false },
         ];
     };
 }
@@ -950,12 +960,26 @@ pub struct HopperTile {
     /// run under the other's GEMMs, as the tile loop of a persistent CTA
     /// would hide them; 1 otherwise.
     pub ctas_per_sm: usize,
+    /// The grid holds at most one CTA per SM and each CTA loops over tiles
+    /// (`index::persistent_step`): the producer loads the next tile's Q into
+    /// a second buffer and its first K/V blocks while the consumers finish
+    /// the current one, so a tile's prologue and load latency run under the
+    /// previous tile's GEMMs. Short rows gain; on long rows the loop's state
+    /// costs a few percent (docs/perf-notes.md v18, v23), so these are lines
+    /// of their own.
+    pub persistent: bool,
 }
 
 impl HopperTile {
     /// Registers per thread the producer keeps: it only runs the load loop.
     pub const PRODUCER_REGS: u32 = 24;
-    /// Index of the Q barrier; the rings' follow (see [`Self::barrier`]).
+    /// The same for a persistent CTA, whose producer also walks the tile
+    /// order (`index::persistent_step`) and each tile's key range: with 24
+    /// the causal lines spilled 76 bytes, with 32 28 bytes (ptxas 13.0). The
+    /// consumers keep 232.
+    pub const PERSISTENT_PRODUCER_REGS: u32 = 40;
+    /// Index of Q buffer 0's full barrier (see [`Self::barrier`]): Q full
+    /// and Q empty per buffer, then the rings'.
     pub const Q_FULL: usize = 0;
 
     /// The tile of a head dimension with `rows` query rows per CTA; `None`
@@ -979,6 +1003,7 @@ impl HopperTile {
         head_dim: usize,
         policies: Policies,
         rows: usize,
+        persistent: bool,
     ) -> Option<HopperTile> {
         let block_n = match (head_dim, rows) {
             // Two CTAs of Q plus two K and V stages of 128 keys would take
@@ -996,6 +1021,12 @@ impl HopperTile {
         match (rows, head_dim) {
             (128, _) | (192, 64) | (64, 64 | 128) => {}
             _ => return None,
+        }
+        // A second Q buffer fits beside two K/V stages at D = 64 and 128 with
+        // 128 rows (192 of 227 KiB); the loop serves dense sequences.
+        if persistent && (rows != 128 || head_dim > 128 || !matches!(policies.seq, SeqKind::Dense))
+        {
+            return None;
         }
         let consumers = rows / WGMMA_M;
         Some(HopperTile {
@@ -1022,12 +1053,18 @@ impl HopperTile {
                 _ => !local_modified,
             },
             ctas_per_sm: if consumers == 1 { 2 } else { 1 },
+            persistent,
         })
     }
 
     /// [`Self::for_head_dim`] where a missing tile is a build error.
-    pub const fn of(head_dim: usize, policies: Policies, rows: usize) -> HopperTile {
-        match Self::for_head_dim(head_dim, policies, rows) {
+    pub const fn of(
+        head_dim: usize,
+        policies: Policies,
+        rows: usize,
+        persistent: bool,
+    ) -> HopperTile {
+        match Self::for_head_dim(head_dim, policies, rows, persistent) {
             Some(t) => t,
             None => panic!("no Hopper tile for this head dim and rows"),
         }
@@ -1037,11 +1074,20 @@ impl HopperTile {
     pub const fn threads(self) -> usize {
         (1 + self.consumers) * WARPGROUP_THREADS
     }
+    /// Registers per producer thread ([`Self::PRODUCER_REGS`],
+    /// [`Self::PERSISTENT_PRODUCER_REGS`]).
+    pub const fn producer_regs(self) -> u32 {
+        if self.persistent {
+            Self::PERSISTENT_PRODUCER_REGS
+        } else {
+            Self::PRODUCER_REGS
+        }
+    }
     /// Registers per consumer thread: what the producer leaves of the CTA's
     /// share of the 64K, rounded down to `setmaxnreg`'s multiple of 8 (one
     /// consumer, two CTAs per SM: 232; two consumers: 240; three: 160).
     pub const fn consumer_regs(self) -> u32 {
-        let left = 65536 / self.ctas_per_sm - WARPGROUP_THREADS * Self::PRODUCER_REGS as usize;
+        let left = 65536 / self.ctas_per_sm - WARPGROUP_THREADS * self.producer_regs() as usize;
         (left / (self.consumers * WARPGROUP_THREADS)) as u32 & !7
     }
     /// Bytes of the Q tile.
@@ -1052,17 +1098,41 @@ impl HopperTile {
     pub const fn kv_bytes(self) -> usize {
         self.block_n * self.head_dim * ELEM_BYTES
     }
+    /// Q buffers: two in a persistent CTA (the next tile's Q loads while the
+    /// current one is in use), else one.
+    pub const fn q_buffers(self) -> usize {
+        if self.persistent {
+            2
+        } else {
+            1
+        }
+    }
+    /// Offset of Q buffer `b`.
+    pub const fn q_offset(self, b: usize) -> usize {
+        b * self.q_bytes()
+    }
     /// Offset of stage `s`'s K tile.
     pub const fn k_offset(self, s: usize) -> usize {
-        self.q_bytes() + s * self.kv_bytes()
+        self.q_offset(self.q_buffers()) + s * self.kv_bytes()
     }
     /// Offset of stage `s`'s V tile.
     pub const fn v_offset(self, s: usize) -> usize {
         self.k_offset(self.stages) + s * self.kv_bytes()
     }
-    /// Barriers: Q full, then K full, K empty, V full, V empty, a ring each.
+    /// Barriers: Q full per Q buffer, Q empty per buffer of a persistent
+    /// CTA (its consumers release a buffer once the tile's epilogue has read
+    /// it; one Q is loaded once), then K full, K empty, V full, V empty, a
+    /// ring each.
     pub const fn barriers(self) -> usize {
-        1 + 4 * self.stages
+        self.k_ring() + 4 * self.stages
+    }
+    /// Index of Q buffer `b`'s empty barrier (persistent CTAs only).
+    pub const fn q_empty(self, b: usize) -> usize {
+        self.q_buffers() + b
+    }
+    /// Index of the K ring's first barrier; the V ring's is `+ 2 * stages`.
+    pub const fn k_ring(self) -> usize {
+        self.q_buffers() * (1 + self.persistent as usize)
     }
     /// Offset of barrier `i` (8 bytes each).
     pub const fn barrier(self, i: usize) -> usize {
@@ -1107,6 +1177,10 @@ impl HopperTile {
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
+            fwd f16 64 full plain dense 128 persistent;
+            fwd f16 64 causal plain dense 128 persistent;
+            fwd f16 128 full plain dense 128 persistent;
+            fwd f16 128 causal plain dense 128 persistent;
             fwd f16 64 full plain dense 192;
             fwd f16 64 causal plain dense 192;
             fwd f16 64 causal modified dense 192;
@@ -1152,6 +1226,10 @@ macro_rules! hopper_entries {
             fwd f16 192 local modified ragged 128;
             fwd f16 256 causal plain ragged 128;
             fwd f16 256 local modified ragged 128;
+            fwd bf16 64 full plain dense 128 persistent;
+            fwd bf16 64 causal plain dense 128 persistent;
+            fwd bf16 128 full plain dense 128 persistent;
+            fwd bf16 128 causal plain dense 128 persistent;
             fwd bf16 64 full plain dense 192;
             fwd bf16 64 causal plain dense 192;
             fwd bf16 64 causal modified dense 192;
@@ -1225,7 +1303,7 @@ pub(crate) use hopper_entries;
 
 macro_rules! hopper_rows {
     (
-        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal;)*
+        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal $($grid:ident)?;)*
         $(wgmma $dtype:ident $n:literal $k:literal;)*
         $(tma $d:literal;)*
     ) => {
@@ -1235,7 +1313,7 @@ macro_rules! hopper_rows {
                 name: concat!(
                     "flash_wgmma_fwd_", stringify!($fdtype), "_hd", stringify!($fd),
                     "_", stringify!($mask), "_", stringify!($score), "_", stringify!($seq),
-                    "_m", stringify!($rows)
+                    "_m", stringify!($rows) $(, "_", stringify!($grid))?
                 ),
                 kind: KernelKind::WgmmaForward,
                 dtype: table_word!(dtype $fdtype),
@@ -1246,6 +1324,7 @@ macro_rules! hopper_rows {
                     seq: table_word!(seq $seq),
                 },
                 rows: $rows,
+                persistent: table_word!(grid $($grid)?),
             },)*
             $(Entry {
                 name: concat!("flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)),
@@ -1254,6 +1333,7 @@ macro_rules! hopper_rows {
                 head_dim: $n,
                 policies: Policies::PLAIN,
                 rows: 0,
+                persistent: false,
             },)*
             $(Entry {
                 name: concat!("flash_probe_tma_hd", stringify!($d)),
@@ -1262,6 +1342,7 @@ macro_rules! hopper_rows {
                 head_dim: $d,
                 policies: Policies::PLAIN,
                 rows: 0,
+                persistent: false,
             },)*
         ];
     };
@@ -1352,6 +1433,36 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
     }
 }
 
+/// Keys per query row up to which a call whose line has a persistent twin
+/// (`HopperTile::persistent`: D = 64 and 128, plain full and causal) takes
+/// it, non-causal and causal. H100, over the lines `hopper_rows` picks
+/// (docs/perf-notes.md v23): at 512 keys 1.10-1.14x non-causal, 1.04-1.11x
+/// causal; at 1k 1.02-1.04x and 1.03-1.06x; at 2k 0.92-0.99x except D = 64
+/// causal (1.01-1.03x), at 4k 0.87-0.98x.
+pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 1024];
+
+/// The causal limit for a head dim padded to its line (D = 96 on the D =
+/// 128 line): 1.00-1.02x at 512 keys, 0.97x at 1k.
+pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 512;
+
+/// Whether a Hopper forward call takes its persistent line (where one
+/// covers it), in place of the lines [`hopper_rows`] chooses among: short
+/// rows, whose CTAs' fixed cost the loop hides
+/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`]).
+pub const fn hopper_persistent(call: &HopperCall) -> bool {
+    let causal = matches!(call.need.mask, MaskKind::Causal);
+    let padded = match hopper_line_head_dim(call.head_dim) {
+        Some(line) => line > call.head_dim,
+        None => false,
+    };
+    let max = if causal && padded {
+        HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL
+    } else {
+        HOPPER_PERSISTENT_MAX_KEYS[causal as usize]
+    };
+    call.seqlen_k <= max
+}
+
 /// The head dim of the Hopper forward lines that serve `head_dim`: the
 /// smallest line head dim at least as large. A smaller head dim runs on its
 /// tile with zero columns: the TMA boxes read the columns past the tensors'
@@ -1398,14 +1509,34 @@ pub const fn hopper_padded_short(head_dim: usize, seqlen_k: usize) -> bool {
 /// first 128-row one that covers it, else the first that covers it; `None` sends the call to the `Sm90` module's
 /// kernels. Without a caller's `rows`, a [`hopper_padded_short`] call gets
 /// `None`; with them it takes its line (tuning and tests).
-pub fn find_hopper_entry(call: &HopperCall, rows: Option<usize>) -> Option<&'static Entry> {
+pub fn find_hopper_entry(
+    call: &HopperCall,
+    rows: Option<usize>,
+    persistent: Option<bool>,
+) -> Option<&'static Entry> {
     if rows.is_none() && hopper_padded_short(call.head_dim, call.seqlen_k) {
         return None;
+    }
+    // The persistent lines have 128 rows: a caller's other rows exclude
+    // them; the heuristic's rows do not (they would have been a fallback).
+    if persistent.unwrap_or(hopper_persistent(call)) && rows.is_none_or(|r| r == 2 * WGMMA_M) {
+        let head_dim = hopper_line_head_dim(call.head_dim)?;
+        let line = HOPPER_ENTRIES.iter().find(|e| {
+            e.kind == KernelKind::WgmmaForward
+                && e.persistent
+                && e.dtype == call.dtype
+                && e.head_dim == head_dim
+                && e.policies.covers(call.need)
+        });
+        if line.is_some() {
+            return line;
+        }
     }
     let rows = rows.unwrap_or(hopper_rows(call));
     let head_dim = hopper_line_head_dim(call.head_dim)?;
     let mut covering = HOPPER_ENTRIES.iter().filter(move |e| {
         e.kind == KernelKind::WgmmaForward
+            && !e.persistent
             && e.dtype == call.dtype
             && e.head_dim == head_dim
             && e.policies.covers(call.need)

@@ -162,6 +162,55 @@ pub fn clamp_range(start: i32, end: i32, total: u32) -> (u32, u32) {
     (start, end - start)
 }
 
+/// Step `step` of CTA `cta` in a persistent launch of `grid` CTAs over
+/// `m_blocks` query blocks of each of `pairs` (batch, head) pairs: `(query
+/// block, pair, next step)`, or `None` past the CTA's last tile. The CTA
+/// takes work units `cta, cta + grid, ...`, so the units running at one
+/// time are consecutive, and consecutive units belong to one pair (the CTAs
+/// of a wave share its K/V in L2). Without `paired` a unit is one query
+/// block (`step` counts them). With it (causal: block m sees m + 1 key
+/// blocks) a unit is two blocks, heavy first, whose key blocks add up to
+/// M + 1 for every unit (FlashAttention's causal balancing, which a static
+/// stride needs): blocks M - 1 - j and j of one pair, and for an odd M,
+/// after all of those, the middle blocks of pairs 2i and 2i + 1. Steps 2i
+/// and 2i + 1 are a CTA's i-th unit; a unit of one block (the last middle
+/// of an odd count of pairs) skips its second step. Every tile is some
+/// CTA's step exactly once.
+#[inline(always)]
+pub const fn persistent_step(
+    step: u32,
+    cta: u32,
+    grid: u32,
+    m_blocks: u32,
+    pairs: u32,
+    paired: bool,
+) -> Option<(u32, u32, u32)> {
+    if !paired {
+        let unit = cta + step * grid;
+        if unit >= m_blocks * pairs {
+            return None;
+        }
+        return Some((unit % m_blocks, unit / m_blocks, step + 1));
+    }
+    let unit = cta + step / 2 * grid;
+    let second = step % 2 == 1;
+    let half = m_blocks / 2;
+    let twins = half * pairs;
+    if unit < twins {
+        // `half` > 0 here; the test spares a division-by-zero panic path.
+        let half = if half > 0 { half } else { 1 };
+        let (pair, j) = (unit / half, unit % half);
+        let m = if second { j } else { m_blocks - 1 - j };
+        return Some((m, pair, step + 1));
+    }
+    let pair = 2 * (unit - twins) + second as u32;
+    if m_blocks % 2 == 0 || pair >= pairs {
+        return None;
+    }
+    let alone = !second && pair + 1 == pairs;
+    Some((half, pair, step + 1 + alone as u32))
+}
+
 /// Division by a run-time constant with a multiply and a shift: the page
 /// size is the same for a whole launch, and `div.u32` is a ~20-instruction
 /// sequence the paged copies would run per row. The host computes the magic

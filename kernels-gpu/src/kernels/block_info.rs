@@ -8,6 +8,14 @@ use crate::arch::{global, special};
 use crate::index::{self, KeyWindow};
 use crate::params::{AttnParams, BshStrides};
 
+/// Which tile a persistent CTA works on: its query block, head and batch.
+#[derive(Clone, Copy)]
+pub struct TileCoord {
+    pub m_block: u32,
+    pub head: u32,
+    pub batch: u32,
+}
+
 pub struct BlockInfo {
     pub batch: u32,
     pub split: u32,
@@ -89,20 +97,50 @@ impl BlockInfo {
         packed: bool,
         heaviest_first: bool,
     ) -> BlockInfo {
+        Self::of::<M, L>(p, block_m, block_n, packed, heaviest_first, None)
+    }
+
+    /// Tile `at` of a persistent forward CTA (one head per tile, no splits).
+    #[inline(always)]
+    pub fn at<M: Mask, L: Seq>(
+        p: &AttnParams,
+        block_m: usize,
+        block_n: usize,
+        at: TileCoord,
+    ) -> BlockInfo {
+        Self::of::<M, L>(p, block_m, block_n, false, false, Some(at))
+    }
+
+    /// The grid's tile, or `at`'s.
+    #[inline(always)]
+    fn of<M: Mask, L: Seq>(
+        p: &AttnParams,
+        block_m: usize,
+        block_n: usize,
+        packed: bool,
+        heaviest_first: bool,
+        at: Option<TileCoord>,
+    ) -> BlockInfo {
         let bm = block_m as u32;
         let bn = block_n as u32;
         let pack = if packed { p.pack.max(1) } else { 1 };
         let splits = p.num_splits.max(1);
-        let z = special::block_idx_z();
-        let batch = z / splits;
-        let split = z % splits;
-        let head_base = special::block_idx_y() * pack;
-        let group = (p.heads / p.kv_heads.max(1)).max(1);
-        let kv_head = head_base / group;
-        let m_block = if heaviest_first {
-            special::grid_dim_x() - 1 - special::block_idx_x()
-        } else {
-            special::block_idx_x()
+        let group = |head_base: u32| head_base / (p.heads / p.kv_heads.max(1)).max(1);
+        let (batch, split, head_base, kv_head, m_block) = match at {
+            Some(at) => (at.batch, 0, at.head, group(at.head), at.m_block),
+            None => {
+                let z = special::block_idx_z();
+                let batch = z / splits;
+                let split = z % splits;
+                let head_base = special::block_idx_y() * pack;
+                let kv_head = group(head_base);
+                let m_block = if heaviest_first {
+                    special::grid_dim_x() - 1 - special::block_idx_x()
+                } else {
+                    special::block_idx_x()
+                };
+                (batch, split, head_base, kv_head, m_block)
+            }
         };
         let m0 = m_block * bm;
         let varlen = L::RAGGED && p.cu_seqlens_q != 0;

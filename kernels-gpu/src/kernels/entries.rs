@@ -39,6 +39,17 @@ macro_rules! ty {
     };
 }
 
+/// A Hopper line's optional last word: `persistent` ([`crate::config::HopperTile::persistent`]).
+#[cfg(target_feature = "sm_90a")]
+macro_rules! persistent {
+    () => {
+        false
+    };
+    (persistent) => {
+        true
+    };
+}
+
 #[cfg(not(target_feature = "sm_90a"))]
 mod sm80 {
     use super::super::append::append_kv;
@@ -155,7 +166,7 @@ mod sm90a {
     use crate::params::{AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
 
     macro_rules! fwd_name {
-        ($dtype:ident $d:literal $mask:ident $score:ident $seq:ident $rows:literal) => {
+        ($dtype:ident $d:literal $mask:ident $score:ident $seq:ident $rows:literal $($grid:ident)?) => {
             concat!(
                 "flash_wgmma_fwd_",
                 stringify!($dtype),
@@ -169,27 +180,30 @@ mod sm90a {
                 stringify!($seq),
                 "_m",
                 stringify!($rows)
+                $(, "_", stringify!($grid))?
             )
         };
     }
 
     macro_rules! hopper_device_entries {
     (
-        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal;)*
+        $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal $($grid:ident)?;)*
         $(wgmma $dtype:ident $n:literal $k:literal;)*
         $(tma $d:literal;)*
     ) => {
         $(const _: () = {
-            const TILE: HopperTile =
-                HopperTile::of($fd, policies::<ty!($mask), ty!($score), ty!($seq)>(), $rows);
-            #[export_name = fwd_name!($fdtype $fd $mask $score $seq $rows)]
+            const LOOP: bool = persistent!($($grid)?);
+            const TILE: HopperTile = HopperTile::of(
+                $fd, policies::<ty!($mask), ty!($score), ty!($seq)>(), $rows, LOOP,
+            );
+            #[export_name = fwd_name!($fdtype $fd $mask $score $seq $rows $($grid)?)]
             // Tensor maps come first, as in every sm_90a entry that takes
             // them: the PTX build aligns that parameter to 128 bytes
             // (`artifacts::align_tensor_map_params`).
             pub unsafe extern "ptx-kernel" fn entry(_maps: HopperFwdMaps, p: AttnParams) {
                 // The maps are read where the driver put them (param space);
                 // reading `_maps` in Rust would copy it to local memory.
-                let maps = param0_address!(fwd_name!($fdtype $fd $mask $score $seq $rows));
+                let maps = param0_address!(fwd_name!($fdtype $fd $mask $score $seq $rows $($grid)?));
                 forward::<
                     ty!($fdtype),
                     ty!($mask),
@@ -197,6 +211,7 @@ mod sm90a {
                     ty!($seq),
                     $fd,
                     $rows,
+                    LOOP,
                     { TILE.block_n / 8 },
                     { $fd / 8 },
                     { $fd / 16 },

@@ -9,6 +9,12 @@
 //! block i runs while the tensor cores still compute P(i-1)·V(i-1)
 //! (FlashAttention-3's intra-warpgroup overlap; see `consume`).
 //!
+//! A persistent line ([`HopperTile::persistent`]) launches at most one CTA
+//! per SM, each looping over tiles (`index::persistent_step`): Q has two
+//! buffers in a ring of its own, and the K/V rings and the ping-pong turns
+//! run on across tiles, so the producer loads the next tile's Q and first
+//! K/V blocks while the consumers finish the current one.
+//!
 //! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
 //! sm_80 kernel's own.
@@ -29,7 +35,7 @@ use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WA
 use crate::index::{
     self, k_major_desc, mn_major_desc, sw128_offset, OriginSide, SW128_ATOM_BYTES, SW128_ROW_BYTES,
 };
-use crate::kernels::block_info::BlockInfo;
+use crate::kernels::block_info::{BlockInfo, TileCoord};
 use crate::kernels::element::Element;
 use crate::kernels::mask;
 use crate::kernels::policy::{self, policies, Mask, Modifiers, Scores, Seq};
@@ -46,6 +52,8 @@ const TURN_BARRIER: u32 = 4;
 /// Named barrier of every consumer thread once the V rows past a packed
 /// sequence's keys are zeroed ([`zero_rows_past`]), past the turn barriers.
 const ZEROED_BARRIER: u32 = 6;
+/// Q buffers of a persistent CTA ([`HopperTile::q_buffers`]).
+const Q_BUFFERS: u32 = 2;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
 #[derive(Clone, Copy)]
@@ -55,9 +63,70 @@ struct Smem {
     k: u32,
     v: u32,
     q_full: u32,
+    /// A persistent CTA's Q ring: buffer b at `q + b * q_bytes`, its
+    /// barriers at `q_full + 8b` and `q_empty + 8b`.
+    q_empty: u32,
 }
 
-/// One Hopper forward CTA of `ROWS` query rows. `ST = block_n / 8` (n-tiles of S), `OT = D / 8`
+impl Smem {
+    #[inline(always)]
+    fn q_ring(self) -> TmaRing<Q_BUFFERS> {
+        TmaRing::new(self.q_full, self.q_empty)
+    }
+}
+
+/// Where a tile's loads sit in the rings of a persistent CTA: the tiles
+/// and K/V blocks before it (zero in a CTA of one tile), and its step of
+/// `index::persistent_step`.
+#[derive(Clone, Copy, Default)]
+struct Cursor {
+    tiles: u32,
+    blocks: u32,
+    step: u32,
+}
+
+impl Cursor {
+    /// The next tile's, after `info`'s at this step; `next` is its step.
+    #[inline(always)]
+    fn after(self, info: &BlockInfo, next: u32) -> Cursor {
+        Cursor {
+            tiles: self.tiles + 1,
+            blocks: self.blocks + (info.n_hi - info.n_lo),
+            step: next,
+        }
+    }
+}
+
+/// A persistent CTA's tile at `step` ([`index::persistent_step`]; causal
+/// masks pair heavy and light query blocks) and the step after it; `None`
+/// past the last. Rebuilt from the parameters at each step: only the
+/// cursor is state through the mainloop.
+#[inline(always)]
+fn tile_at<M: Mask, L: Seq>(
+    p: &AttnParams,
+    tile: HopperTile,
+    step: u32,
+) -> Option<(BlockInfo, u32)> {
+    let paired = matches!(M::KIND, MaskKind::Causal);
+    // Each at least 1 on any launch; the `max` spares a division-by-zero
+    // panic path (a call, whose ABI costs the mainloop registers: ptxas then
+    // serialised the D = 128 `wgmma`s).
+    let m_blocks = p.seqlen_q.div_ceil(tile.block_m as u32).max(1);
+    let (heads, pairs) = (p.heads.max(1), (p.heads * p.batch).max(1));
+    let (cta, grid) = (special::block_idx_x(), special::grid_dim_x());
+    let (m_block, pair, next) = index::persistent_step(step, cta, grid, m_blocks, pairs, paired)?;
+    let at = TileCoord {
+        m_block,
+        head: pair % heads,
+        batch: pair / heads,
+    };
+    Some((
+        BlockInfo::at::<M, L>(p, tile.block_m, tile.block_n, at),
+        next,
+    ))
+}
+
+/// One Hopper forward CTA of `ROWS` query rows, persistent or not (`LOOP`). `ST = block_n / 8` (n-tiles of S), `OT = D / 8`
 /// (of O), `QK = D / 16` (k-steps of Q·Kᵀ), `PK = block_n / 16` (of P·V)
 /// `STAGES` and `REGS` (consumer registers) restate the tile because array
 /// lengths and const arguments cannot be computed from it on stable Rust;
@@ -71,6 +140,7 @@ pub unsafe fn forward<
     L: Seq,
     const D: usize,
     const ROWS: usize,
+    const LOOP: bool,
     const ST: usize,
     const OT: usize,
     const QK: usize,
@@ -81,9 +151,18 @@ pub unsafe fn forward<
     p: &AttnParams,
     maps: u64,
 ) {
-    let tile = const { HopperTile::of(D, policies::<M, S, L>(), ROWS) };
+    let tile = const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP) };
     const {
-        let t = HopperTile::of(D, policies::<M, S, L>(), ROWS);
+        let t = HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP);
+        assert!(!t.persistent || t.q_buffers() == Q_BUFFERS as usize);
+        assert!(
+            t.producer_regs()
+                == if t.persistent {
+                    HopperTile::PERSISTENT_PRODUCER_REGS
+                } else {
+                    HopperTile::PRODUCER_REGS
+                }
+        );
         assert!(t.consumers <= 3, "three epilogue barriers");
         assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
         assert!(STAGES as usize == t.stages && t.block_m == t.consumers * WGMMA_M);
@@ -97,6 +176,7 @@ pub unsafe fn forward<
         k: at(tile.k_offset(0)),
         v: at(tile.v_offset(0)),
         q_full: at(tile.barrier(HopperTile::Q_FULL)),
+        q_empty: at(tile.barrier(tile.q_empty(0))),
     };
     let ring = |first: usize| {
         TmaRing::<STAGES>::new(
@@ -104,13 +184,18 @@ pub unsafe fn forward<
             at(tile.barrier(first + tile.stages)),
         )
     };
-    let (k_ring, v_ring) = (ring(1), ring(1 + 2 * tile.stages));
+    let (k_ring, v_ring) = (ring(tile.k_ring()), ring(tile.k_ring() + 2 * tile.stages));
     let tid = special::thread_idx_x();
     if tid == 0 {
         // Every consumer warp releases a stage once its share of the
         // `wgmma`s that read it has completed.
         let releasers = (tile.consumers * WARPGROUP_THREADS / WARP_SIZE) as u32;
-        mbarrier::init(sm.q_full, 1);
+        if LOOP {
+            // A Q buffer frees once every consumer warp has stored its O.
+            sm.q_ring().init(releasers);
+        } else {
+            mbarrier::init(sm.q_full, 1);
+        }
         k_ring.init(releasers);
         v_ring.init(releasers);
         mbarrier::fence_init();
@@ -119,6 +204,12 @@ pub unsafe fn forward<
         }
     }
     barrier::sync_cta_divergent();
+    if LOOP {
+        persistent::<T, M, S, L, D, ST, OT, QK, PK, STAGES, REGS>(
+            p, tile, maps, sm, k_ring, v_ring,
+        );
+        return;
+    }
 
     let heaviest_first = matches!(M::KIND, MaskKind::Causal);
     let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
@@ -133,16 +224,71 @@ pub unsafe fn forward<
         // A paged cache takes the whole first warp: one page lookup and box
         // per lane (`produce`).
         if tid == 0 || (L::PAGED && tid < WARP_SIZE as u32) {
-            produce::<L, D, STAGES>(p, tile, &info, maps, sm, k_ring, v_ring);
+            produce::<L, D, STAGES>(p, tile, &info, maps, sm, k_ring, v_ring, Cursor::default());
         }
     } else {
         setmaxnreg::inc::<REGS>();
-        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring);
+        let at = Cursor::default();
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring, at);
+    }
+}
+
+/// The roles of a persistent CTA: each runs its part of every tile of
+/// [`tile_at`] in turn. The ping-pong turns run on across tiles (both
+/// consumers take one per key block), so the first hand-over and the last
+/// turn (see `consume`) frame the whole loop.
+#[inline(always)]
+fn persistent<
+    T: Element,
+    M: Mask,
+    S: Scores,
+    L: Seq,
+    const D: usize,
+    const ST: usize,
+    const OT: usize,
+    const QK: usize,
+    const PK: usize,
+    const STAGES: u32,
+    const REGS: u32,
+>(
+    p: &AttnParams,
+    tile: HopperTile,
+    maps: u64,
+    sm: Smem,
+    k_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<STAGES>,
+) {
+    let tid = special::thread_idx_x();
+    let mut at = Cursor::default();
+    if tid < WARPGROUP_THREADS as u32 {
+        setmaxnreg::dec::<{ HopperTile::PERSISTENT_PRODUCER_REGS }>();
+        if tid == 0 {
+            while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
+                produce::<L, D, STAGES>(p, tile, &info, maps, sm, k_ring, v_ring, at);
+                at = at.after(&info, next);
+            }
+        }
+    } else {
+        setmaxnreg::inc::<REGS>();
+        let c = tid / WARPGROUP_THREADS as u32 - 1;
+        let turn_threads = 2 * WARPGROUP_THREADS as u32;
+        if tile.pingpong && c == 1 {
+            barrier::arrive_named(TURN_BARRIER, turn_threads);
+        }
+        while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
+            consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(
+                p, tile, &info, sm, k_ring, v_ring, at,
+            );
+            at = at.after(&info, next);
+        }
+        if tile.pingpong && c == 0 {
+            barrier::sync_named(TURN_BARRIER, turn_threads);
+        }
     }
 }
 
 /// The load loop: Q once, then K(n) and V(n) for n from `n_hi - 1` down,
-/// by thread 0. From a paged cache (`L::PAGED` and a block table) the first
+/// by thread 0; `at` places a persistent CTA's tile in the rings. From a paged cache (`L::PAGED` and a block table) the first
 /// warp loads each block as boxes of `index::paged_box_rows` rows, which
 /// never straddle a page: lane j looks up box j's page (the table reads of
 /// a block overlap), thread 0 claims the K stage, the lanes issue their K
@@ -157,6 +303,7 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
     sm: Smem,
     k_ring: TmaRing<STAGES>,
     v_ring: TmaRing<STAGES>,
+    at: Cursor,
 ) {
     let map = |offset: usize| maps + offset as u64;
     let (q_map, k_map, v_map) = (
@@ -183,21 +330,23 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
     let leader = lane == 0;
     let (bn, bytes) = (tile.block_n as u32, tile.kv_bytes() as u32);
     if leader {
-        mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
+        // A persistent CTA's Q buffer frees once the tile two back has
+        // stored its O through it.
+        let (q, full) = if tile.persistent {
+            let (b, full) = sm.q_ring().acquire(at.tiles, tile.q_bytes() as u32);
+            (sm.q + b * tile.q_bytes() as u32, full)
+        } else {
+            mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
+            (sm.q, sm.q_full)
+        };
         let q_row = info.q_start + info.m0;
         let batch = info.addr_batch;
-        load(
-            sm.q,
-            tile.block_m,
-            q_map,
-            q_row,
-            info.head_base,
-            batch,
-            sm.q_full,
-        );
+        load(q, tile.block_m, q_map, q_row, info.head_base, batch, full);
     }
 
     let blocks = info.n_hi - info.n_lo;
+    // Block i's place in the K/V rings.
+    let slot = |i: u32| at.blocks + i;
     if L::PAGED && p.block_table != 0 {
         let box_rows = index::paged_box_rows(p.page_size.divisor, bn);
         let boxes = bn / box_rows;
@@ -215,11 +364,11 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
             // only after an earlier P·V, which K(i) must not wait for.
             for (ring, base, map) in [(k_ring, sm.k, k_map), (v_ring, sm.v, v_map)] {
                 if leader {
-                    ring.acquire(i, bytes);
+                    ring.acquire(slot(i), bytes);
                 }
                 barrier::sync_warp();
                 if lane < boxes {
-                    let (s, full) = ring.slot(i);
+                    let (s, full) = ring.slot(slot(i));
                     let dst = base + s * bytes + offset;
                     load(dst, tile.block_n, map, row, info.kv_head, page, full);
                 }
@@ -230,7 +379,7 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
     for i in 0..blocks {
         let row = info.k_start + (info.n_hi - 1 - i) * bn;
         let batch = info.addr_batch;
-        let (s, full) = k_ring.acquire(i, bytes);
+        let (s, full) = k_ring.acquire(slot(i), bytes);
         load(
             sm.k + s * bytes,
             tile.block_n,
@@ -240,7 +389,7 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
             batch,
             full,
         );
-        let (s, full) = v_ring.acquire(i, bytes);
+        let (s, full) = v_ring.acquire(slot(i), bytes);
         load(
             sm.v + s * bytes,
             tile.block_n,
@@ -254,7 +403,7 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
 }
 
 /// One consumer warpgroup: its 64 rows of O over every key block, then
-/// the epilogue.
+/// the epilogue; `at` places a persistent CTA's tile in the rings.
 #[inline(always)]
 fn consume<
     T: Element,
@@ -274,6 +423,7 @@ fn consume<
     sm: Smem,
     k_ring: TmaRing<STAGES>,
     v_ring: TmaRing<STAGES>,
+    at: Cursor,
 ) {
     let tid = special::thread_idx_x();
     let c = tid / WARPGROUP_THREADS as u32 - 1;
@@ -284,8 +434,14 @@ fn consume<
     let row0 = c * WGMMA_M as u32 + wg_tid / WARP_SIZE as u32 * 16 + g;
     let (bm, bn) = (tile.block_m as u32, tile.block_n as u32);
     let kv_bytes = tile.kv_bytes() as u32;
-    // This warpgroup's rows of Q: the A operand of S = Q·Kᵀ.
-    let q_rows = sm.q + c * WGMMA_M as u32 * SW128_ROW_BYTES;
+    // The tile's Q buffer, and this warpgroup's rows of it: the A operand of
+    // S = Q·Kᵀ.
+    let q_buf = if tile.persistent {
+        sm.q + (at.tiles % Q_BUFFERS) * tile.q_bytes() as u32
+    } else {
+        sm.q
+    };
+    let q_rows = q_buf + c * WGMMA_M as u32 * SW128_ROW_BYTES;
 
     // S = Q·K(i)ᵀ and O += P·V(i) are issued as groups of `wgmma`s, each one
     // straight run of fence, wgmmas, commit (a register write or a branch
@@ -357,7 +513,8 @@ fn consume<
     // the turn to the other; warpgroup 1 hands warpgroup 0 the first turn.
     // Every turn taken is one handed over, so warpgroup 0 takes one more
     // turn than it is handed back, after its last GEMM (the barrier then
-    // ends the CTA with no arrival pending).
+    // ends the CTA with no arrival pending). A persistent CTA does the
+    // first and last once around its tiles ([`persistent`]).
     let turn_threads = 2 * WARPGROUP_THREADS as u32;
     let take_turn = || {
         if tile.pingpong {
@@ -369,27 +526,33 @@ fn consume<
             barrier::arrive_named(TURN_BARRIER + (1 - c), turn_threads);
         }
     };
-    if tile.pingpong && c == 1 {
+    if tile.pingpong && c == 1 && !tile.persistent {
         hand_over();
     }
 
-    wait(sm.q_full, 0);
+    if tile.persistent {
+        sm.q_ring().wait_full(at.tiles);
+    } else {
+        wait(sm.q_full, 0);
+    }
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
     let blocks = info.n_hi - info.n_lo;
     let block = |i: u32| info.n_hi - 1 - i;
+    // Block i's place in the K/V rings.
+    let slot = |i: u32| at.blocks + i;
     // P of the block whose P·V is issued next.
     let mut pf = [[0u32; 4]; PK];
     if blocks > 0 {
         let mut s = [[0f32; 4]; ST];
-        let k_tile = sm.k + k_ring.wait_full(0) * kv_bytes;
+        let k_tile = sm.k + k_ring.wait_full(slot(0)) * kv_bytes;
         take_turn();
         issue_s(&mut s, k_tile);
         hand_over();
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut s);
         if lane == 0 {
-            k_ring.release(0);
+            k_ring.release(slot(0));
         }
         let row_bias = mask_scores(&mut s, block(0));
         // O is still 0: nothing to rescale.
@@ -402,7 +565,7 @@ fn consume<
             // Uniform: the first block visited is the sequence's last.
             let keys_in_block = info.seqlen_k.saturating_sub(block(0) * bn);
             if keys_in_block < bn {
-                let v_tile = sm.v + v_ring.wait_full(0) * kv_bytes;
+                let v_tile = sm.v + v_ring.wait_full(slot(0)) * kv_bytes;
                 zero_rows_past::<D>(v_tile, bn, keys_in_block, tile.consumers as u32);
             }
         }
@@ -412,8 +575,8 @@ fn consume<
     // tensor cores still work on the P·V.
     let mut i = 1;
     while i < blocks {
-        let k_tile = sm.k + k_ring.wait_full(i) * kv_bytes;
-        let v_tile = sm.v + v_ring.wait_full(i - 1) * kv_bytes;
+        let k_tile = sm.k + k_ring.wait_full(slot(i)) * kv_bytes;
+        let v_tile = sm.v + v_ring.wait_full(slot(i - 1)) * kv_bytes;
         let mut s = [[0f32; 4]; ST];
         take_turn();
         issue_s(&mut s, k_tile);
@@ -423,7 +586,7 @@ fn consume<
         wgmma::wait_group::<1>();
         wgmma::fence_operands(&mut s);
         if lane == 0 {
-            k_ring.release(i);
+            k_ring.release(slot(i));
         }
         let row_bias = mask_scores(&mut s, block(i));
         let correction = match row_bias {
@@ -434,7 +597,7 @@ fn consume<
         wgmma::fence_operands(&mut o);
         wgmma::fence_fragments(&mut pf);
         if lane == 0 {
-            v_ring.release(i - 1);
+            v_ring.release(slot(i - 1));
         }
         if let Some(c) = correction {
             unroll::<OT>(|j| unroll::<4>(|e| o[j][e] *= c[e / 2]));
@@ -446,16 +609,16 @@ fn consume<
         issue_pv(
             &mut o,
             &mut pf,
-            sm.v + v_ring.wait_full(blocks - 1) * kv_bytes,
+            sm.v + v_ring.wait_full(slot(blocks - 1)) * kv_bytes,
         );
         wgmma::wait_group::<0>();
         wgmma::fence_operands(&mut o);
         wgmma::fence_fragments(&mut pf);
         if lane == 0 {
-            v_ring.release(blocks - 1);
+            v_ring.release(slot(blocks - 1));
         }
     }
-    if tile.pingpong && c == 0 {
+    if tile.pingpong && c == 0 && !tile.persistent {
         take_turn();
     }
 
@@ -480,7 +643,7 @@ fn consume<
         let row = row0 + 8 * r as u32;
         unroll::<OT>(|j| {
             let v = T::pack(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
-            smem::st_b32(sm.q + sw128_offset(row, j as u32, bm) + 4 * t, v);
+            smem::st_b32(q_buf + sw128_offset(row, j as u32, bm) + 4 * t, v);
         });
     });
     barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
@@ -496,8 +659,17 @@ fn consume<
             continue;
         }
         if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
-            let v = smem::ld_v4_b32(sm.q + sw128_offset(row, chunk, bm));
+            let v = smem::ld_v4_b32(q_buf + sw128_offset(row, chunk, bm));
             global::st_v4_b32(dst + chunk as u64 * 16, v);
+        }
+    }
+    if tile.persistent {
+        // The buffer's next Q is a TMA (async proxy) write after these
+        // generic reads and writes: fence, then one arrival per warp.
+        fence::proxy_async_shared();
+        barrier::sync_warp();
+        if lane == 0 {
+            sm.q_ring().release(at.tiles);
         }
     }
 }
