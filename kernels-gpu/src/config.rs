@@ -1162,8 +1162,11 @@ impl HopperTile {
 ///   per page). D = 64 has 192-row lines besides the
 ///   128-row ones (not `local modified`, which spills with 192); 64-row
 ///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
-///   plain full and causal calls at D = 128. A head dim without lines runs
-///   on the next one's ([`hopper_line_head_dim`]).
+///   plain full and causal calls at D = 128. A line ending in `persistent`
+///   ([`HopperTile::persistent`]; `_persistent` in its name: plain full and
+///   causal at D = 64 and 128) is taken before the others where
+///   [`hopper_persistent`] says so. A head dim without lines runs on the
+///   next one's ([`hopper_line_head_dim`]).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
