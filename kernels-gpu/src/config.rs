@@ -800,7 +800,8 @@ macro_rules! attention_variants {
 #[allow(unused_imports)] // used by the device crate's entries only
 pub(crate) use attention_variants;
 
-/// Maps the table's words to config values.
+/// Maps the table's words to config values (also the device entries'
+/// `persistent` word).
 macro_rules! table_word {
     (kind fwd) => {
         KernelKind::Forward
@@ -851,6 +852,9 @@ macro_rules! table_word {
         true
     };
 }
+
+#[allow(unused_imports)] // used by the device crate's entries only
+pub(crate) use table_word;
 
 macro_rules! entry_rows {
     ($($kind:ident $dtype:ident $d:literal $mask:ident $score:ident $seq:ident;)*) => {
@@ -1520,30 +1524,25 @@ pub fn find_hopper_entry(
     if rows.is_none() && hopper_padded_short(call.head_dim, call.seqlen_k) {
         return None;
     }
-    // The persistent lines have 128 rows: a caller's other rows exclude
-    // them; the heuristic's rows do not (they would have been a fallback).
-    if persistent.unwrap_or(hopper_persistent(call)) && rows.is_none_or(|r| r == 2 * WGMMA_M) {
-        let head_dim = hopper_line_head_dim(call.head_dim)?;
-        let line = HOPPER_ENTRIES.iter().find(|e| {
+    let head_dim = hopper_line_head_dim(call.head_dim)?;
+    let lines = move |persistent: bool| {
+        HOPPER_ENTRIES.iter().filter(move |e| {
             e.kind == KernelKind::WgmmaForward
-                && e.persistent
+                && e.persistent == persistent
                 && e.dtype == call.dtype
                 && e.head_dim == head_dim
                 && e.policies.covers(call.need)
-        });
-        if line.is_some() {
-            return line;
+        })
+    };
+    // The persistent lines have 128 rows: a caller's other rows exclude
+    // them; the heuristic's rows do not (they would have been a fallback).
+    if persistent.unwrap_or(hopper_persistent(call)) && rows.is_none_or(|r| r == 2 * WGMMA_M) {
+        if let Some(line) = lines(true).next() {
+            return Some(line);
         }
     }
     let rows = rows.unwrap_or(hopper_rows(call));
-    let head_dim = hopper_line_head_dim(call.head_dim)?;
-    let mut covering = HOPPER_ENTRIES.iter().filter(move |e| {
-        e.kind == KernelKind::WgmmaForward
-            && !e.persistent
-            && e.dtype == call.dtype
-            && e.head_dim == head_dim
-            && e.policies.covers(call.need)
-    });
+    let mut covering = lines(false);
     let first = covering.clone().next();
     let two_consumers = covering.clone().find(|e| e.rows == 2 * WGMMA_M);
     covering

@@ -39,17 +39,6 @@ macro_rules! ty {
     };
 }
 
-/// A Hopper line's optional last word: `persistent` ([`crate::config::HopperTile::persistent`]).
-#[cfg(target_feature = "sm_90a")]
-macro_rules! persistent {
-    () => {
-        false
-    };
-    (persistent) => {
-        true
-    };
-}
-
 #[cfg(not(target_feature = "sm_90a"))]
 mod sm80 {
     use super::super::append::append_kv;
@@ -162,7 +151,7 @@ mod sm90a {
     use super::super::hopper::probe::{tma_copy, wgmma_gemm};
     use super::super::policy::policies;
     use crate::arch::tma::param0_address;
-    use crate::config::{hopper_entries, HopperTile};
+    use crate::config::{hopper_entries, table_word, HopperTile};
     use crate::params::{AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
 
     macro_rules! fwd_name {
@@ -192,7 +181,7 @@ mod sm90a {
         $(tma $d:literal;)*
     ) => {
         $(const _: () = {
-            const LOOP: bool = persistent!($($grid)?);
+            const LOOP: bool = table_word!(grid $($grid)?);
             const TILE: HopperTile = HopperTile::of(
                 $fd, policies::<ty!($mask), ty!($score), ty!($seq)>(), $rows, LOOP,
             );
