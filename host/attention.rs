@@ -13,11 +13,11 @@ use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, HopperCall,
     KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
-    COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS,
+    COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv};
 use flash_attn_kernels::params::{
-    AppendParams, AttnParams, BshStrides, CombineParams, HopperFwdMaps, MergeParams,
+    AppendParams, AttnParams, BshStrides, CombineParams, HopperFwdMaps, MergeParams, TensorMap,
 };
 
 use crate::error::FlashAttnError;
@@ -783,8 +783,37 @@ impl FlashAttention {
             },
             num_sms: self.num_sms,
         };
+        // Each map has its tensor's own head dim: TMA zero-fills the line's
+        // columns past it (a smaller head dim, or V's own).
+        let map =
+            |x: &TensorInfo, (batch, seqlen): (usize, usize), heads: usize, box_rows: usize| {
+                let s = &x.layout.strides;
+                let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
+                encode_tensor_map(&TiledTensor {
+                    base: x.addr,
+                    dtype: T::DTYPE,
+                    dims: [
+                        x.layout.shape[3] as u64,
+                        seqlen as u64,
+                        heads as u64,
+                        batch as u64,
+                    ],
+                    strides: [bytes(s[1]), bytes(s[2]), bytes(s[0])],
+                    box_rows: box_rows as u32,
+                })
+                .ok()
+            };
         let Some(entry) = find_hopper_entry(&call, opts.hopper_rows, opts.hopper_persistent) else {
             return Ok(false);
+        };
+        // The dense lines store O with TMA; an O whose layout no tensor map
+        // describes takes the `mma.sync` path.
+        let o_map = match packed {
+            None => match map(&t.o, (shape.batch, shape.seqlen_q), shape.heads, WGMMA_M) {
+                Some(o) => o,
+                None => return Ok(false),
+            },
+            Some(_) => TensorMap::default(),
         };
         let tile = entry.hopper_tile();
         // The maps' (batch, rows) of Q and of K/V, and the K/V box rows.
@@ -810,26 +839,6 @@ impl FlashAttention {
                 paged_box_rows(paging.page_size as u32, tile.block_n as u32) as usize,
             ),
         };
-        // Each map has its tensor's own head dim: TMA zero-fills the line's
-        // columns past it (a smaller head dim, or V's own).
-        let map =
-            |x: &TensorInfo, (batch, seqlen): (usize, usize), heads: usize, box_rows: usize| {
-                let s = &x.layout.strides;
-                let bytes = |elems: usize| (elems * std::mem::size_of::<T>()) as u64;
-                encode_tensor_map(&TiledTensor {
-                    base: x.addr,
-                    dtype: T::DTYPE,
-                    dims: [
-                        x.layout.shape[3] as u64,
-                        seqlen as u64,
-                        heads as u64,
-                        batch as u64,
-                    ],
-                    strides: [bytes(s[1]), bytes(s[2]), bytes(s[0])],
-                    box_rows: box_rows as u32,
-                })
-                .ok()
-            };
         let maps = (
             map(&t.q, q_dims, shape.heads, tile.block_m),
             map(&t.k, kv_dims, shape.kv_heads, kv_box),
@@ -847,7 +856,8 @@ impl FlashAttention {
         } else {
             (m_blocks as u32, shape.heads as u32, shape.batch as u32)
         };
-        module.launch_forward(stream, entry, HopperFwdMaps { q, k, v }, params, grid)?;
+        let maps = HopperFwdMaps { q, k, v, o: o_map };
+        module.launch_forward(stream, entry, maps, params, grid)?;
         Ok(true)
     }
 

@@ -966,7 +966,7 @@ pub struct HopperTile {
     pub ctas_per_sm: usize,
     /// The grid holds at most one CTA per SM and each CTA loops over tiles
     /// (`index::persistent_step`): the producer loads the next tile's Q into
-    /// a second buffer and its first K/V blocks while the consumers finish
+    /// another buffer and its first K/V blocks while the consumers finish
     /// the current one, so a tile's prologue and load latency run under the
     /// previous tile's GEMMs. Short rows gain; on long rows the loop's state
     /// costs a few percent (docs/perf-notes.md v18, v23), so these are lines
@@ -1026,8 +1026,8 @@ impl HopperTile {
             (128, _) | (192, 64) | (64, 64 | 128) => {}
             _ => return None,
         }
-        // A second Q buffer fits beside two K/V stages at D = 64 and 128 with
-        // 128 rows (192 of 227 KiB); the loop serves dense sequences.
+        // Three Q buffers fit beside two K/V stages at D = 64 and 128 with
+        // 128 rows (224 of 227 KiB); the loop serves dense sequences.
         if persistent && (rows != 128 || head_dim > 128 || !matches!(policies.seq, SeqKind::Dense))
         {
             return None;
@@ -1047,8 +1047,9 @@ impl HopperTile {
                 (128, 128, SeqKind::Ragged) => 3,
                 _ => 2,
             },
-            // Measured per head dim (docs/perf-notes.md, v16; D = 192 as
-            // 256, not measured); the turn barriers pair two warpgroups.
+            // Measured per head dim (docs/perf-notes.md, v16; v24: the
+            // D = 64 persistent lines lose 2-6 % with it; D = 192 as 256,
+            // not measured); the turn barriers pair two warpgroups.
             // The D = 256 window/modifier line spills with them.
             pingpong: match head_dim {
                 _ if consumers != 2 => false,
@@ -1102,11 +1103,14 @@ impl HopperTile {
     pub const fn kv_bytes(self) -> usize {
         self.block_n * self.head_dim * ELEM_BYTES
     }
-    /// Q buffers: two in a persistent CTA (the next tile's Q loads while the
-    /// current one is in use), else one.
+    /// Q buffers: three in a persistent CTA, else one. A buffer frees after
+    /// the next tile's first softmax (once the TMA store of the O it held
+    /// has read it), so with two the next Q could only start loading then,
+    /// and a causal light tile (one key block) ends before it lands: the
+    /// third buffer gives its load a whole tile (docs/perf-notes.md, v24).
     pub const fn q_buffers(self) -> usize {
         if self.persistent {
-            2
+            3
         } else {
             1
         }

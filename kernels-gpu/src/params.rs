@@ -329,9 +329,10 @@ impl ProbeTmaParams {
 }
 
 /// The tensor maps of a Hopper forward launch, its first (by-value) kernel
-/// parameter: Q, K and V as 4-D tensors {D, S, H, B} (innermost first; for
-/// packed sequences {D, total, H, 1}), boxes of {64, rows, 1, 1} with the
-/// 128-byte swizzle, Q's box `block_m` rows and K's and V's `block_n`.
+/// parameter: Q, K, V and O as 4-D tensors {D, S, H, B} (innermost first;
+/// for packed sequences {D, total, H, 1}), boxes of {64, rows, 1, 1} with
+/// the 128-byte swizzle, Q's box `block_m` rows, K's and V's `block_n` and
+/// O's `WGMMA_M` (a consumer warpgroup's rows).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct HopperFwdMaps {
@@ -341,4 +342,8 @@ pub struct HopperFwdMaps {
     pub k: TensorMap,
     /// V [B, Skv, Hkv, D].
     pub v: TensorMap,
+    /// O [B, Sq, H, Dv]: the dense lines store O with TMA (the map's bounds
+    /// clip the rows past the sequence); zero and unused on the packed
+    /// lines, which store row by row.
+    pub o: TensorMap,
 }

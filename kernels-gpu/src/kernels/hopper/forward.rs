@@ -10,10 +10,11 @@
 //! (FlashAttention-3's intra-warpgroup overlap; see `consume`).
 //!
 //! A persistent line ([`HopperTile::persistent`]) launches at most one CTA
-//! per SM, each looping over tiles (`index::persistent_step`): Q has two
+//! per SM, each looping over tiles (`index::persistent_step`): Q has three
 //! buffers in a ring of its own, and the K/V rings and the ping-pong turns
 //! run on across tiles, so the producer loads the next tile's Q and first
-//! K/V blocks while the consumers finish the current one.
+//! K/V blocks while the consumers finish the current one. The dense lines
+//! store O with TMA from the Q buffer it was computed from.
 //!
 //! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
@@ -30,7 +31,9 @@
 //! (0 · inf = NaN) cannot reach this one, as the `mma.sync` kernels'
 //! zero-filled loads guarantee.
 use super::ring::{wait, TmaRing};
-use crate::arch::{barrier, fence, global, mbarrier, setmaxnreg, smem, special, tma, wgmma};
+use crate::arch::{
+    barrier, fence, global, ldmatrix, mbarrier, setmaxnreg, smem, special, tma, wgmma,
+};
 use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M};
 use crate::index::{
     self, k_major_desc, mn_major_desc, sw128_offset, OriginSide, SW128_ATOM_BYTES, SW128_ROW_BYTES,
@@ -53,7 +56,7 @@ const TURN_BARRIER: u32 = 4;
 /// sequence's keys are zeroed ([`zero_rows_past`]), past the turn barriers.
 const ZEROED_BARRIER: u32 = 6;
 /// Q buffers of a persistent CTA ([`HopperTile::q_buffers`]).
-const Q_BUFFERS: u32 = 2;
+const Q_BUFFERS: u32 = 3;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
 #[derive(Clone, Copy)]
@@ -191,15 +194,18 @@ pub unsafe fn forward<
         // `wgmma`s that read it has completed.
         let releasers = (tile.consumers * WARPGROUP_THREADS / WARP_SIZE) as u32;
         if LOOP {
-            // A Q buffer frees once every consumer warp has stored its O.
-            sm.q_ring().init(releasers);
+            // A Q buffer frees once each consumer's TMA store of the O it
+            // holds has read it (`consume`).
+            sm.q_ring().init(tile.consumers as u32);
         } else {
             mbarrier::init(sm.q_full, 1);
         }
         k_ring.init(releasers);
         v_ring.init(releasers);
         mbarrier::fence_init();
-        for m in 0..3 {
+        // O's map serves the dense lines' TMA stores (`consume`).
+        let used = if L::RAGGED { 3 } else { 4 };
+        for m in 0..used {
             tma::prefetch_map(maps + (m * size_of::<crate::params::TensorMap>()) as u64);
         }
     }
@@ -229,7 +235,9 @@ pub unsafe fn forward<
     } else {
         setmaxnreg::inc::<REGS>();
         let at = Cursor::default();
-        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(p, tile, &info, sm, k_ring, v_ring, at);
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(
+            p, tile, &info, maps, sm, k_ring, v_ring, at,
+        );
     }
 }
 
@@ -277,12 +285,17 @@ fn persistent<
         }
         while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
             consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(
-                p, tile, &info, sm, k_ring, v_ring, at,
+                p, tile, &info, maps, sm, k_ring, v_ring, at,
             );
             at = at.after(&info, next);
         }
         if tile.pingpong && c == 0 {
             barrier::sync_named(TURN_BARRIER, turn_threads);
+        }
+        // The last tile's O store must read its shared memory before the
+        // CTA exits.
+        if special::thread_idx_x() % WARPGROUP_THREADS as u32 == 0 {
+            tma::store_wait_read();
         }
     }
 }
@@ -330,8 +343,8 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
     let leader = lane == 0;
     let (bn, bytes) = (tile.block_n as u32, tile.kv_bytes() as u32);
     if leader {
-        // A persistent CTA's Q buffer frees once the tile two back has
-        // stored its O through it.
+        // A persistent CTA's Q buffer frees once the tile that used it has
+        // stored its O through it (`consume`).
         let (q, full) = if tile.persistent {
             let (b, full) = sm.q_ring().acquire(at.tiles, tile.q_bytes() as u32);
             (sm.q + b * tile.q_bytes() as u32, full)
@@ -420,6 +433,7 @@ fn consume<
     p: &AttnParams,
     tile: HopperTile,
     info: &BlockInfo,
+    maps: u64,
     sm: Smem,
     k_ring: TmaRing<STAGES>,
     v_ring: TmaRing<STAGES>,
@@ -530,6 +544,16 @@ fn consume<
         hand_over();
     }
 
+    // A persistent CTA's previous tile stored its O from the other Q
+    // buffer with TMA (below); the store has read it by the time this
+    // tile's first softmax is done, so its wait costs nothing there, and
+    // the producer still has a tile's time to load the buffer's next Q.
+    let release_previous_q = || {
+        if tile.persistent && at.tiles > 0 && wg_tid == 0 {
+            tma::store_wait_read();
+            sm.q_ring().release(at.tiles - 1);
+        }
+    };
     if tile.persistent {
         sm.q_ring().wait_full(at.tiles);
     } else {
@@ -561,6 +585,7 @@ fn consume<
             None => softmax.advance(&mut s, p.scale_log2),
         };
         pf = pack(&s);
+        release_previous_q();
         if L::RAGGED {
             // Uniform: the first block visited is the sequence's last.
             let keys_in_block = info.seqlen_k.saturating_sub(block(0) * bn);
@@ -569,6 +594,9 @@ fn consume<
                 zero_rows_past::<D>(v_tile, bn, keys_in_block, tile.consumers as u32);
             }
         }
+    }
+    if blocks == 0 {
+        release_previous_q();
     }
     // FlashAttention-3's intra-warpgroup overlap: S(i) and then P(i-1)·V(i-1)
     // are in flight together, and the softmax of S(i) runs while the
@@ -638,14 +666,55 @@ fn consume<
         });
     }
     // O / l through this warpgroup's own Q rows (its last S = Q·Kᵀ has
-    // completed) for 16-byte row stores.
-    unroll::<2>(|r| {
-        let row = row0 + 8 * r as u32;
-        unroll::<OT>(|j| {
-            let v = T::pack(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
-            smem::st_b32(q_buf + sw128_offset(row, j as u32, bm) + 4 * t, v);
-        });
+    // completed): each `stmatrix` stores chunks j and j + 1 (8 columns
+    // each) of the warp's 16 rows; lane l addresses row (l / 8 % 2) * 8 +
+    // l % 8 of chunk j + l / 16.
+    let warp_row0 = row0 - g;
+    let (m_row, m_chunk) = ((lane / 8 % 2) * 8 + lane % 8, lane / 16);
+    unroll::<OT>(|j| {
+        if j % 2 == 1 {
+            return;
+        }
+        let pair = |j: usize| {
+            let p = |r: usize| T::pack(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
+            [p(0), p(1)]
+        };
+        let ([a, b], [c, d]) = (pair(j), pair(j + 1));
+        let chunk = j as u32 + m_chunk;
+        ldmatrix::store_x4(
+            q_buf + sw128_offset(warp_row0 + m_row, chunk, bm),
+            [a, b, c, d],
+        );
     });
+    if !L::RAGGED {
+        // One TMA store per 64-column group of the warpgroup's rows; the
+        // map's bounds drop the rows past the sequence and O's columns past
+        // its head dim (a packed sequence's rows past its end would be the
+        // next one's: those lines store row by row, below). A persistent
+        // CTA releases the buffer after the next tile's first softmax
+        // (`release_previous_q`); another must not exit before the store
+        // has read it.
+        fence::proxy_async_shared();
+        barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
+        if wg_tid == 0 {
+            let o_map = maps + core::mem::offset_of!(HopperFwdMaps, o) as u64;
+            let row = info.q_start + info.m0 + c * WGMMA_M as u32;
+            for group in 0..(D / SW128_ROW_ELEMS) as u32 {
+                let coord = [
+                    (group as usize * SW128_ROW_ELEMS) as i32,
+                    row as i32,
+                    info.head_base as i32,
+                    info.addr_batch as i32,
+                ];
+                tma::store_4d(o_map, coord, q_rows + group * bm * SW128_ROW_BYTES);
+            }
+            tma::store_commit();
+            if !tile.persistent {
+                tma::store_wait_read();
+            }
+        }
+        return;
+    }
     barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
     let chunks = (D / 8) as u32;
     // A smaller V/O head dim: O's columns past it are TMA's zero columns of
@@ -661,15 +730,6 @@ fn consume<
         if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
             let v = smem::ld_v4_b32(q_buf + sw128_offset(row, chunk, bm));
             global::st_v4_b32(dst + chunk as u64 * 16, v);
-        }
-    }
-    if tile.persistent {
-        // The buffer's next Q is a TMA (async proxy) write after these
-        // generic reads and writes: fence, then one arrival per warp.
-        fence::proxy_async_shared();
-        barrier::sync_warp();
-        if lane == 0 {
-            sm.q_ring().release(at.tiles);
         }
     }
 }
