@@ -544,10 +544,11 @@ fn consume<
         hand_over();
     }
 
-    // A persistent CTA's previous tile stored its O from the other Q
-    // buffer with TMA (below); the store has read it by the time this
-    // tile's first softmax is done, so its wait costs nothing there, and
-    // the producer still has a tile's time to load the buffer's next Q.
+    // A persistent CTA's previous tile stored its O from its own Q buffer
+    // with TMA (below); the store has read it by the time this tile's first
+    // softmax is done, so its wait costs nothing there, and the producer
+    // has the next tile's time to load that buffer's next Q (three
+    // buffers: `HopperTile::q_buffers`).
     let release_previous_q = || {
         if tile.persistent && at.tiles > 0 && wg_tid == 0 {
             tma::store_wait_read();
