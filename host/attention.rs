@@ -15,7 +15,7 @@ use flash_attn_kernels::config::{
     KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
     COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
-use flash_attn_kernels::index::{paged_box_rows, FastDiv};
+use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
     AppendParams, AttnParams, BshStrides, CombineParams, HopperFwdMaps, MergeParams, TensorMap,
 };
@@ -848,10 +848,17 @@ impl FlashAttention {
             return Ok(false);
         };
         let m_blocks = shape.seqlen_q.div_ceil(tile.block_m);
+        let mut params = params;
         let grid = if tile.persistent {
             // One CTA per SM at most, each looping over the tiles
-            // (`index::persistent_step`).
+            // (`index::persistent_step`), whose divisions are exact below
+            // the tile limit (2^30 tiles: far past any real launch).
             let tiles = m_blocks * shape.heads * shape.batch;
+            if tiles >= TileGrid::TILE_LIMIT {
+                return Ok(false);
+            }
+            params.tiles =
+                TileGrid::new(m_blocks as u32, shape.heads as u32, shape.kv_heads as u32);
             (tiles.min(self.num_sms).max(1) as u32, 1, 1)
         } else {
             (m_blocks as u32, shape.heads as u32, shape.batch as u32)

@@ -3245,6 +3245,7 @@ mod index {
         for m_blocks in [1u32, 2, 3, 4, 7, 8, 16, 33] {
             for pairs in [1u32, 2, 5, 9, 64, 131, 512] {
                 let total = m_blocks * pairs;
+                let g = TileGrid::new(m_blocks, pairs, 1);
                 for paired in [false, true] {
                     for grid in [1u32, 7, 132, 264] {
                         let mut seen = vec![false; total as usize];
@@ -3252,7 +3253,7 @@ mod index {
                         for cta in 0..grid.min(total) {
                             let (mut step, mut load, mut tiles) = (0, 0, Vec::new());
                             while let Some((m, pair, next)) =
-                                persistent_step(step, cta, grid, m_blocks, pairs, paired)
+                                persistent_step(step, cta, grid, &g, pairs, paired)
                             {
                                 assert!(m < m_blocks && pair < pairs, "{step} -> ({m}, {pair})");
                                 assert!(next > step);
@@ -3298,7 +3299,7 @@ mod index {
                         }
                         // The first wave (step 0 of every CTA) spans few pairs.
                         let first: std::collections::BTreeSet<u32> = (0..grid.min(total))
-                            .filter_map(|c| persistent_step(0, c, grid, m_blocks, pairs, paired))
+                            .filter_map(|c| persistent_step(0, c, grid, &g, pairs, paired))
                             .map(|(_, pair, _)| pair)
                             .collect();
                         let per_pair = if paired {
@@ -3311,6 +3312,52 @@ mod index {
                 }
             }
         }
+    }
+
+    /// The host's divisors of a persistent launch reproduce the divisions
+    /// they replace: a work unit's (pair, block), a pair's (batch, head) and
+    /// a head's KV head, up to the largest unit a launch below the tile
+    /// limit computes.
+    #[test]
+    fn tile_grid_divides_as_the_divisions() {
+        let units = [
+            0u32,
+            1,
+            2,
+            131,
+            4095,
+            65_537,
+            1 << 20,
+            (1 << 30) - 1,
+            (1 << 31) - 1,
+        ];
+        for m_blocks in [1u32, 2, 3, 5, 8, 127, 128, 1000, 65_535] {
+            for (heads, kv_heads) in [
+                (1u32, 1u32),
+                (8, 8),
+                (28, 4),
+                (32, 8),
+                (9, 3),
+                (64, 1),
+                (96, 12),
+            ] {
+                let g = TileGrid::new(m_blocks, heads, kv_heads);
+                assert_eq!(g.m_blocks.divisor, m_blocks);
+                assert_eq!(g.half.divisor, m_blocks / 2);
+                for n in units {
+                    assert_eq!(g.m_blocks.divmod(n), (n / m_blocks, n % m_blocks));
+                    assert_eq!(g.heads.divmod(n), (n / heads, n % heads));
+                    if m_blocks > 1 {
+                        let half = m_blocks / 2;
+                        assert_eq!(g.half.divmod(n), (n / half, n % half));
+                    }
+                }
+                for h in 0..heads {
+                    assert_eq!(g.group.quotient(h), h / (heads / kv_heads));
+                }
+            }
+        }
+        assert!(2 * TileGrid::TILE_LIMIT as u64 <= FastDiv::DIVIDEND_LIMIT as u64);
     }
 
     #[test]

@@ -1,6 +1,6 @@
 //! `#[repr(C)]` launch parameters, passed by value to the kernels. The host fills
 //! them; the device reads them; both compile this one definition.
-use crate::index::FastDiv;
+use crate::index::{FastDiv, TileGrid};
 
 /// Strides of a [batch, seq, head, dim] tensor whose last dim is contiguous,
 /// in 16-bit units: an element's for f16/bf16, half an element's for f32
@@ -131,6 +131,9 @@ pub struct AttnParams {
     /// V's columns past it load as zeros, so O's are 0 and not stored. See
     /// [`AttnParams::v_chunks`].
     pub head_dim: u32,
+    /// A persistent Hopper forward launch's tile order ([`TileGrid`]);
+    /// unused by every other launch.
+    pub tiles: TileGrid,
 }
 
 impl AttnParams {

@@ -8,12 +8,14 @@ use crate::arch::{global, special};
 use crate::index::{self, KeyWindow};
 use crate::params::{AttnParams, BshStrides};
 
-/// Which tile a persistent CTA works on: its query block, head and batch.
+/// Which tile a persistent CTA works on: its query block, head and batch,
+/// and the head's KV head.
 #[derive(Clone, Copy)]
 pub struct TileCoord {
     pub m_block: u32,
     pub head: u32,
     pub batch: u32,
+    pub kv_head: u32,
 }
 
 pub struct BlockInfo {
@@ -127,7 +129,7 @@ impl BlockInfo {
         let splits = p.num_splits.max(1);
         let group = |head_base: u32| head_base / (p.heads / p.kv_heads.max(1)).max(1);
         let (batch, split, head_base, kv_head, m_block) = match at {
-            Some(at) => (at.batch, 0, at.head, group(at.head), at.m_block),
+            Some(at) => (at.batch, 0, at.head, at.kv_head, at.m_block),
             None => {
                 let z = special::block_idx_z();
                 let batch = z / splits;

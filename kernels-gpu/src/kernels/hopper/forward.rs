@@ -102,8 +102,8 @@ impl Cursor {
 
 /// A persistent CTA's tile at `step` ([`index::persistent_step`]; causal
 /// masks pair heavy and light query blocks) and the step after it; `None`
-/// past the last. Rebuilt from the parameters at each step: only the
-/// cursor is state through the mainloop.
+/// past the last. Rebuilt from the parameters (and the host's divisors) at
+/// each step: only the cursor is state through the mainloop.
 #[inline(always)]
 fn tile_at<M: Mask, L: Seq>(
     p: &AttnParams,
@@ -111,17 +111,16 @@ fn tile_at<M: Mask, L: Seq>(
     step: u32,
 ) -> Option<(BlockInfo, u32)> {
     let paired = matches!(M::KIND, MaskKind::Causal);
-    // Each at least 1 on any launch; the `max` spares a division-by-zero
-    // panic path (a call, whose ABI costs the mainloop registers: ptxas then
-    // serialised the D = 128 `wgmma`s).
-    let m_blocks = p.seqlen_q.div_ceil(tile.block_m as u32).max(1);
-    let (heads, pairs) = (p.heads.max(1), (p.heads * p.batch).max(1));
+    let g = &p.tiles;
+    let pairs = (p.heads * p.batch).max(1);
     let (cta, grid) = (special::block_idx_x(), special::grid_dim_x());
-    let (m_block, pair, next) = index::persistent_step(step, cta, grid, m_blocks, pairs, paired)?;
+    let (m_block, pair, next) = index::persistent_step(step, cta, grid, g, pairs, paired)?;
+    let (batch, head) = g.heads.divmod(pair);
     let at = TileCoord {
         m_block,
-        head: pair % heads,
-        batch: pair / heads,
+        head,
+        batch,
+        kv_head: g.group.quotient(head),
     };
     Some((
         BlockInfo::at::<M, L>(p, tile.block_m, tile.block_n, at),
