@@ -857,8 +857,13 @@ impl FlashAttention {
             if tiles >= TileGrid::TILE_LIMIT {
                 return Ok(false);
             }
-            params.tiles =
-                TileGrid::new(m_blocks as u32, shape.heads as u32, shape.kv_heads as u32);
+            let paired = matches!(need.mask, MaskKind::Causal) && tiles > self.num_sms;
+            params.tiles = TileGrid::new(
+                m_blocks as u32,
+                shape.heads as u32,
+                shape.kv_heads as u32,
+                paired,
+            );
             (tiles.min(self.num_sms).max(1) as u32, 1, 1)
         } else {
             (m_blocks as u32, shape.heads as u32, shape.batch as u32)

@@ -3245,8 +3245,8 @@ mod index {
         for m_blocks in [1u32, 2, 3, 4, 7, 8, 16, 33] {
             for pairs in [1u32, 2, 5, 9, 64, 131, 512] {
                 let total = m_blocks * pairs;
-                let g = TileGrid::new(m_blocks, pairs, 1);
                 for paired in [false, true] {
+                    let g = TileGrid::new(m_blocks, pairs, 1, paired);
                     for grid in [1u32, 7, 132, 264] {
                         let mut seen = vec![false; total as usize];
                         let mut loads = Vec::new();
@@ -3341,7 +3341,7 @@ mod index {
                 (64, 1),
                 (96, 12),
             ] {
-                let g = TileGrid::new(m_blocks, heads, kv_heads);
+                let g = TileGrid::new(m_blocks, heads, kv_heads, true);
                 assert_eq!(g.m_blocks.divisor, m_blocks);
                 assert_eq!(g.half.divisor, m_blocks / 2);
                 for n in units {

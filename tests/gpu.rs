@@ -2391,11 +2391,13 @@ fn hopper_long_cases() -> Vec<FwdCase> {
 
 /// Grids of several waves (more tiles than an H100/H200 has SMs), with
 /// GQA 9:1 and 6:1, tiles of different key-block counts (causal) and tiles
-/// with none at all where causal rows see no key (Sq > Skv): the shapes a
-/// persistent schedule has to get right.
+/// with none at all where causal rows see no key (Sq > Skv), and one of
+/// fewer tiles than SMs (a causal launch then does not pair its tiles,
+/// `index::TileGrid::paired`): the shapes a persistent schedule has to get
+/// right.
 fn hopper_many_tile_cases() -> Vec<FwdCase> {
     hopper_cases(
-        &[(2, 260, 333, 72, 8), (2, 700, 150, 48, 8)],
+        &[(2, 260, 333, 72, 8), (2, 700, 150, 48, 8), (1, 900, 1000, 9, 3)],
         true,
         false,
         19,

@@ -177,6 +177,11 @@ pub struct TileGrid {
     pub heads: FastDiv,
     /// Query heads per KV head: head h reads KV head h / group.
     pub group: FastDiv,
+    /// 1: a causal launch's tiles go in heavy-light units
+    /// ([`persistent_step`]'s `paired`). 0 where every tile has a CTA of
+    /// its own: a unit would run two tiles (M + 1 key blocks) on one SM,
+    /// where alone the heaviest runs M.
+    pub paired: u32,
 }
 
 impl TileGrid {
@@ -185,8 +190,9 @@ impl TileGrid {
     pub const TILE_LIMIT: usize = (FastDiv::DIVIDEND_LIMIT / 2) as usize;
 
     /// The divisors of `m_blocks` query blocks per pair over `heads` query
-    /// heads and `kv_heads` KV heads; a zero counts as 1.
-    pub const fn new(m_blocks: u32, heads: u32, kv_heads: u32) -> TileGrid {
+    /// heads and `kv_heads` KV heads (a zero counts as 1), and whether a
+    /// causal launch pairs its tiles.
+    pub const fn new(m_blocks: u32, heads: u32, kv_heads: u32, paired: bool) -> TileGrid {
         let m_blocks = if m_blocks > 0 { m_blocks } else { 1 };
         let heads = if heads > 0 { heads } else { 1 };
         let kv_heads = if kv_heads > 0 { kv_heads } else { 1 };
@@ -195,6 +201,7 @@ impl TileGrid {
             half: FastDiv::new(m_blocks / 2),
             heads: FastDiv::new(heads),
             group: FastDiv::new(heads / kv_heads),
+            paired: paired as u32,
         }
     }
 }

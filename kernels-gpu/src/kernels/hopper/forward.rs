@@ -110,8 +110,8 @@ fn tile_at<M: Mask, L: Seq>(
     tile: HopperTile,
     step: u32,
 ) -> Option<(BlockInfo, u32)> {
-    let paired = matches!(M::KIND, MaskKind::Causal);
     let g = &p.tiles;
+    let paired = matches!(M::KIND, MaskKind::Causal) && g.paired != 0;
     let pairs = (p.heads * p.batch).max(1);
     let (cta, grid) = (special::block_idx_x(), special::grid_dim_x());
     let (m_block, pair, next) = index::persistent_step(step, cta, grid, g, pairs, paired)?;
