@@ -2143,6 +2143,27 @@ mod config {
             }
             let short = call(256, mask, 512);
             assert!(!persistent(&short, None, Some(true)));
+            // One wave of 128-row tiles or less: no next tile to overlap.
+            for (batch, heads, seqlen, sms) in [
+                (4, 8, 512, 132),
+                (1, 16, 1024, 132),
+                (2, 33, 256, 132),
+                (1, 9, 1024, 72),
+            ] {
+                let small = HopperCall {
+                    batch,
+                    heads,
+                    num_sms: sms,
+                    ..call(64, mask, seqlen)
+                };
+                assert!(!persistent(&small, None, None), "{small:?}");
+                assert!(persistent(&small, None, Some(true)), "{small:?}");
+                let wave = HopperCall {
+                    batch: batch + 1,
+                    ..small
+                };
+                assert!(persistent(&wave, None, None), "{wave:?}");
+            }
         }
         for (score, seq) in [
             (ScoreKind::Modified, SeqKind::Dense),

@@ -2397,7 +2397,11 @@ fn hopper_long_cases() -> Vec<FwdCase> {
 /// right.
 fn hopper_many_tile_cases() -> Vec<FwdCase> {
     hopper_cases(
-        &[(2, 260, 333, 72, 8), (2, 700, 150, 48, 8), (1, 900, 1000, 9, 3)],
+        &[
+            (2, 260, 333, 72, 8),
+            (2, 700, 150, 48, 8),
+            (1, 900, 1000, 9, 3),
+        ],
         true,
         false,
         19,

@@ -1459,8 +1459,16 @@ pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 512;
 /// Whether a Hopper forward call takes its persistent line (where one
 /// covers it), in place of the lines [`hopper_rows`] chooses among: short
 /// rows, whose CTAs' fixed cost the loop hides
-/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`]).
+/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`]),
+/// in a grid of more 128-row tiles than SMs. With at most one tile per
+/// SM there is no next tile to hide anything under, and the other lines
+/// are faster (H100, D = 64, 8-16 heads of 512-1k rows: 1.10-1.41x; D =
+/// 128, 16 heads of 1k rows: 1.02-1.03x; docs/perf-notes.md v25).
 pub const fn hopper_persistent(call: &HopperCall) -> bool {
+    let tiles = call.batch * call.heads * call.seqlen_q.div_ceil(2 * WGMMA_M);
+    if tiles <= call.num_sms {
+        return false;
+    }
     let causal = matches!(call.need.mask, MaskKind::Causal);
     let padded = match hopper_line_head_dim(call.head_dim) {
         Some(line) => line > call.head_dim,
