@@ -1449,8 +1449,10 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
 /// it, non-causal and causal. H100, over the lines `hopper_rows` picks
 /// (docs/perf-notes.md v23): at 512 keys 1.10-1.14x non-causal, 1.04-1.11x
 /// causal; at 1k 1.02-1.04x and 1.03-1.06x; at 2k 0.92-0.99x except D = 64
-/// causal (1.01-1.03x), at 4k 0.87-0.98x.
-pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 1024];
+/// causal (1.01-1.03x), at 4k 0.87-0.98x. Since v24's TMA store of O (v25,
+/// same lease): at 2k causal 1.04x (D = 64) and 1.05-1.07x (D = 128),
+/// non-causal still 0.90-0.94x (D = 64) and 1.01-1.02x (D = 128).
+pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 2048];
 
 /// The causal limit for a head dim padded to its line (D = 96 on the D =
 /// 128 line): 1.00-1.02x at 512 keys, 0.97x at 1k.
