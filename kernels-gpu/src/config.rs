@@ -1028,7 +1028,10 @@ impl HopperTile {
         }
         // Three Q buffers fit beside two K/V stages at D = 64 and 128 with
         // 128 rows (224 of 227 KiB); the loop serves dense sequences.
-        if persistent && (rows != 128 || head_dim > 128 || !matches!(policies.seq, SeqKind::Dense))
+        if persistent
+            && (rows != HOPPER_PERSISTENT_ROWS
+                || head_dim > 128
+                || !matches!(policies.seq, SeqKind::Dense))
         {
             return None;
         }
@@ -1458,6 +1461,10 @@ pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 2048];
 /// 128 line): 1.00-1.02x at 512 keys, 0.97x at 1k.
 pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 512;
 
+/// Query rows of a persistent line's tile (two consumer warpgroups): the
+/// only rows [`HopperTile::for_head_dim`] gives a persistent line.
+pub const HOPPER_PERSISTENT_ROWS: usize = 2 * WGMMA_M;
+
 /// Whether a Hopper forward call takes its persistent line (where one
 /// covers it), in place of the lines [`hopper_rows`] chooses among: short
 /// rows, whose CTAs' fixed cost the loop hides
@@ -1467,7 +1474,7 @@ pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 512;
 /// are faster (H100, D = 64, 8-16 heads of 512-1k rows: 1.10-1.41x; D =
 /// 128, 16 heads of 1k rows: 1.02-1.03x; docs/perf-notes.md v25).
 pub const fn hopper_persistent(call: &HopperCall) -> bool {
-    let tiles = call.batch * call.heads * call.seqlen_q.div_ceil(2 * WGMMA_M);
+    let tiles = call.batch * call.heads * call.seqlen_q.div_ceil(HOPPER_PERSISTENT_ROWS);
     if tiles <= call.num_sms {
         return false;
     }
@@ -1548,9 +1555,11 @@ pub fn find_hopper_entry(
                 && e.policies.covers(call.need)
         })
     };
-    // The persistent lines have 128 rows: a caller's other rows exclude
-    // them; the heuristic's rows do not (they would have been a fallback).
-    if persistent.unwrap_or(hopper_persistent(call)) && rows.is_none_or(|r| r == 2 * WGMMA_M) {
+    // A caller's rows other than the persistent lines' exclude them; the
+    // heuristic's rows do not (they would have been a fallback).
+    if persistent.unwrap_or(hopper_persistent(call))
+        && rows.is_none_or(|r| r == HOPPER_PERSISTENT_ROWS)
+    {
         if let Some(line) = lines(true).next() {
             return Some(line);
         }
