@@ -127,6 +127,9 @@
 //! of the heuristic's choice), `--hopper-persistent on|off` (forward rows
 //! on the Hopper kernels take their persistent line, where one covers them,
 //! or a line of one CTA per tile, instead of the heuristic's choice),
+//! `--hopper-keys 64|80|112|128` (forward rows on the Hopper kernels take
+//! that many keys per block where the head dim has such a line, instead of
+//! the heuristic's choice),
 //! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
@@ -661,6 +664,8 @@ struct Bench<'a> {
     hopper_rows: Option<usize>,
     /// `--hopper-persistent on|off`: the forward rows' `hopper_persistent`.
     hopper_persistent: Option<bool>,
+    /// `--hopper-keys N`: the forward rows' `hopper_keys`.
+    hopper_keys: Option<usize>,
 }
 
 impl Bench<'_> {
@@ -1217,6 +1222,11 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
         },
         hopper_persistent: if s.kind == Kind::Forward {
             b.hopper_persistent
+        } else {
+            None
+        },
+        hopper_keys: if s.kind == Kind::Forward {
+            b.hopper_keys
         } else {
             None
         },
@@ -1856,6 +1866,13 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let hopper_keys = value_of("--hopper-keys").map(|n| match n.parse::<usize>() {
+        Ok(n @ (64 | 80 | 112 | 128)) => n,
+        _ => {
+            eprintln!("--hopper-keys wants 64, 80, 112 or 128, not {n:?}");
+            std::process::exit(2);
+        }
+    });
     let hopper_forward = match value_of("--forward-path").as_deref() {
         None | Some("auto") => true,
         Some("sm80") => false,
@@ -1942,6 +1959,7 @@ fn main() {
             splits,
             hopper_rows,
             hopper_persistent,
+            hopper_keys,
         }
     };
     println!(

@@ -12,8 +12,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, HopperCall,
-    KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS, CHUNK_ELEMS,
-    COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS,
+    CHUNK_ELEMS, COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
@@ -803,7 +803,12 @@ impl FlashAttention {
                 })
                 .ok()
             };
-        let Some(entry) = find_hopper_entry(&call, opts.hopper_rows, opts.hopper_persistent) else {
+        let pick = HopperPick {
+            rows: opts.hopper_rows,
+            persistent: opts.hopper_persistent,
+            keys: opts.hopper_keys,
+        };
+        let Some(entry) = find_hopper_entry(&call, pick) else {
             return Ok(false);
         };
         // The dense lines store O with TMA; an O whose layout no tensor map

@@ -278,6 +278,7 @@ impl<'g> PolicyViews<'g> {
             num_splits: None,
             hopper_rows: None,
             hopper_persistent: None,
+            hopper_keys: None,
         })
     }
 }

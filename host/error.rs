@@ -188,6 +188,13 @@ pub enum FlashAttnError {
         got: usize,
     },
 
+    /// `hopper_keys` other than the keys per block of some Hopper line.
+    #[error("hopper_keys must be 64, 80, 112 or 128, got {got}")]
+    HopperKeys {
+        /// The value given.
+        got: usize,
+    },
+
     /// The decode workspace is smaller than the problem's partials.
     #[error("decode workspace holds {len} f32 partials, the problem needs {needed}")]
     WorkspaceTooSmall {

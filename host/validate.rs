@@ -103,6 +103,14 @@ pub struct AttnOptions<'a> {
     /// heuristic's choice (`config::hopper_persistent`). For tuning and tests,
     /// as `hopper_rows`; decode calls refuse it.
     pub hopper_persistent: Option<bool>,
+    /// Forward on the Hopper kernels only: keys per K/V block, 64, 80, 112
+    /// or 128, instead of the heuristic's choice (`config::hopper_keys`),
+    /// where the call's head dim has lines of that many (D = 256: 80, and 64
+    /// for plain causal calls, which the heuristic takes up to 2k keys; each
+    /// other head dim has one size per rows); a call without such a line
+    /// takes its head dim's own. For tuning and tests, as `hopper_rows`;
+    /// other values are refused, and decode calls refuse it.
+    pub hopper_keys: Option<usize>,
 }
 
 /// What validation needs to know of one tensor argument.
@@ -505,29 +513,33 @@ pub fn check_forward(
     opts: &AttnOptions,
 ) -> Result<ForwardShape, FlashAttnError> {
     refuse("num_splits", opts.num_splits, "forward")?;
-    check_hopper_rows(opts)?;
+    check_hopper_pick(opts)?;
     check_dense(q, k, v, o, lse_len, opts)
 }
 
-/// `hopper_rows`, where given, is the rows of some Hopper line (64, 128 or
-/// 192).
-fn check_hopper_rows(opts: &AttnOptions) -> Result<(), FlashAttnError> {
-    match opts.hopper_rows {
-        Some(got) => {
-            let line = |e: &Entry| e.kind == KernelKind::WgmmaForward && e.rows == got;
-            if HOPPER_ENTRIES.iter().any(line) {
-                Ok(())
-            } else {
-                Err(FlashAttnError::HopperRows { got })
-            }
+/// `hopper_rows` and `hopper_keys`, where given, are the rows (64, 128 or
+/// 192) and the keys per block (64, 80, 112 or 128) of some Hopper line.
+fn check_hopper_pick(opts: &AttnOptions) -> Result<(), FlashAttnError> {
+    let some_line = |of: &dyn Fn(&Entry) -> bool| {
+        HOPPER_ENTRIES
+            .iter()
+            .any(|e| e.kind == KernelKind::WgmmaForward && of(e))
+    };
+    if let Some(got) = opts.hopper_rows {
+        if !some_line(&|e| e.rows == got) {
+            return Err(FlashAttnError::HopperRows { got });
         }
-        None => Ok(()),
     }
+    if let Some(got) = opts.hopper_keys {
+        if !some_line(&|e| e.hopper_tile().block_n == got) {
+            return Err(FlashAttnError::HopperKeys { got });
+        }
+    }
+    Ok(())
 }
 
 /// An option `entry` does not take: the forward kernels never split the
-/// keys (`num_splits`), and only the dense forward picks a Hopper tile
-/// (`hopper_rows`).
+/// keys (`num_splits`), and decode picks no Hopper line (`hopper_*`).
 fn refuse(
     what: &'static str,
     given: Option<usize>,
@@ -636,6 +648,7 @@ pub fn check_decode(
         opts.hopper_persistent.map(usize::from),
         "decode",
     )?;
+    refuse("hopper_keys", opts.hopper_keys, "decode")?;
     let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
     if shape.v_head_dim != shape.head_dim {
         return Err(FlashAttnError::Unsupported {
@@ -854,7 +867,7 @@ pub fn check_varlen(
     opts: &AttnOptions,
 ) -> Result<VarlenShape, FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
-    check_hopper_rows(opts)?;
+    check_hopper_pick(opts)?;
     if cu_seqlens_k_len != cu_seqlens_q_len {
         return Err(FlashAttnError::SeqlensLength {
             expected: cu_seqlens_q_len,
@@ -894,7 +907,7 @@ pub fn check_varlen_paged(
     opts: &AttnOptions,
 ) -> Result<(VarlenShape, Paging), FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
-    check_hopper_rows(opts)?;
+    check_hopper_pick(opts)?;
     if seqlens_k_len != batch {
         return Err(FlashAttnError::SeqlensLength {
             expected: batch,

@@ -1799,15 +1799,20 @@ mod config {
             assert!(names.insert(e.name), "duplicate {}", e.name);
             if e.kind == KernelKind::WgmmaForward {
                 let p = e.policies;
+                let last_word = match (e.persistent, e.keys) {
+                    (true, None) => "_persistent".to_string(),
+                    (false, Some(n)) => format!("_n{n}"),
+                    (false, None) => String::new(),
+                    (true, Some(_)) => panic!("{}: one last word", e.name),
+                };
                 let want = format!(
-                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}_m{}{}",
+                    "flash_wgmma_fwd_{}_hd{}_{}_{}_{}_m{}{last_word}",
                     e.dtype.name(),
                     e.head_dim,
                     word(p.mask),
                     word(p.score),
                     word(p.seq),
                     e.rows,
-                    if e.persistent { "_persistent" } else { "" }
                 );
                 assert_eq!(e.name, want);
                 let t = e.hopper_tile();
@@ -1937,7 +1942,7 @@ mod config {
         // f32 stays on the mma.sync kernels.
         for d in SUPPORTED_HEAD_DIMS {
             let any = need(MaskKind::Local, modified, SeqKind::Dense);
-            assert!(find_hopper_entry(&call(Dtype::F32, d, any), None, None).is_none());
+            assert!(find_hopper_entry(&call(Dtype::F32, d, any), HopperPick::default()).is_none());
         }
         for (d, line_d) in [
             (32, 64),
@@ -1996,7 +2001,14 @@ mod config {
                             && line.score == plain
                             && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
                     for rows in [None, Some(64), Some(128), Some(192)] {
-                        let e = find_hopper_entry(&c, rows, None).unwrap();
+                        let e = find_hopper_entry(
+                            &c,
+                            HopperPick {
+                                rows,
+                                ..Default::default()
+                            },
+                        )
+                        .unwrap();
                         assert_eq!(e.policies, line, "{need:?}");
                         assert_eq!((e.head_dim, e.dtype), (line_d, dtype));
                         // Rows where asked for (or chosen) and the line has
@@ -2024,7 +2036,14 @@ mod config {
                 ] {
                     let c = call(dtype, d, need(mask, score, SeqKind::Packed));
                     for rows in [None, Some(64), Some(128), Some(192)] {
-                        let e = find_hopper_entry(&c, rows, None).unwrap();
+                        let e = find_hopper_entry(
+                            &c,
+                            HopperPick {
+                                rows,
+                                ..Default::default()
+                            },
+                        )
+                        .unwrap();
                         let want_score = if line_mask == MaskKind::Local {
                             modified
                         } else {
@@ -2040,7 +2059,14 @@ mod config {
                         _ => (MaskKind::Local, modified),
                     };
                     for rows in [None, Some(64), Some(192)] {
-                        let e = find_hopper_entry(&paged, rows, None).unwrap();
+                        let e = find_hopper_entry(
+                            &paged,
+                            HopperPick {
+                                rows,
+                                ..Default::default()
+                            },
+                        )
+                        .unwrap();
                         let want = need(paged_mask, paged_score, SeqKind::Ragged);
                         assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
                         assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
@@ -2048,7 +2074,7 @@ mod config {
                 }
             }
             let c = call(dtype, 264, dense(MaskKind::Full, plain));
-            assert!(find_hopper_entry(&c, None, None).is_none());
+            assert!(find_hopper_entry(&c, HopperPick::default()).is_none());
         }
     }
 
@@ -2079,17 +2105,28 @@ mod config {
             assert!(hopper_padded_short(d, short), "{d}");
             assert!(!hopper_padded_short(d, HOPPER_PADDED_MIN_KEYS), "{d}");
             assert!(
-                find_hopper_entry(&call(d, short), None, None).is_none(),
+                find_hopper_entry(&call(d, short), HopperPick::default()).is_none(),
                 "{d}"
             );
-            let asked = find_hopper_entry(&call(d, short), Some(128), None).unwrap();
+            let asked = find_hopper_entry(
+                &call(d, short),
+                HopperPick {
+                    rows: Some(128),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
             assert_eq!(asked.head_dim, 64);
-            let long = find_hopper_entry(&call(d, HOPPER_PADDED_MIN_KEYS), None, None).unwrap();
+            let long =
+                find_hopper_entry(&call(d, HOPPER_PADDED_MIN_KEYS), HopperPick::default()).unwrap();
             assert_eq!(long.head_dim, 64);
         }
         for d in [40, 64, 72, 96, 128, 192, 256] {
             assert!(!hopper_padded_short(d, 1), "{d}");
-            assert!(find_hopper_entry(&call(d, 1), None, None).is_some(), "{d}");
+            assert!(
+                find_hopper_entry(&call(d, 1), HopperPick::default()).is_some(),
+                "{d}"
+            );
         }
         assert!(!hopper_padded_short(264, 1));
     }
@@ -2106,6 +2143,86 @@ mod config {
     /// never past them, for a call without a line (D = 256, modifiers,
     /// packed sequences) or when other rows or `Some(false)` are asked for;
     /// `Some(true)` takes one at any length.
+    /// The 64-key line: plain causal calls at D = 256 (and head dims padded
+    /// to it) over at most `HOPPER_SHORT_CAUSAL_MAX_KEYS_D256` keys take it,
+    /// longer ones, non-causal, modified and packed calls and every other
+    /// head dim the head dim's own keys; `keys` asked for takes a line with
+    /// them where one covers the call, else the head dim's own.
+    #[test]
+    fn hopper_keys_choice() {
+        let need = |mask, score, seq| Policies { mask, score, seq };
+        let dense = |mask| need(mask, ScoreKind::Plain, SeqKind::Dense);
+        let call = |dtype, head_dim, need, seqlen_k| HopperCall {
+            dtype,
+            head_dim,
+            need,
+            batch: 4,
+            heads: 16,
+            seqlen_q: seqlen_k,
+            seqlen_k,
+            window_keys: None,
+            num_sms: 132,
+        };
+        let keys = |c: &HopperCall, asked| {
+            let e = find_hopper_entry(
+                c,
+                HopperPick {
+                    keys: asked,
+                    ..Default::default()
+                },
+            );
+            let e = e.expect("a line");
+            assert!(e.policies.covers(c.need));
+            assert_eq!(e.keys.is_some(), e.name.ends_with("_n64"), "{}", e.name);
+            e.hopper_tile().block_n
+        };
+        let short = HOPPER_SHORT_CAUSAL_MAX_KEYS_D256;
+        for dtype in [Dtype::F16, Dtype::Bf16] {
+            for d in [256, 200] {
+                let causal = dense(MaskKind::Causal);
+                for seqlen_k in [1, 512, 1000, short] {
+                    assert_eq!(
+                        keys(&call(dtype, d, causal, seqlen_k), None),
+                        64,
+                        "{d} {seqlen_k}"
+                    );
+                    assert_eq!(keys(&call(dtype, d, causal, seqlen_k), Some(80)), 80);
+                }
+                for seqlen_k in [short + 1, 4096, 16384] {
+                    assert_eq!(
+                        keys(&call(dtype, d, causal, seqlen_k), None),
+                        80,
+                        "{d} {seqlen_k}"
+                    );
+                    assert_eq!(keys(&call(dtype, d, causal, seqlen_k), Some(64)), 64);
+                }
+                let modified = need(MaskKind::Causal, ScoreKind::Modified, SeqKind::Dense);
+                let packed = need(MaskKind::Causal, ScoreKind::Plain, SeqKind::Packed);
+                for other in [
+                    dense(MaskKind::Full),
+                    dense(MaskKind::Local),
+                    modified,
+                    packed,
+                ] {
+                    for asked in [None, Some(64), Some(80)] {
+                        assert_eq!(keys(&call(dtype, d, other, 512), asked), 80, "{other:?}");
+                    }
+                }
+            }
+            for (d, own) in [(64, 128), (128, 128), (192, 112)] {
+                for asked in [None, Some(64), Some(80)] {
+                    let c = call(dtype, d, dense(MaskKind::Causal), 8192);
+                    let want = if asked == Some(64) && d == 128 {
+                        64
+                    } else {
+                        own
+                    };
+                    assert_eq!(keys(&c, asked), want, "{d} {asked:?}");
+                }
+            }
+        }
+    }
+
     #[test]
     fn hopper_persistent_choice() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -2122,7 +2239,15 @@ mod config {
             num_sms: 132,
         };
         let persistent = |c: &HopperCall, rows, asked| {
-            find_hopper_entry(c, rows, asked).is_some_and(|e| e.persistent)
+            find_hopper_entry(
+                c,
+                HopperPick {
+                    rows,
+                    persistent: asked,
+                    keys: None,
+                },
+            )
+            .is_some_and(|e| e.persistent)
         };
         for (mask, i) in [(MaskKind::Full, 0), (MaskKind::Causal, 1)] {
             for d in [64, 128, 96, 32] {
@@ -2314,15 +2439,22 @@ mod config {
                 };
                 for rows in [Some(64), Some(128), Some(192)] {
                     for persistent in [None, Some(false), Some(true)] {
-                        let got = find_hopper_entry(&c, rows, persistent).unwrap();
-                        // A persistent line only when asked for or chosen
-                        // by the heuristic, never with other rows asked for.
-                        if got.persistent {
-                            let chosen = persistent.unwrap_or(hopper_persistent(&c));
-                            assert!(chosen, "{}", got.name);
-                            assert_eq!(rows, Some(got.rows), "{}", got.name);
+                        for keys in [None, Some(64), Some(80)] {
+                            let pick = HopperPick {
+                                rows,
+                                persistent,
+                                keys,
+                            };
+                            let got = find_hopper_entry(&c, pick).unwrap();
+                            // A persistent line only when asked for or chosen
+                            // by the heuristic, never with other rows asked for.
+                            if got.persistent {
+                                let chosen = persistent.unwrap_or(hopper_persistent(&c));
+                                assert!(chosen, "{}", got.name);
+                                assert_eq!(rows, Some(got.rows), "{}", got.name);
+                            }
+                            reached.insert(got.name);
                         }
-                        reached.insert(got.name);
                     }
                 }
             }
@@ -2964,6 +3096,27 @@ mod kvcache_validation {
             assert!(matches!(
                 check_forward(&q, &kv, &kv, &o, None, &rows(r)),
                 Err(FlashAttnError::HopperRows { got }) if got == r
+            ));
+        }
+        // hopper_keys: the keys per block of some line, refused by decode.
+        let keys = |n| AttnOptions {
+            hopper_keys: Some(n),
+            ..Default::default()
+        };
+        for n in [64, 80, 112, 128] {
+            assert!(check_forward(&q, &kv, &kv, &o, None, &keys(n)).is_ok());
+            assert!(matches!(
+                decode(&keys(n)),
+                Err(FlashAttnError::Unsupported {
+                    what: "hopper_keys",
+                    entry: "decode"
+                })
+            ));
+        }
+        for n in [0, 16, 96, 176, 256] {
+            assert!(matches!(
+                check_forward(&q, &kv, &kv, &o, None, &keys(n)),
+                Err(FlashAttnError::HopperKeys { got }) if got == n
             ));
         }
     }

@@ -281,6 +281,8 @@ struct FwdCase {
     hopper_rows: Option<usize>,
     /// `AttnOptions::hopper_persistent`: its persistent twin, if any.
     hopper_persistent: Option<bool>,
+    /// `AttnOptions::hopper_keys`: its line of that many keys per block, if any.
+    hopper_keys: Option<usize>,
 }
 
 fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
@@ -342,6 +344,7 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
         softmax_scale: None,
         hopper_rows: c.hopper_rows,
         hopper_persistent: c.hopper_persistent,
+        hopper_keys: c.hopper_keys,
         ..Default::default()
     };
     {
@@ -1980,6 +1983,7 @@ fn fwd_strategy() -> impl Strategy<Value = FwdCase> {
                     seed,
                     hopper_rows: None,
                     hopper_persistent: None,
+                    hopper_keys: None,
                 }
             },
         )
@@ -2061,6 +2065,7 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
         seed: 7,
         hopper_rows: None,
         hopper_persistent: None,
+        hopper_keys: None,
     };
     let mut v = Vec::new();
     for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
@@ -2160,20 +2165,20 @@ fn hopper_head_dims() -> Vec<usize> {
 fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
     let mut rows: Vec<usize> = hopper_lines_of(head_dim)
         .into_iter()
-        .map(|(r, _)| r)
+        .map(|(r, _, _)| r)
         .collect();
     rows.dedup();
     rows.into_iter().map(Some).collect()
 }
 
-/// Every (rows, persistent) of the Hopper lines that serve a head dim,
-/// sorted: the plain fixed cases run each.
-fn hopper_lines_of(head_dim: usize) -> Vec<(usize, bool)> {
+/// Every (rows, persistent, keys per block) of the Hopper lines that serve
+/// a head dim, sorted: the plain fixed cases run each.
+fn hopper_lines_of(head_dim: usize) -> Vec<(usize, bool, usize)> {
     let line_d = hopper_line_head_dim(head_dim);
-    let mut lines: Vec<(usize, bool)> = HOPPER_ENTRIES
+    let mut lines: Vec<(usize, bool, usize)> = HOPPER_ENTRIES
         .iter()
         .filter(|e| e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d)
-        .map(|e| (e.rows, e.persistent))
+        .map(|e| (e.rows, e.persistent, e.hopper_tile().block_n))
         .collect();
     lines.sort();
     lines.dedup();
@@ -2192,19 +2197,24 @@ fn hopper_line() -> impl Strategy<Value = (usize, Option<usize>)> {
 
 /// Forward cases the Hopper kernels serve (their head dims, plain, dense),
 /// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks; the
-/// persistent lines asked for in one case of three.
+/// persistent lines asked for in one case of three, keys per block (D =
+/// 256's two sizes) in two of three.
 fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
     (
         fwd_strategy(),
         hopper_line(),
         prop::sample::select(vec![None, Some(false), Some(true)]),
+        prop::sample::select(vec![None, Some(64), Some(80)]),
     )
-        .prop_map(|(c, (head_dim, hopper_rows), hopper_persistent)| FwdCase {
-            head_dim,
-            hopper_rows,
-            hopper_persistent,
-            ..c
-        })
+        .prop_map(
+            |(c, (head_dim, hopper_rows), hopper_persistent, hopper_keys)| FwdCase {
+                head_dim,
+                hopper_rows,
+                hopper_persistent,
+                hopper_keys,
+                ..c
+            },
+        )
 }
 
 /// Every (batch, Sq, Skv, heads, KV heads) shape in both mask kinds, per
@@ -2218,7 +2228,7 @@ fn hopper_cases(
     let mut v = Vec::new();
     for causal in [false, true] {
         for head_dim in hopper_head_dims() {
-            for (rows, persistent) in hopper_lines_of(head_dim) {
+            for (rows, persistent, keys) in hopper_lines_of(head_dim) {
                 for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
                     v.push(FwdCase {
                         batch,
@@ -2233,6 +2243,7 @@ fn hopper_cases(
                         seed,
                         hopper_rows: Some(rows),
                         hopper_persistent: Some(persistent),
+                        hopper_keys: Some(keys),
                     });
                 }
             }
@@ -2846,6 +2857,7 @@ fn main() {
                 seed: 7,
                 hopper_rows: None,
                 hopper_persistent: None,
+                hopper_keys: None,
             };
             run_forward::<f16>(&ptx, &c)?;
         }

@@ -605,6 +605,10 @@ pub struct Entry {
     /// A [`KernelKind::WgmmaForward`] entry whose CTAs loop over tiles
     /// ([`HopperTile::persistent`]; the table line's `persistent` word).
     pub persistent: bool,
+    /// Keys per K/V block of a [`KernelKind::WgmmaForward`] line that takes
+    /// fewer than its head dim's (the table line's `n64` word); `None`: the
+    /// head dim's ([`HopperTile::for_head_dim`]) and every other kind.
+    pub keys: Option<usize>,
 }
 
 impl Entry {
@@ -644,7 +648,13 @@ impl Entry {
     }
     /// The tile of a [`KernelKind::WgmmaForward`] entry.
     pub const fn hopper_tile(&self) -> HopperTile {
-        HopperTile::of(self.head_dim, self.policies, self.rows, self.persistent)
+        HopperTile::of(
+            self.head_dim,
+            self.policies,
+            self.rows,
+            self.persistent,
+            self.keys,
+        )
     }
 }
 
@@ -801,7 +811,7 @@ macro_rules! attention_variants {
 pub(crate) use attention_variants;
 
 /// Maps the table's words to config values (also the device entries'
-/// `persistent` word).
+/// last word: `persistent` or `n64`).
 macro_rules! table_word {
     (kind fwd) => {
         KernelKind::Forward
@@ -851,6 +861,18 @@ macro_rules! table_word {
     (grid persistent) => {
         true
     };
+    (grid n64) => {
+        false
+    };
+    (keys) => {
+        None
+    };
+    (keys persistent) => {
+        None
+    };
+    (keys n64) => {
+        Some(64)
+    };
 }
 
 #[allow(unused_imports)] // used by the device crate's entries only
@@ -876,10 +898,11 @@ macro_rules! entry_rows {
                 },
                 rows: 0,
                 persistent: false,
+                keys: None,
             },)*
-            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false },
-            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false },
-            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false },
+            Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
         ];
     };
 }
@@ -1003,13 +1026,18 @@ impl HopperTile {
     /// consumer with 232 registers, two CTAs per SM) for D = 64 and 128, so
     /// that on short rows one CTA's fixed cost runs under the other's GEMMs
     /// (D = 128 then takes 64-key blocks: two CTAs fit 2 x 82 KiB).
+    ///
+    /// `keys`, where given, is a line's own keys per block: any multiple of
+    /// 16 up to its head dim's, since fewer keys only shrink the K and V
+    /// tiles and S (D = 256 causal at 64: docs/perf-notes.md v27).
     pub const fn for_head_dim(
         head_dim: usize,
         policies: Policies,
         rows: usize,
         persistent: bool,
+        keys: Option<usize>,
     ) -> Option<HopperTile> {
-        let block_n = match (head_dim, rows) {
+        let most_keys = match (head_dim, rows) {
             // Two CTAs of Q plus two K and V stages of 128 keys would take
             // 2 x 145 KiB.
             (128, 64) => 64,
@@ -1017,6 +1045,11 @@ impl HopperTile {
             (192, _) => 112,
             (256, _) => 80,
             _ => return None,
+        };
+        let block_n = match keys {
+            None => most_keys,
+            Some(n) if n % 16 == 0 && n > 0 && n <= most_keys => n,
+            Some(_) => return None,
         };
         let local_modified = matches!(
             (policies.mask, policies.score),
@@ -1071,8 +1104,9 @@ impl HopperTile {
         policies: Policies,
         rows: usize,
         persistent: bool,
+        keys: Option<usize>,
     ) -> HopperTile {
-        match Self::for_head_dim(head_dim, policies, rows, persistent) {
+        match Self::for_head_dim(head_dim, policies, rows, persistent, keys) {
             Some(t) => t,
             None => panic!("no Hopper tile for this head dim and rows"),
         }
@@ -1176,8 +1210,10 @@ impl HopperTile {
 ///   plain full and causal calls at D = 128. A line ending in `persistent`
 ///   ([`HopperTile::persistent`]; `_persistent` in its name: plain full and
 ///   causal at D = 64 and 128) is taken before the others where
-///   [`hopper_persistent`] says so. A head dim without lines runs on the
-///   next one's ([`hopper_line_head_dim`]).
+///   [`hopper_persistent`] says so. A line ending in `n64` takes 64-key
+///   blocks, fewer than its head dim's (`_n64` in its name: plain causal at
+///   D = 256), and is taken only where [`hopper_keys`] says so. A head dim
+///   without lines runs on the next one's ([`hopper_line_head_dim`]).
 /// - `wgmma dtype N K`: a primitive probe that multiplies a 64 x K by a
 ///   K x N tile (`m64nNk16`, K/16 steps) both with A and B in shared memory
 ///   (B K-major, as Kᵀ in Q·Kᵀ; needs K % 64 == 0) and with A in registers
@@ -1186,8 +1222,8 @@ impl HopperTile {
 ///   mbarrier ring and back out with a TMA store.
 ///
 /// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys),
-/// 192 (112 keys) and 256 (80 keys), P·V at the same, and the 128 x 128
-/// causal tile; TMA boxes of every line head dim.
+/// 192 (112 keys) and 256 (80 and 64 keys), P·V at the same, and the
+/// 128 x 128 causal tile; TMA boxes of every line head dim.
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
@@ -1218,6 +1254,7 @@ macro_rules! hopper_entries {
             fwd f16 192 local modified dense 128;
             fwd f16 256 full plain dense 128;
             fwd f16 256 causal plain dense 128;
+            fwd f16 256 causal plain dense 128 n64;
             fwd f16 256 causal modified dense 128;
             fwd f16 256 local modified dense 128;
             fwd f16 64 full plain packed 128;
@@ -1267,6 +1304,7 @@ macro_rules! hopper_entries {
             fwd bf16 192 local modified dense 128;
             fwd bf16 256 full plain dense 128;
             fwd bf16 256 causal plain dense 128;
+            fwd bf16 256 causal plain dense 128 n64;
             fwd bf16 256 causal modified dense 128;
             fwd bf16 256 local modified dense 128;
             fwd bf16 64 full plain packed 128;
@@ -1297,6 +1335,8 @@ macro_rules! hopper_entries {
             wgmma f16 192 112;
             wgmma f16 80 256;
             wgmma f16 256 80;
+            wgmma f16 64 256;
+            wgmma f16 256 64;
             wgmma bf16 64 64;
             wgmma bf16 128 128;
             wgmma bf16 176 128;
@@ -1305,6 +1345,8 @@ macro_rules! hopper_entries {
             wgmma bf16 192 112;
             wgmma bf16 80 256;
             wgmma bf16 256 80;
+            wgmma bf16 64 256;
+            wgmma bf16 256 64;
             tma 64;
             tma 128;
             tma 192;
@@ -1339,6 +1381,7 @@ macro_rules! hopper_rows {
                 },
                 rows: $rows,
                 persistent: table_word!(grid $($grid)?),
+                keys: table_word!(keys $($grid)?),
             },)*
             $(Entry {
                 name: concat!("flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)),
@@ -1348,6 +1391,7 @@ macro_rules! hopper_rows {
                 policies: Policies::PLAIN,
                 rows: 0,
                 persistent: false,
+                keys: None,
             },)*
             $(Entry {
                 name: concat!("flash_probe_tma_hd", stringify!($d)),
@@ -1357,6 +1401,7 @@ macro_rules! hopper_rows {
                 policies: Policies::PLAIN,
                 rows: 0,
                 persistent: false,
+                keys: None,
             },)*
         ];
     };
@@ -1531,18 +1576,53 @@ pub const fn hopper_padded_short(head_dim: usize, seqlen_k: usize) -> bool {
     }
 }
 
+/// Causal calls at D = 256 over at most this many keys per query row take
+/// the 64-key line ([`hopper_keys`]). H100, against the 80-key blocks
+/// (docs/perf-notes.md v27): causal 1.04-1.05x at 512 and 1k keys, 1.01x
+/// at 2k, 1.00-1.01x at 4k, 0.98x from 8k; non-causal 1.00-1.01x at 512
+/// and 0.96-0.97x from 1k. 64 keys waste fewer masked columns on the
+/// diagonal and past the last key (512 keys: 8 full blocks, not 7 of
+/// which the last holds 32 keys), but each block's fixed cost is spread
+/// over fewer keys.
+pub const HOPPER_SHORT_CAUSAL_MAX_KEYS_D256: usize = 2048;
+
+/// Keys per block for a Hopper forward call where its head dim has lines
+/// of fewer keys than its own (`n64`): plain causal calls at D = 256 over
+/// few keys ([`HOPPER_SHORT_CAUSAL_MAX_KEYS_D256`]); `None` for the head
+/// dim's own.
+pub const fn hopper_keys(call: &HopperCall) -> Option<usize> {
+    let short_causal = matches!(call.need.mask, MaskKind::Causal)
+        && call.seqlen_k <= HOPPER_SHORT_CAUSAL_MAX_KEYS_D256;
+    match hopper_line_head_dim(call.head_dim) {
+        Some(256) if short_causal => Some(64),
+        _ => None,
+    }
+}
+
+/// A caller's choice among a call's Hopper lines (`AttnOptions`'s
+/// `hopper_*` fields; tuning and tests); `None` leaves each to the
+/// heuristic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct HopperPick {
+    /// Query rows per CTA ([`hopper_rows`]).
+    pub rows: Option<usize>,
+    /// The persistent line ([`hopper_persistent`]).
+    pub persistent: Option<bool>,
+    /// Keys per block ([`hopper_keys`]).
+    pub keys: Option<usize>,
+}
+
 /// The Hopper forward entry for a call: among the lines of
-/// [`hopper_line_head_dim`], the first whose policies cover it and whose
-/// rows are `rows` (the caller's choice, else [`hopper_rows`]), else the
-/// first 128-row one that covers it, else the first that covers it; `None` sends the call to the `Sm90` module's
-/// kernels. Without a caller's `rows`, a [`hopper_padded_short`] call gets
-/// `None`; with them it takes its line (tuning and tests).
-pub fn find_hopper_entry(
-    call: &HopperCall,
-    rows: Option<usize>,
-    persistent: Option<bool>,
-) -> Option<&'static Entry> {
-    if rows.is_none() && hopper_padded_short(call.head_dim, call.seqlen_k) {
+/// [`hopper_line_head_dim`] whose policies cover it, its persistent line
+/// where [`hopper_persistent`] (or the caller) says so, else among those of
+/// the keys per block [`hopper_keys`] (or the caller) asks for, where some
+/// line has them, else among those of the head dim's own, the first whose
+/// rows are the caller's or [`hopper_rows`]'s, else the first 128-row one,
+/// else the first; `None` sends the call to the `Sm90` module's kernels.
+/// Without a caller's `rows`, a [`hopper_padded_short`] call gets `None`;
+/// with them it takes its line (tuning and tests).
+pub fn find_hopper_entry(call: &HopperCall, pick: HopperPick) -> Option<&'static Entry> {
+    if pick.rows.is_none() && hopper_padded_short(call.head_dim, call.seqlen_k) {
         return None;
     }
     let head_dim = hopper_line_head_dim(call.head_dim)?;
@@ -1557,21 +1637,32 @@ pub fn find_hopper_entry(
     };
     // A caller's rows other than the persistent lines' exclude them; the
     // heuristic's rows do not (they would have been a fallback).
-    if persistent.unwrap_or(hopper_persistent(call))
-        && rows.is_none_or(|r| r == HOPPER_PERSISTENT_ROWS)
+    if pick.persistent.unwrap_or(hopper_persistent(call))
+        && pick.rows.is_none_or(|r| r == HOPPER_PERSISTENT_ROWS)
     {
         if let Some(line) = lines(true).next() {
             return Some(line);
         }
     }
-    let rows = rows.unwrap_or(hopper_rows(call));
-    let mut covering = lines(false);
-    let first = covering.clone().next();
-    let two_consumers = covering.clone().find(|e| e.rows == 2 * WGMMA_M);
-    covering
-        .find(|e| e.rows == rows)
-        .or(two_consumers)
-        .or(first)
+    let rows = pick.rows.unwrap_or(hopper_rows(call));
+    if let Some(keys) = pick.keys.or(hopper_keys(call)) {
+        let keyed = lines(false).filter(move |e| e.hopper_tile().block_n == keys);
+        if let Some(line) = line_of_rows(keyed, rows) {
+            return Some(line);
+        }
+    }
+    line_of_rows(lines(false).filter(|e| e.keys.is_none()), rows)
+}
+
+/// The first of `lines` with `rows` query rows, else the first 128-row
+/// one, else the first.
+fn line_of_rows<'a>(
+    mut lines: impl Iterator<Item = &'a Entry> + Clone,
+    rows: usize,
+) -> Option<&'a Entry> {
+    let first = lines.clone().next();
+    let two_consumers = lines.clone().find(|e| e.rows == 2 * WGMMA_M);
+    lines.find(|e| e.rows == rows).or(two_consumers).or(first)
 }
 
 /// The first (most specialised) entry of `kind` for `dtype` and `head_dim`

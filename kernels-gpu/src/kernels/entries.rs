@@ -183,7 +183,11 @@ mod sm90a {
         $(const _: () = {
             const LOOP: bool = table_word!(grid $($grid)?);
             const TILE: HopperTile = HopperTile::of(
-                $fd, policies::<ty!($mask), ty!($score), ty!($seq)>(), $rows, LOOP,
+                $fd,
+                policies::<ty!($mask), ty!($score), ty!($seq)>(),
+                $rows,
+                LOOP,
+                table_word!(keys $($grid)?),
             );
             #[export_name = fwd_name!($fdtype $fd $mask $score $seq $rows $($grid)?)]
             // Tensor maps come first, as in every sm_90a entry that takes

@@ -128,7 +128,8 @@ fn tile_at<M: Mask, L: Seq>(
     ))
 }
 
-/// One Hopper forward CTA of `ROWS` query rows, persistent or not (`LOOP`). `ST = block_n / 8` (n-tiles of S), `OT = D / 8`
+/// One Hopper forward CTA of `ROWS` query rows, persistent or not (`LOOP`),
+/// over key blocks of `block_n = ST * 8` keys. `ST` (n-tiles of S), `OT = D / 8`
 /// (of O), `QK = D / 16` (k-steps of Q·Kᵀ), `PK = block_n / 16` (of P·V)
 /// `STAGES` and `REGS` (consumer registers) restate the tile because array
 /// lengths and const arguments cannot be computed from it on stable Rust;
@@ -153,9 +154,9 @@ pub unsafe fn forward<
     p: &AttnParams,
     maps: u64,
 ) {
-    let tile = const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP) };
+    let tile = const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8)) };
     const {
-        let t = HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP);
+        let t = HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8));
         assert!(!t.persistent || t.q_buffers() == Q_BUFFERS as usize);
         assert!(
             t.producer_regs()
