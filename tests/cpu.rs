@@ -2131,18 +2131,6 @@ mod config {
         assert!(!hopper_padded_short(264, 1));
     }
 
-    /// The Hopper rows heuristic: 64 over few keys on the D = 64 and 128
-    /// lines, or where 64-row CTAs do not outnumber the SMs; 192 for a call
-    /// of at least one wave of 192-row CTAs that is not causal over fewer
-    /// than `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; else 128. And every Hopper
-    /// forward line is reachable with `hopper_rows` (the GPU suite's random
-    /// trials ask for each), so each line's kernel is tested.
-    /// The persistent lines: chosen up to `HOPPER_PERSISTENT_MAX_KEYS` keys
-    /// (a padded head dim's causal calls up to
-    /// `HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`) where one covers the call,
-    /// never past them, for a call without a line (D = 256, modifiers,
-    /// packed sequences) or when other rows or `Some(false)` are asked for;
-    /// `Some(true)` takes one at any length.
     /// The 64-key line: plain causal calls at D = 256 (and head dims padded
     /// to it) over at most `HOPPER_SHORT_CAUSAL_MAX_KEYS_D256` keys take it,
     /// longer ones, non-causal, modified and packed calls and every other
@@ -2223,6 +2211,18 @@ mod config {
         }
     }
 
+    /// The Hopper rows heuristic: 64 over few keys on the D = 64 and 128
+    /// lines, or where 64-row CTAs do not outnumber the SMs; 192 for a call
+    /// of at least one wave of 192-row CTAs that is not causal over fewer
+    /// than `HOPPER_WIDE_CAUSAL_MIN_KEYS` keys; else 128. And every Hopper
+    /// forward line is reachable with `hopper_rows` (the GPU suite's random
+    /// trials ask for each), so each line's kernel is tested.
+    /// The persistent lines: chosen up to `HOPPER_PERSISTENT_MAX_KEYS` keys
+    /// (a padded head dim's causal calls up to
+    /// `HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`) where one covers the call,
+    /// never past them, for a call without a line (D = 256, modifiers,
+    /// packed sequences) or when other rows or `Some(false)` are asked for;
+    /// `Some(true)` takes one at any length.
     #[test]
     fn hopper_persistent_choice() {
         let need = |mask, score, seq| Policies { mask, score, seq };

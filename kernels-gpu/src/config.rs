@@ -1503,8 +1503,10 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
 pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 2048];
 
 /// The causal limit for a head dim padded to its line (D = 96 on the D =
-/// 128 line): 1.00-1.02x at 512 keys, 0.97x at 1k.
-pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 512;
+/// 128 line). H100, v27: 1.00x at 512 keys, 1.04-1.08x at 1k, 0.99-1.00x
+/// at 2k, 0.96x at 4k (v23, before the TMA store and the host divisors:
+/// 0.97x at 1k).
+pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 1024;
 
 /// Query rows of a persistent line's tile (two consumer warpgroups): the
 /// only rows [`HopperTile::for_head_dim`] gives a persistent line.
