@@ -1925,6 +1925,13 @@ mod config {
     /// widest line, so those stay on sm_90.
     #[test]
     fn hopper_dispatch_covers_only_its_lines() {
+        let with_rows = |c: &HopperCall, rows| {
+            let pick = HopperPick {
+                rows,
+                ..Default::default()
+            };
+            find_hopper_entry(c, pick).expect("a line")
+        };
         let need = |mask, score, seq| Policies { mask, score, seq };
         let dense = |mask, score| need(mask, score, SeqKind::Dense);
         let (plain, modified) = (ScoreKind::Plain, ScoreKind::Modified);
@@ -2001,14 +2008,7 @@ mod config {
                             && line.score == plain
                             && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
                     for rows in [None, Some(64), Some(128), Some(192)] {
-                        let e = find_hopper_entry(
-                            &c,
-                            HopperPick {
-                                rows,
-                                ..Default::default()
-                            },
-                        )
-                        .unwrap();
+                        let e = with_rows(&c, rows);
                         assert_eq!(e.policies, line, "{need:?}");
                         assert_eq!((e.head_dim, e.dtype), (line_d, dtype));
                         // Rows where asked for (or chosen) and the line has
@@ -2036,14 +2036,7 @@ mod config {
                 ] {
                     let c = call(dtype, d, need(mask, score, SeqKind::Packed));
                     for rows in [None, Some(64), Some(128), Some(192)] {
-                        let e = find_hopper_entry(
-                            &c,
-                            HopperPick {
-                                rows,
-                                ..Default::default()
-                            },
-                        )
-                        .unwrap();
+                        let e = with_rows(&c, rows);
                         let want_score = if line_mask == MaskKind::Local {
                             modified
                         } else {
@@ -2059,14 +2052,7 @@ mod config {
                         _ => (MaskKind::Local, modified),
                     };
                     for rows in [None, Some(64), Some(192)] {
-                        let e = find_hopper_entry(
-                            &paged,
-                            HopperPick {
-                                rows,
-                                ..Default::default()
-                            },
-                        )
-                        .unwrap();
+                        let e = with_rows(&paged, rows);
                         let want = need(paged_mask, paged_score, SeqKind::Ragged);
                         assert_eq!(e.policies, want, "{mask:?} {score:?} {rows:?}");
                         assert_eq!((e.head_dim, e.dtype, e.rows), (line_d, dtype, 128));
