@@ -24,8 +24,8 @@ use flash_attn::{
     KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{
-    hopper_line_head_dim, hopper_padded_short, AttnTile, KernelKind, PtxArch, SeqKind,
-    HOPPER_ENTRIES,
+    hopper_line_head_dim, hopper_padded_short, AttnTile, KernelKind, MaskKind, Policies, PtxArch,
+    SeqKind, HOPPER_ENTRIES,
 };
 use flash_attn_kernels::params::{ProbeGemmParams, ProbeTmaParams};
 use half::{bf16, f16};
@@ -2163,21 +2163,37 @@ fn hopper_head_dims() -> Vec<usize> {
 /// Every row count of the Hopper lines that serve a head dim, as
 /// `hopper_rows` asks for them: the fixed cases run each of those lines.
 fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
-    let mut rows: Vec<usize> = hopper_lines_of(head_dim)
+    let mut rows: Vec<usize> = [false, true]
         .into_iter()
+        .flat_map(|causal| hopper_lines_of(head_dim, causal))
         .map(|(r, _, _)| r)
         .collect();
+    rows.sort();
     rows.dedup();
     rows.into_iter().map(Some).collect()
 }
 
 /// Every (rows, persistent, keys per block) of the Hopper lines that serve
-/// a head dim, sorted: the plain fixed cases run each.
-fn hopper_lines_of(head_dim: usize) -> Vec<(usize, bool, usize)> {
+/// a plain dense call of a head dim, full or causal, sorted: the plain fixed
+/// cases run each (a line that covers only causal calls, such as D = 256's
+/// 64-key one, would run its full cases on another line twice).
+fn hopper_lines_of(head_dim: usize, causal: bool) -> Vec<(usize, bool, usize)> {
     let line_d = hopper_line_head_dim(head_dim);
+    let need = Policies {
+        mask: if causal {
+            MaskKind::Causal
+        } else {
+            MaskKind::Full
+        },
+        ..Policies::PLAIN
+    };
     let mut lines: Vec<(usize, bool, usize)> = HOPPER_ENTRIES
         .iter()
-        .filter(|e| e.kind == KernelKind::WgmmaForward && Some(e.head_dim) == line_d)
+        .filter(|e| {
+            e.kind == KernelKind::WgmmaForward
+                && Some(e.head_dim) == line_d
+                && e.policies.covers(need)
+        })
         .map(|e| (e.rows, e.persistent, e.hopper_tile().block_n))
         .collect();
     lines.sort();
@@ -2228,7 +2244,7 @@ fn hopper_cases(
     let mut v = Vec::new();
     for causal in [false, true] {
         for head_dim in hopper_head_dims() {
-            for (rows, persistent, keys) in hopper_lines_of(head_dim) {
+            for (rows, persistent, keys) in hopper_lines_of(head_dim, causal) {
                 for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
                     v.push(FwdCase {
                         batch,
