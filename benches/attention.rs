@@ -51,6 +51,10 @@
 //! 16 x 1k at D = 64 and 128, causal and not): grids smaller than an H100's
 //! SMs, which the Hopper dispatch serves with 64-row tiles.
 //!
+//! The `tile-cost` rows (D = 64, 32 x 32 heads of 512 queries: 4096 tiles
+//! of 128 rows) take 128 to 4k keys, so that the time per tile splits into a
+//! fixed part and a part per key block (a line through the rows' times).
+//!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
@@ -521,6 +525,15 @@ fn shapes() -> Vec<Shape> {
     v.push(fwd(Dtype::F16, 1, 8, 512, 64, false, "seed-3060"));
     for s in [512, 1024, 2048, 4096, 8192] {
         v.push(fwd(Dtype::F16, 8, 32, s, 64, false, "seed-A100"));
+    }
+    // A tile's fixed cost against its per-block cost: D = 64 tiles of 512
+    // queries (4096 tiles of 128 rows) over 128 to 4k keys; time per tile
+    // is about a + b * blocks.
+    for seqlen_k in [128, 256, 512, 1024, 2048, 4096] {
+        v.push(Shape {
+            seqlen_k,
+            ..fwd(Dtype::F16, 32, 32, 512, 64, false, "tile-cost")
+        });
     }
     // Batch-1 prompts on few heads: grids of at most an H100's SMs in 64-row
     // CTAs, which the Hopper dispatch gives 64-row tiles, and a larger one

@@ -1059,8 +1059,9 @@ impl HopperTile {
             (128, _) | (192, 64) | (64, 64 | 128) => {}
             _ => return None,
         }
-        // Three Q buffers fit beside two K/V stages at D = 64 and 128 with
-        // 128 rows (224 of 227 KiB); the loop serves dense sequences.
+        // Three Q buffers fit beside two K/V stages at D = 128 with 128
+        // rows (224 of 227 KiB; D = 64 has room for four stages); the loop
+        // serves dense sequences.
         if persistent
             && (rows != HOPPER_PERSISTENT_ROWS
                 || head_dim > 128
@@ -1079,8 +1080,16 @@ impl HopperTile {
             // of 16-token pages 1.06x faster (each block is 16 small boxes
             // per tensor, so the ring needs more depth to hide them) and the
             // dense lines 1-2 % slower, so only the paged lines take it.
+            // D = 64's persistent lines serve short rows, whose K/V blocks
+            // come from DRAM more often (few query tiles share a head):
+            // there 3 stages (causal) and 4 (full) were fastest (v28), and
+            // 3-4 stages cost the long-row lines 1-2 %.
             stages: match (head_dim, rows, policies.seq) {
                 (128, 128, SeqKind::Ragged) => 3,
+                (64, _, _) if persistent => match policies.mask {
+                    MaskKind::Causal => 3,
+                    _ => 4,
+                },
                 _ => 2,
             },
             // Measured per head dim (docs/perf-notes.md, v16; v24: the
