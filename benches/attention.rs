@@ -52,8 +52,9 @@
 //! SMs, which the Hopper dispatch serves with 64-row tiles.
 //!
 //! The `tile-cost` rows (D = 64, 32 x 32 heads of 512 queries: 4096 tiles
-//! of 128 rows) take 128 to 4k keys, so that the time per tile splits into a
-//! fixed part and a part per key block (a line through the rows' times).
+//! of 128 rows) take 128 to 4k keys (512 is the sweep's row), so that the
+//! time per tile splits into a fixed part and a part per key block (a line
+//! through the rows' times).
 //!
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
@@ -527,9 +528,9 @@ fn shapes() -> Vec<Shape> {
         v.push(fwd(Dtype::F16, 8, 32, s, 64, false, "seed-A100"));
     }
     // A tile's fixed cost against its per-block cost: D = 64 tiles of 512
-    // queries (4096 tiles of 128 rows) over 128 to 4k keys; time per tile
-    // is about a + b * blocks.
-    for seqlen_k in [128, 256, 512, 1024, 2048, 4096] {
+    // queries (4096 tiles of 128 rows) over 128 to 4k keys (512: the
+    // sweep's row); time per tile is about a + b * blocks.
+    for seqlen_k in [128, 256, 1024, 2048, 4096] {
         v.push(Shape {
             seqlen_k,
             ..fwd(Dtype::F16, 32, 32, 512, 64, false, "tile-cost")
