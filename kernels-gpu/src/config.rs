@@ -1060,7 +1060,7 @@ impl HopperTile {
             _ => return None,
         }
         // Three Q buffers fit beside two K/V stages at D = 128 with 128
-        // rows (224 of 227 KiB; D = 64 has room for four stages); the loop
+        // rows (224 of 227 KiB; at D = 64 beside up to five); the loop
         // serves dense sequences.
         if persistent
             && (rows != HOPPER_PERSISTENT_ROWS
@@ -1083,7 +1083,7 @@ impl HopperTile {
             // D = 64's persistent lines serve short rows, whose K/V blocks
             // come from DRAM more often (few query tiles share a head):
             // there 3 stages (causal) and 4 (full) were fastest (v28), and
-            // 3-4 stages cost the long-row lines 1-2 %.
+            // 3-4 stages cost the long-row lines 1-3 %.
             stages: match (head_dim, rows, policies.seq) {
                 (128, 128, SeqKind::Ragged) => 3,
                 (64, _, _) if persistent => match policies.mask {
