@@ -1888,8 +1888,13 @@ mod config {
                 t.block_n % 16 == 0 && t.block_n <= 256 && t.head_dim % 64 == 0,
                 "{t:?}"
             );
-            // Q buffers (three in a persistent CTA), then the K/V stages.
-            let qb = if t.persistent { 3 } else { 1 };
+            // Q buffers (three or four in a persistent CTA), then the K/V
+            // stages.
+            let qb = match (t.persistent, t.pingpong) {
+                (true, false) => 4,
+                (true, true) => 3,
+                (false, _) => 1,
+            };
             assert_eq!(t.q_buffers(), qb, "{t:?}");
             for b in 0..qb {
                 assert_eq!(t.q_offset(b) % atom, 0, "{t:?}");
@@ -1907,7 +1912,7 @@ mod config {
             assert_eq!(t.k_ring(), q_barriers, "{t:?}");
             assert_eq!(t.barriers(), q_barriers + 4 * t.stages);
             if t.persistent {
-                assert_eq!((t.q_empty(0), t.q_empty(2)), (3, 5), "{t:?}");
+                assert_eq!((t.q_empty(0), t.q_empty(2)), (qb, qb + 2), "{t:?}");
                 assert!(t.block_m == 128 && t.head_dim <= 128, "{t:?}");
             }
             assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()));

@@ -1149,16 +1149,19 @@ impl HopperTile {
     pub const fn kv_bytes(self) -> usize {
         self.block_n * self.head_dim * ELEM_BYTES
     }
-    /// Q buffers: three in a persistent CTA, else one. A buffer frees after
-    /// the next tile's first softmax (once the TMA store of the O it held
-    /// has read it), so with two the next Q could only start loading then,
-    /// and a causal light tile (one key block) ends before it lands: the
-    /// third buffer gives its load a whole tile (docs/perf-notes.md, v24).
+    /// Q buffers: three or four in a persistent CTA, else one. A buffer
+    /// frees after the next tile's first softmax (once the TMA store of the
+    /// O it held has read it), so with two the next Q could only start
+    /// loading then, and a causal light tile (one key block) ends before it
+    /// lands: the third buffer gives its load a whole tile (docs/perf-notes.md,
+    /// v24). A line without ping-pong runs its tiles as one pipeline, which
+    /// needs the next tile's Q before the current one's epilogue, and frees a
+    /// buffer a tile later: a fourth buffer restores that tile (v29).
     pub const fn q_buffers(self) -> usize {
-        if self.persistent {
-            3
-        } else {
-            1
+        match (self.persistent, self.pingpong) {
+            (true, false) => 4,
+            (true, true) => 3,
+            (false, _) => 1,
         }
     }
     /// Offset of Q buffer `b`.

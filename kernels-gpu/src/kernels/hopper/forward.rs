@@ -55,12 +55,11 @@ const TURN_BARRIER: u32 = 4;
 /// Named barrier of every consumer thread once the V rows past a packed
 /// sequence's keys are zeroed ([`zero_rows_past`]), past the turn barriers.
 const ZEROED_BARRIER: u32 = 6;
-/// Q buffers of a persistent CTA ([`HopperTile::q_buffers`]).
-const Q_BUFFERS: u32 = 3;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
+/// `QB` is the tile's Q buffers ([`HopperTile::q_buffers`]).
 #[derive(Clone, Copy)]
-struct Smem {
+struct Smem<const QB: u32> {
     q: u32,
     /// Stage 0's K tile; stage s at `k + s * kv_bytes`.
     k: u32,
@@ -71,9 +70,9 @@ struct Smem {
     q_empty: u32,
 }
 
-impl Smem {
+impl<const QB: u32> Smem<QB> {
     #[inline(always)]
-    fn q_ring(self) -> TmaRing<Q_BUFFERS> {
+    fn q_ring(self) -> TmaRing<QB> {
         TmaRing::new(self.q_full, self.q_empty)
     }
 }
@@ -149,6 +148,7 @@ pub unsafe fn forward<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const QB: u32,
     const REGS: u32,
 >(
     p: &AttnParams,
@@ -157,7 +157,7 @@ pub unsafe fn forward<
     let tile = const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8)) };
     const {
         let t = HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8));
-        assert!(!t.persistent || t.q_buffers() == Q_BUFFERS as usize);
+        assert!(t.q_buffers() == QB as usize);
         assert!(
             t.producer_regs()
                 == if t.persistent {
@@ -174,7 +174,7 @@ pub unsafe fn forward<
     let a = SW128_ATOM_BYTES;
     let base = (smem::base() + a - 1) & !(a - 1);
     let at = |offset: usize| base + offset as u32;
-    let sm = Smem {
+    let sm = Smem::<QB> {
         q: base,
         k: at(tile.k_offset(0)),
         v: at(tile.v_offset(0)),
@@ -211,7 +211,7 @@ pub unsafe fn forward<
     }
     barrier::sync_cta_divergent();
     if LOOP {
-        persistent::<T, M, S, L, D, ST, OT, QK, PK, STAGES, REGS>(
+        persistent::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB, REGS>(
             p, tile, maps, sm, k_ring, v_ring,
         );
         return;
@@ -230,14 +230,21 @@ pub unsafe fn forward<
         // A paged cache takes the whole first warp: one page lookup and box
         // per lane (`produce`).
         if tid == 0 || (L::PAGED && tid < WARP_SIZE as u32) {
-            produce::<L, D, STAGES>(p, tile, &info, maps, sm, k_ring, v_ring, Cursor::default());
+            produce::<L, D, STAGES, QB>(
+                p,
+                tile,
+                &info,
+                maps,
+                sm,
+                k_ring,
+                v_ring,
+                Cursor::default(),
+            );
         }
     } else {
         setmaxnreg::inc::<REGS>();
-        let at = Cursor::default();
-        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(
-            p, tile, &info, maps, sm, k_ring, v_ring, at,
-        );
+        let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, Cursor::default());
     }
 }
 
@@ -257,12 +264,13 @@ fn persistent<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const QB: u32,
     const REGS: u32,
 >(
     p: &AttnParams,
     tile: HopperTile,
     maps: u64,
-    sm: Smem,
+    sm: Smem<QB>,
     k_ring: TmaRing<STAGES>,
     v_ring: TmaRing<STAGES>,
 ) {
@@ -272,31 +280,28 @@ fn persistent<
         setmaxnreg::dec::<{ HopperTile::PERSISTENT_PRODUCER_REGS }>();
         if tid == 0 {
             while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
-                produce::<L, D, STAGES>(p, tile, &info, maps, sm, k_ring, v_ring, at);
+                produce::<L, D, STAGES, QB>(p, tile, &info, maps, sm, k_ring, v_ring, at);
                 at = at.after(&info, next);
             }
         }
     } else {
         setmaxnreg::inc::<REGS>();
-        let c = tid / WARPGROUP_THREADS as u32 - 1;
-        let turn_threads = 2 * WARPGROUP_THREADS as u32;
-        if tile.pingpong && c == 1 {
-            barrier::arrive_named(TURN_BARRIER, turn_threads);
-        }
-        while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
-            consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES>(
-                p, tile, &info, maps, sm, k_ring, v_ring, at,
-            );
-            at = at.after(&info, next);
-        }
-        if tile.pingpong && c == 0 {
-            barrier::sync_named(TURN_BARRIER, turn_threads);
+        let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
+        // Persistent lines serve dense sequences (`HopperTile::for_head_dim`):
+        // the stream's epilogue has no packed rows to guard.
+        if !tile.pingpong && !L::RAGGED {
+            stream::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, maps);
+        } else {
+            wg.hand_over_first();
+            while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
+                consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, at);
+                at = at.after(&info, next);
+            }
+            wg.take_last_turn();
         }
         // The last tile's O store must read its shared memory before the
         // CTA exits.
-        if special::thread_idx_x() % WARPGROUP_THREADS as u32 == 0 {
-            tma::store_wait_read();
-        }
+        wg.store_read();
     }
 }
 
@@ -308,12 +313,12 @@ fn persistent<
 /// boxes, and likewise V. A box whose first key lies past the sequence
 /// reads page 0 (masked, and its V rows zeroed by the consumers).
 #[inline(always)]
-fn produce<L: Seq, const D: usize, const STAGES: u32>(
+fn produce<L: Seq, const D: usize, const STAGES: u32, const QB: u32>(
     p: &AttnParams,
     tile: HopperTile,
     info: &BlockInfo,
     maps: u64,
-    sm: Smem,
+    sm: Smem<QB>,
     k_ring: TmaRing<STAGES>,
     v_ring: TmaRing<STAGES>,
     at: Cursor,
@@ -415,6 +420,470 @@ fn produce<L: Seq, const D: usize, const STAGES: u32>(
     }
 }
 
+/// A consumer warpgroup's place in the CTA, the CTA's pipes, and the steps
+/// of the loop over a tile's key blocks, which [`consume`] (one tile) and
+/// [`stream`] (a persistent CTA's tiles, one pipeline) put in order.
+#[derive(Clone, Copy)]
+struct Warpgroup<const STAGES: u32, const QB: u32> {
+    tile: HopperTile,
+    sm: Smem<QB>,
+    k_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<STAGES>,
+    mods: Modifiers,
+    /// Consumer index: warpgroup c + 1 of the CTA.
+    c: u32,
+    wg_tid: u32,
+    lane: u32,
+    /// The lane's row in its warp's 8 (g) and its column pair (t) in the
+    /// accumulator fragments.
+    g: u32,
+    t: u32,
+    /// The CTA row of the lane's first accumulator half (the second is + 8).
+    row0: u32,
+}
+
+/// One tile as a consumer works on it: where it lies, its loads' places in
+/// the rings, its Q buffer, and its head's ALiBi slope (uniform: one head
+/// per CTA tile).
+struct Work<'a> {
+    info: &'a BlockInfo,
+    at: Cursor,
+    q_buf: u32,
+    /// This warpgroup's rows of the Q buffer: the A operand of S = Q·Kᵀ.
+    q_rows: u32,
+    slope: f32,
+}
+
+impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
+    #[inline(always)]
+    fn new<S: Scores>(
+        p: &AttnParams,
+        tile: HopperTile,
+        sm: Smem<QB>,
+        k_ring: TmaRing<STAGES>,
+        v_ring: TmaRing<STAGES>,
+    ) -> Self {
+        let tid = special::thread_idx_x();
+        let c = tid / WARPGROUP_THREADS as u32 - 1;
+        let wg_tid = tid % WARPGROUP_THREADS as u32;
+        let lane = tid % WARP_SIZE as u32;
+        Warpgroup {
+            tile,
+            sm,
+            k_ring,
+            v_ring,
+            mods: Modifiers::new::<S>(p),
+            c,
+            wg_tid,
+            lane,
+            g: lane / 4,
+            t: lane % 4,
+            row0: c * WGMMA_M as u32 + wg_tid / WARP_SIZE as u32 * 16 + lane / 4,
+        }
+    }
+
+    #[inline(always)]
+    fn work<'a>(self, p: &AttnParams, info: &'a BlockInfo, at: Cursor) -> Work<'a> {
+        let q_buf = if self.tile.persistent {
+            self.sm.q + (at.tiles % QB) * self.tile.q_bytes() as u32
+        } else {
+            self.sm.q
+        };
+        let slope = if self.mods.alibi {
+            Modifiers::slope(p, info.batch, info.head_base)
+        } else {
+            0.0
+        };
+        Work {
+            info,
+            at,
+            q_buf,
+            q_rows: q_buf + self.c * WGMMA_M as u32 * SW128_ROW_BYTES,
+            slope,
+        }
+    }
+
+    /// K of the tile's `i`-th block, once it has landed.
+    #[inline(always)]
+    fn k_tile(self, w: &Work, i: u32) -> u32 {
+        self.sm.k + self.k_ring.wait_full(w.at.blocks + i) * self.tile.kv_bytes() as u32
+    }
+
+    /// Likewise V.
+    #[inline(always)]
+    fn v_tile(self, w: &Work, i: u32) -> u32 {
+        self.sm.v + self.v_ring.wait_full(w.at.blocks + i) * self.tile.kv_bytes() as u32
+    }
+
+    /// Every warp releases the K stage of the tile's `i`-th block once its
+    /// S has completed.
+    #[inline(always)]
+    fn release_k(self, w: &Work, i: u32) {
+        if self.lane == 0 {
+            self.k_ring.release(w.at.blocks + i);
+        }
+    }
+
+    /// Likewise V, once its P·V has.
+    #[inline(always)]
+    fn release_v(self, w: &Work, i: u32) {
+        if self.lane == 0 {
+            self.v_ring.release(w.at.blocks + i);
+        }
+    }
+
+    /// Ping-pong: a warpgroup waits for its turn, issues its GEMMs and hands
+    /// the turn to the other.
+    #[inline(always)]
+    fn take_turn(self) {
+        if self.tile.pingpong {
+            barrier::sync_named(TURN_BARRIER + self.c, 2 * WARPGROUP_THREADS as u32);
+        }
+    }
+
+    #[inline(always)]
+    fn hand_over(self) {
+        if self.tile.pingpong {
+            barrier::arrive_named(TURN_BARRIER + (1 - self.c), 2 * WARPGROUP_THREADS as u32);
+        }
+    }
+
+    /// Warpgroup 1 hands warpgroup 0 the first turn. Every turn taken is
+    /// one handed over, so warpgroup 0 takes one more turn than it is
+    /// handed back, after its last GEMM ([`Self::take_last_turn`]: the
+    /// barrier then ends the CTA with no arrival pending). A persistent CTA
+    /// does the first and last once around its tiles ([`persistent`]).
+    #[inline(always)]
+    fn hand_over_first(self) {
+        if self.c == 1 {
+            self.hand_over();
+        }
+    }
+
+    #[inline(always)]
+    fn take_last_turn(self) {
+        if self.c == 0 {
+            self.take_turn();
+        }
+    }
+
+    /// S = Q·Kᵀ as one group of `wgmma`s: one straight run of fence, wgmmas,
+    /// commit (a register write or a branch inside it makes ptxas serialise
+    /// them).
+    #[inline(always)]
+    fn issue_s<T: Element, const ST: usize, const QK: usize>(
+        self,
+        s: &mut [[f32; 4]; ST],
+        q_rows: u32,
+        k_tile: u32,
+    ) {
+        let (bm, bn) = (self.tile.block_m as u32, self.tile.block_n as u32);
+        wgmma::fence_operands(s);
+        wgmma::fence();
+        unroll::<QK>(|kk| {
+            let (a, b) = (
+                k_major_desc(q_rows, bm, kk as u32),
+                k_major_desc(k_tile, bn, kk as u32),
+            );
+            wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
+        });
+        wgmma::commit_group();
+    }
+
+    /// O += P·V as one group of `wgmma`s. V is MN-major, as TMA stored it; P
+    /// is all in registers before the fence.
+    #[inline(always)]
+    fn issue_pv<T: Element, const OT: usize, const PK: usize>(
+        self,
+        o: &mut [[f32; 4]; OT],
+        pf: &mut [[u32; 4]; PK],
+        v_tile: u32,
+    ) {
+        let bn = self.tile.block_n as u32;
+        wgmma::fence_operands(o);
+        wgmma::fence_fragments(pf);
+        wgmma::fence();
+        unroll::<PK>(|kk| {
+            let b = mn_major_desc(v_tile, bn, kk as u32);
+            wgmma::rs::<OT, 1>(T::BF16, o, &pf[kk], b, 1);
+        });
+        wgmma::commit_group();
+    }
+
+    /// Waits until S, the older of two groups in flight, has completed
+    /// (groups complete in order), and releases its K stage.
+    #[inline(always)]
+    fn s_done<const ST: usize>(self, s: &mut [[f32; 4]; ST], w: &Work, i: u32, in_flight: u32) {
+        if in_flight == 2 {
+            wgmma::wait_group::<1>();
+        } else {
+            wgmma::wait_group::<0>();
+        }
+        wgmma::fence_operands(s);
+        self.release_k(w, i);
+    }
+
+    /// Waits for every group in flight (the P·V of the tile's `i`-th block
+    /// last) and releases the block's V stage.
+    #[inline(always)]
+    fn pv_done<const OT: usize, const PK: usize>(
+        self,
+        o: &mut [[f32; 4]; OT],
+        pf: &mut [[u32; 4]; PK],
+        w: &Work,
+        i: u32,
+    ) {
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(o);
+        wgmma::fence_fragments(pf);
+        self.release_v(w, i);
+    }
+
+    /// Score modifiers, then the mask, as the sm_80 mainloop applies them,
+    /// then the online softmax of the tile's `i`-th block (visited from the
+    /// last key block down), left as P in `s`; returns the factor O must
+    /// take when the row maxima moved.
+    #[inline(always)]
+    fn softmax<M: Mask, S: Scores, const ST: usize>(
+        self,
+        p: &AttnParams,
+        w: &Work,
+        softmax: &mut OnlineSoftmax,
+        s: &mut [[f32; 4]; ST],
+        i: u32,
+    ) -> Option<[f32; 2]> {
+        let (info, bn) = (w.info, self.tile.block_n as u32);
+        let n = info.n_hi - 1 - i;
+        let key0 = (n * bn + 2 * self.t) as i32;
+        let mut row_bias = None;
+        if S::MODIFIED {
+            self.mods.softcap(p, s);
+            if self.mods.alibi {
+                let r0 = special::opaque_u32(self.row0);
+                let pos = [r0, r0 + 8].map(|r| info.key_pos(r));
+                let slope = [w.slope; 2];
+                match info.origin_side(n, bn) {
+                    OriginSide::Both => policy::alibi(s, key0, pos, slope),
+                    side => {
+                        let left = side == OriginSide::Left;
+                        row_bias = Some(policy::alibi_one_sided(s, key0, pos, slope, left));
+                    }
+                }
+            }
+        }
+        if info.block_needs_mask(n, bn) {
+            // Rebuilt per block (see the sm_80 mainloop): kept live, the
+            // rows' key limits would cost registers through the loop.
+            let r0 = special::opaque_u32(self.row0);
+            mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
+        }
+        match row_bias {
+            Some(b) => softmax.advance_biased(s, p.scale_log2, b),
+            None => softmax.advance(s, p.scale_log2),
+        }
+    }
+
+    /// The first block of a tile: S alone, its softmax (O is still 0:
+    /// nothing to rescale), P packed for its P·V.
+    #[inline(always)]
+    fn first_block<
+        T: Element,
+        M: Mask,
+        S: Scores,
+        const ST: usize,
+        const QK: usize,
+        const PK: usize,
+    >(
+        self,
+        p: &AttnParams,
+        w: &Work,
+        softmax: &mut OnlineSoftmax,
+    ) -> [[u32; 4]; PK] {
+        let mut s = [[0f32; 4]; ST];
+        let k_tile = self.k_tile(w, 0);
+        self.take_turn();
+        self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
+        self.hand_over();
+        self.s_done(&mut s, w, 0, 1);
+        let _ = self.softmax::<M, S, ST>(p, w, softmax, &mut s, 0);
+        pack::<T, ST, PK>(&s)
+    }
+
+    /// Blocks 1.. of a tile, P of block 0 in `pf`: FlashAttention-3's
+    /// intra-warpgroup overlap. S(i) and then P(i-1)·V(i-1) are in flight
+    /// together, and the softmax of S(i) runs while the tensor cores still
+    /// work on the P·V. Leaves the last block's P in `pf`.
+    #[inline(always)]
+    fn later_blocks<
+        T: Element,
+        M: Mask,
+        S: Scores,
+        const ST: usize,
+        const OT: usize,
+        const QK: usize,
+        const PK: usize,
+    >(
+        self,
+        p: &AttnParams,
+        w: &Work,
+        softmax: &mut OnlineSoftmax,
+        o: &mut [[f32; 4]; OT],
+        pf: &mut [[u32; 4]; PK],
+    ) {
+        let blocks = w.info.n_hi - w.info.n_lo;
+        let mut i = 1;
+        while i < blocks {
+            let k_tile = self.k_tile(w, i);
+            let v_tile = self.v_tile(w, i - 1);
+            let mut s = [[0f32; 4]; ST];
+            self.take_turn();
+            self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
+            self.issue_pv::<T, OT, PK>(o, pf, v_tile);
+            self.hand_over();
+            self.s_done(&mut s, w, i, 2);
+            let correction = self.softmax::<M, S, ST>(p, w, softmax, &mut s, i);
+            self.pv_done(o, pf, w, i - 1);
+            if let Some(c) = correction {
+                unroll::<OT>(|j| unroll::<4>(|e| o[j][e] *= c[e / 2]));
+            }
+            *pf = pack::<T, ST, PK>(&s);
+            i += 1;
+        }
+    }
+
+    /// The epilogue: LSE, then O / l through this warpgroup's own rows of
+    /// the tile's Q buffer (its last S = Q·Kᵀ has completed), stored with
+    /// TMA (dense) or row by row (packed). A TMA store is committed and left
+    /// in flight: the buffer is reused, or the CTA exits, only after
+    /// [`Self::store_read`].
+    #[inline(always)]
+    fn epilogue<T: Element, L: Seq, const D: usize, const OT: usize>(
+        self,
+        p: &AttnParams,
+        maps: u64,
+        w: &Work,
+        o: &[[f32; 4]; OT],
+        (inv_l, lse): ([f32; 2], [f32; 2]),
+    ) {
+        let (info, q_buf) = (w.info, w.q_buf);
+        let (c, wg_tid, lane) = (self.c, self.wg_tid, self.lane);
+        let bm = self.tile.block_m as u32;
+        if p.lse != 0 && self.t == 0 {
+            unroll::<2>(|r| {
+                let row = self.row0 + 8 * r as u32;
+                if let Some(token) = info.token(row) {
+                    global::st_f32(p.lse + info.lse_index(row, token) * 4, lse[r]);
+                }
+            });
+        }
+        // Each `stmatrix` stores chunks j and j + 1 (8 columns each) of the
+        // warp's 16 rows; lane l addresses row (l / 8 % 2) * 8 + l % 8 of
+        // chunk j + l / 16.
+        let warp_row0 = self.row0 - self.g;
+        let (m_row, m_chunk) = ((lane / 8 % 2) * 8 + lane % 8, lane / 16);
+        unroll::<OT>(|j| {
+            if j % 2 == 1 {
+                return;
+            }
+            let pair = |j: usize| {
+                let p = |r: usize| T::pack(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
+                [p(0), p(1)]
+            };
+            let ([a, b], [c, d]) = (pair(j), pair(j + 1));
+            let chunk = j as u32 + m_chunk;
+            ldmatrix::store_x4(
+                q_buf + sw128_offset(warp_row0 + m_row, chunk, bm),
+                [a, b, c, d],
+            );
+        });
+        if !L::RAGGED {
+            // One TMA store per 64-column group of the warpgroup's rows; the
+            // map's bounds drop the rows past the sequence and O's columns
+            // past its head dim (a packed sequence's rows past its end would
+            // be the next one's: those lines store row by row, below).
+            fence::proxy_async_shared();
+            barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
+            if wg_tid == 0 {
+                let o_map = maps + core::mem::offset_of!(HopperFwdMaps, o) as u64;
+                let row = info.q_start + info.m0 + c * WGMMA_M as u32;
+                for group in 0..(D / SW128_ROW_ELEMS) as u32 {
+                    let coord = [
+                        (group as usize * SW128_ROW_ELEMS) as i32,
+                        row as i32,
+                        info.head_base as i32,
+                        info.addr_batch as i32,
+                    ];
+                    let src = w.q_rows + group * bm * SW128_ROW_BYTES;
+                    tma::store_4d(o_map, coord, src);
+                }
+                tma::store_commit();
+            }
+            return;
+        }
+        barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
+        let chunks = (D / 8) as u32;
+        // A smaller V/O head dim: O's columns past it are TMA's zero columns
+        // of V, and O has no room for them.
+        let stored = p.v_chunks(D);
+        for k in 0..(WGMMA_M * D / 8 / WARPGROUP_THREADS) as u32 {
+            let idx = wg_tid + k * WARPGROUP_THREADS as u32;
+            let row = c * WGMMA_M as u32 + idx / chunks;
+            let chunk = idx % chunks;
+            if chunk >= stored {
+                continue;
+            }
+            if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
+                let v = smem::ld_v4_b32(q_buf + sw128_offset(row, chunk, bm));
+                global::st_v4_b32(dst + chunk as u64 * 16, v);
+            }
+        }
+    }
+
+    /// Waits until this warpgroup's O store (the TMA store its thread 0
+    /// issued last) has read its Q buffer.
+    #[inline(always)]
+    fn store_read(self) {
+        if self.wg_tid == 0 {
+            tma::store_wait_read();
+        }
+    }
+
+    /// Frees the Q buffer of a persistent CTA's tile `tiles` once its O
+    /// store has read it: one arrival per consumer.
+    #[inline(always)]
+    fn release_q(self, tiles: u32) {
+        if self.wg_tid == 0 {
+            tma::store_wait_read();
+            self.sm.q_ring().release(tiles);
+        }
+    }
+}
+
+/// l and LSE of the finished rows; a sink adds exp(sink) to every row's
+/// denominator (policy.rs).
+#[inline(always)]
+fn finalize<S: Scores>(
+    p: &AttnParams,
+    info: &BlockInfo,
+    softmax: &OnlineSoftmax,
+) -> ([f32; 2], [f32; 2]) {
+    let sink = if S::MODIFIED && p.sinks != 0 {
+        let logit = global::ld_nc_f32(p.sinks + info.head_base as u64 * 4);
+        Some(logit * core::f32::consts::LOG2_E)
+    } else {
+        None
+    };
+    softmax.finalize(sink.map(|s| [s, s]))
+}
+
+/// Two consecutive 8-column n-tiles of S at a time, as P's A fragments.
+#[inline(always)]
+fn pack<T: Element, const ST: usize, const PK: usize>(s: &[[f32; 4]; ST]) -> [[u32; 4]; PK] {
+    let mut pf = [[0u32; 4]; PK];
+    unroll::<PK>(|kk| pf[kk] = pack_fragment::<T>(&s[2 * kk], &s[2 * kk + 1]));
+    pf
+}
+
 /// One consumer warpgroup: its 64 rows of O over every key block, then
 /// the epilogue; `at` places a persistent CTA's tile in the rings.
 #[inline(always)]
@@ -429,169 +898,48 @@ fn consume<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const QB: u32,
 >(
     p: &AttnParams,
-    tile: HopperTile,
+    wg: Warpgroup<STAGES, QB>,
     info: &BlockInfo,
     maps: u64,
-    sm: Smem,
-    k_ring: TmaRing<STAGES>,
-    v_ring: TmaRing<STAGES>,
     at: Cursor,
 ) {
-    let tid = special::thread_idx_x();
-    let c = tid / WARPGROUP_THREADS as u32 - 1;
-    let wg_tid = tid % WARPGROUP_THREADS as u32;
-    let lane = tid % WARP_SIZE as u32;
-    let (g, t) = (lane / 4, lane % 4);
-    // The CTA row of the lane's first accumulator half (the second is + 8).
-    let row0 = c * WGMMA_M as u32 + wg_tid / WARP_SIZE as u32 * 16 + g;
-    let (bm, bn) = (tile.block_m as u32, tile.block_n as u32);
-    let kv_bytes = tile.kv_bytes() as u32;
-    // The tile's Q buffer, and this warpgroup's rows of it: the A operand of
-    // S = Q·Kᵀ.
-    let q_buf = if tile.persistent {
-        sm.q + (at.tiles % Q_BUFFERS) * tile.q_bytes() as u32
-    } else {
-        sm.q
-    };
-    let q_rows = q_buf + c * WGMMA_M as u32 * SW128_ROW_BYTES;
-
-    // S = Q·K(i)ᵀ and O += P·V(i) are issued as groups of `wgmma`s, each one
-    // straight run of fence, wgmmas, commit (a register write or a branch
-    // inside it makes ptxas serialise them).
-    let issue_s = |s: &mut [[f32; 4]; ST], k_tile: u32| {
-        wgmma::fence_operands(s);
-        wgmma::fence();
-        unroll::<QK>(|kk| {
-            let (a, b) = (
-                k_major_desc(q_rows, bm, kk as u32),
-                k_major_desc(k_tile, bn, kk as u32),
-            );
-            wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
-        });
-        wgmma::commit_group();
-    };
-    // V is MN-major, as TMA stored it; P is all in registers before the fence.
-    let issue_pv = |o: &mut [[f32; 4]; OT], pf: &mut [[u32; 4]; PK], v_tile: u32| {
-        wgmma::fence_operands(o);
-        wgmma::fence_fragments(pf);
-        wgmma::fence();
-        unroll::<PK>(|kk| {
-            let b = mn_major_desc(v_tile, bn, kk as u32);
-            wgmma::rs::<OT, 1>(T::BF16, o, &pf[kk], b, 1);
-        });
-        wgmma::commit_group();
-    };
-    let mods = Modifiers::new::<S>(p);
-    // The CTA's one head: its ALiBi slope is uniform.
-    let slope = if mods.alibi {
-        Modifiers::slope(p, info.batch, info.head_base)
-    } else {
-        0.0
-    };
-    // Score modifiers, then the mask, as the sm_80 mainloop applies them;
-    // returns the rows' ALiBi part that the softmax adds (one-sided blocks).
-    let mask_scores = |s: &mut [[f32; 4]; ST], n: u32| {
-        let key0 = (n * bn + 2 * t) as i32;
-        let mut row_bias = None;
-        if S::MODIFIED {
-            mods.softcap(p, s);
-            if mods.alibi {
-                let r0 = special::opaque_u32(row0);
-                let pos = [r0, r0 + 8].map(|r| info.key_pos(r));
-                match info.origin_side(n, bn) {
-                    OriginSide::Both => policy::alibi(s, key0, pos, [slope; 2]),
-                    side => {
-                        let left = side == OriginSide::Left;
-                        row_bias = Some(policy::alibi_one_sided(s, key0, pos, [slope; 2], left));
-                    }
-                }
-            }
-        }
-        if info.block_needs_mask(n, bn) {
-            // Rebuilt per block (see the sm_80 mainloop): kept live, the
-            // rows' key limits would cost registers through the loop.
-            let r0 = special::opaque_u32(row0);
-            mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
-        }
-        row_bias
-    };
-    let pack = |s: &[[f32; 4]; ST]| {
-        let mut pf = [[0u32; 4]; PK];
-        unroll::<PK>(|kk| pf[kk] = pack_fragment::<T>(&s[2 * kk], &s[2 * kk + 1]));
-        pf
-    };
-
-    // Ping-pong: a warpgroup waits for its turn, issues its GEMMs and hands
-    // the turn to the other; warpgroup 1 hands warpgroup 0 the first turn.
-    // Every turn taken is one handed over, so warpgroup 0 takes one more
-    // turn than it is handed back, after its last GEMM (the barrier then
-    // ends the CTA with no arrival pending). A persistent CTA does the
-    // first and last once around its tiles ([`persistent`]).
-    let turn_threads = 2 * WARPGROUP_THREADS as u32;
-    let take_turn = || {
-        if tile.pingpong {
-            barrier::sync_named(TURN_BARRIER + c, turn_threads);
-        }
-    };
-    let hand_over = || {
-        if tile.pingpong {
-            barrier::arrive_named(TURN_BARRIER + (1 - c), turn_threads);
-        }
-    };
-    if tile.pingpong && c == 1 && !tile.persistent {
-        hand_over();
+    let tile = wg.tile;
+    let w = wg.work(p, info, at);
+    if !tile.persistent {
+        wg.hand_over_first();
     }
-
     // A persistent CTA's previous tile stored its O from its own Q buffer
     // with TMA (below); the store has read it by the time this tile's first
     // softmax is done, so its wait costs nothing there, and the producer
     // has the next tile's time to load that buffer's next Q (three
     // buffers: `HopperTile::q_buffers`).
     let release_previous_q = || {
-        if tile.persistent && at.tiles > 0 && wg_tid == 0 {
-            tma::store_wait_read();
-            sm.q_ring().release(at.tiles - 1);
+        if tile.persistent && at.tiles > 0 {
+            wg.release_q(at.tiles - 1);
         }
     };
     if tile.persistent {
-        sm.q_ring().wait_full(at.tiles);
+        wg.sm.q_ring().wait_full(at.tiles);
     } else {
-        wait(sm.q_full, 0);
+        wait(wg.sm.q_full, 0);
     }
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
     let blocks = info.n_hi - info.n_lo;
-    let block = |i: u32| info.n_hi - 1 - i;
-    // Block i's place in the K/V rings.
-    let slot = |i: u32| at.blocks + i;
     // P of the block whose P·V is issued next.
     let mut pf = [[0u32; 4]; PK];
     if blocks > 0 {
-        let mut s = [[0f32; 4]; ST];
-        let k_tile = sm.k + k_ring.wait_full(slot(0)) * kv_bytes;
-        take_turn();
-        issue_s(&mut s, k_tile);
-        hand_over();
-        wgmma::wait_group::<0>();
-        wgmma::fence_operands(&mut s);
-        if lane == 0 {
-            k_ring.release(slot(0));
-        }
-        let row_bias = mask_scores(&mut s, block(0));
-        // O is still 0: nothing to rescale.
-        let _ = match row_bias {
-            Some(b) => softmax.advance_biased(&mut s, p.scale_log2, b),
-            None => softmax.advance(&mut s, p.scale_log2),
-        };
-        pf = pack(&s);
+        pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
         release_previous_q();
         if L::RAGGED {
             // Uniform: the first block visited is the sequence's last.
-            let keys_in_block = info.seqlen_k.saturating_sub(block(0) * bn);
+            let bn = tile.block_n as u32;
+            let keys_in_block = info.seqlen_k.saturating_sub((info.n_hi - 1) * bn);
             if keys_in_block < bn {
-                let v_tile = sm.v + v_ring.wait_full(slot(0)) * kv_bytes;
+                let v_tile = wg.v_tile(&w, 0);
                 zero_rows_past::<D>(v_tile, bn, keys_in_block, tile.consumers as u32);
             }
         }
@@ -599,139 +947,123 @@ fn consume<
     if blocks == 0 {
         release_previous_q();
     }
-    // FlashAttention-3's intra-warpgroup overlap: S(i) and then P(i-1)·V(i-1)
-    // are in flight together, and the softmax of S(i) runs while the
-    // tensor cores still work on the P·V.
-    let mut i = 1;
-    while i < blocks {
-        let k_tile = sm.k + k_ring.wait_full(slot(i)) * kv_bytes;
-        let v_tile = sm.v + v_ring.wait_full(slot(i - 1)) * kv_bytes;
-        let mut s = [[0f32; 4]; ST];
-        take_turn();
-        issue_s(&mut s, k_tile);
-        issue_pv(&mut o, &mut pf, v_tile);
-        hand_over();
-        // Groups complete in order: S(i) has, P·V may still be running.
-        wgmma::wait_group::<1>();
-        wgmma::fence_operands(&mut s);
-        if lane == 0 {
-            k_ring.release(slot(i));
-        }
-        let row_bias = mask_scores(&mut s, block(i));
-        let correction = match row_bias {
-            Some(b) => softmax.advance_biased(&mut s, p.scale_log2, b),
-            None => softmax.advance(&mut s, p.scale_log2),
-        };
-        wgmma::wait_group::<0>();
-        wgmma::fence_operands(&mut o);
-        wgmma::fence_fragments(&mut pf);
-        if lane == 0 {
-            v_ring.release(slot(i - 1));
-        }
-        if let Some(c) = correction {
-            unroll::<OT>(|j| unroll::<4>(|e| o[j][e] *= c[e / 2]));
-        }
-        pf = pack(&s);
-        i += 1;
-    }
+    wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
     if blocks > 0 {
-        issue_pv(
-            &mut o,
-            &mut pf,
-            sm.v + v_ring.wait_full(slot(blocks - 1)) * kv_bytes,
-        );
-        wgmma::wait_group::<0>();
-        wgmma::fence_operands(&mut o);
-        wgmma::fence_fragments(&mut pf);
-        if lane == 0 {
-            v_ring.release(slot(blocks - 1));
-        }
+        let v_tile = wg.v_tile(&w, blocks - 1);
+        wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
+        wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
     }
-    if tile.pingpong && c == 0 && !tile.persistent {
-        take_turn();
+    if !tile.persistent {
+        wg.take_last_turn();
     }
+    let finished = finalize::<S>(p, info, &softmax);
+    wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
+    // A persistent CTA frees the buffer after the next tile's first
+    // softmax (`release_previous_q`); another must not exit before the
+    // store has read it.
+    if !L::RAGGED && !tile.persistent {
+        wg.store_read();
+    }
+}
 
-    // A sink adds exp(sink) to every row's denominator (policy.rs).
-    let sink = if S::MODIFIED && p.sinks != 0 {
-        Some(global::ld_nc_f32(p.sinks + info.head_base as u64 * 4) * core::f32::consts::LOG2_E)
-    } else {
-        None
-    };
-    let (inv_l, lse) = softmax.finalize(sink.map(|s| [s, s]));
-    if p.lse != 0 && t == 0 {
-        unroll::<2>(|r| {
-            let row = row0 + 8 * r as u32;
-            if let Some(token) = info.token(row) {
-                global::st_f32(p.lse + info.lse_index(row, token) * 4, lse[r]);
-            }
-        });
-    }
-    // O / l through this warpgroup's own Q rows (its last S = Q·Kᵀ has
-    // completed): each `stmatrix` stores chunks j and j + 1 (8 columns
-    // each) of the warp's 16 rows; lane l addresses row (l / 8 % 2) * 8 +
-    // l % 8 of chunk j + l / 16.
-    let warp_row0 = row0 - g;
-    let (m_row, m_chunk) = ((lane / 8 % 2) * 8 + lane % 8, lane / 16);
-    unroll::<OT>(|j| {
-        if j % 2 == 1 {
-            return;
-        }
-        let pair = |j: usize| {
-            let p = |r: usize| T::pack(o[j][2 * r] * inv_l[r], o[j][2 * r + 1] * inv_l[r]);
-            [p(0), p(1)]
-        };
-        let ([a, b], [c, d]) = (pair(j), pair(j + 1));
-        let chunk = j as u32 + m_chunk;
-        ldmatrix::store_x4(
-            q_buf + sw128_offset(warp_row0 + m_row, chunk, bm),
-            [a, b, c, d],
-        );
-    });
-    if !L::RAGGED {
-        // One TMA store per 64-column group of the warpgroup's rows; the
-        // map's bounds drop the rows past the sequence and O's columns past
-        // its head dim (a packed sequence's rows past its end would be the
-        // next one's: those lines store row by row, below). A persistent
-        // CTA releases the buffer after the next tile's first softmax
-        // (`release_previous_q`); another must not exit before the store
-        // has read it.
-        fence::proxy_async_shared();
-        barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
-        if wg_tid == 0 {
-            let o_map = maps + core::mem::offset_of!(HopperFwdMaps, o) as u64;
-            let row = info.q_start + info.m0 + c * WGMMA_M as u32;
-            for group in 0..(D / SW128_ROW_ELEMS) as u32 {
-                let coord = [
-                    (group as usize * SW128_ROW_ELEMS) as i32,
-                    row as i32,
-                    info.head_base as i32,
-                    info.addr_batch as i32,
-                ];
-                tma::store_4d(o_map, coord, q_rows + group * bm * SW128_ROW_BYTES);
-            }
-            tma::store_commit();
-            if !tile.persistent {
-                tma::store_wait_read();
-            }
-        }
+/// A persistent consumer without turns ([`HopperTile::pingpong`]): one
+/// pipeline over the key blocks of all its tiles. Where a tile ends, the
+/// next tile's first S = Q·Kᵀ is issued with the last P·V, so that the
+/// first softmax of a tile runs while the tensor cores finish the tile
+/// before; its epilogue follows. The S latency, the first softmax and the
+/// last P·V are a tile's fixed cost otherwise, which short rows pay once
+/// per few key blocks (docs/perf-notes.md, v29).
+#[inline(always)]
+fn stream<
+    T: Element,
+    M: Mask,
+    S: Scores,
+    L: Seq,
+    const D: usize,
+    const ST: usize,
+    const OT: usize,
+    const QK: usize,
+    const PK: usize,
+    const STAGES: u32,
+    const QB: u32,
+>(
+    p: &AttnParams,
+    wg: Warpgroup<STAGES, QB>,
+    maps: u64,
+) {
+    let tile = wg.tile;
+    let Some((mut info, mut next)) = tile_at::<M, L>(p, tile, 0) else {
         return;
+    };
+    let mut at = Cursor::default();
+    let mut o = [[0f32; 4]; OT];
+    let mut softmax = OnlineSoftmax::new();
+    // P of the block whose P·V is issued next.
+    let mut pf = [[0u32; 4]; PK];
+    // Whether the tile's first block was done under the previous tile.
+    let mut begun = false;
+    loop {
+        let w = wg.work(p, &info, at);
+        let blocks = info.n_hi - info.n_lo;
+        if !begun {
+            wg.sm.q_ring().wait_full(at.tiles);
+            if blocks > 0 {
+                pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
+            }
+        }
+        wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
+        let after = at.after(&info, next);
+        match tile_at::<M, L>(p, tile, next) {
+            Some((u, u_next)) if blocks > 0 && u.n_hi > u.n_lo => {
+                let uw = wg.work(p, &u, after);
+                wg.sm.q_ring().wait_full(after.tiles);
+                let k_tile = wg.k_tile(&uw, 0);
+                let v_tile = wg.v_tile(&w, blocks - 1);
+                let mut s = [[0f32; 4]; ST];
+                wg.issue_s::<T, ST, QK>(&mut s, uw.q_rows, k_tile);
+                wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
+                release_before(wg, at);
+                let finished = finalize::<S>(p, &info, &softmax);
+                softmax = OnlineSoftmax::new();
+                wg.s_done(&mut s, &uw, 0, 2);
+                let _ = wg.softmax::<M, S, ST>(p, &uw, &mut softmax, &mut s, 0);
+                wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
+                wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
+                pf = pack::<T, ST, PK>(&s);
+                begun = true;
+                (info, next) = (u, u_next);
+            }
+            upcoming => {
+                if blocks > 0 {
+                    let v_tile = wg.v_tile(&w, blocks - 1);
+                    wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
+                    wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
+                }
+                let finished = finalize::<S>(p, &info, &softmax);
+                release_before(wg, at);
+                wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
+                let Some((u, u_next)) = upcoming else {
+                    break;
+                };
+                softmax = OnlineSoftmax::new();
+                begun = false;
+                (info, next) = (u, u_next);
+            }
+        }
+        o = [[0f32; 4]; OT];
+        at = after;
     }
-    barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
-    let chunks = (D / 8) as u32;
-    // A smaller V/O head dim: O's columns past it are TMA's zero columns of
-    // V, and O has no room for them.
-    let stored = p.v_chunks(D);
-    for k in 0..(WGMMA_M * D / 8 / WARPGROUP_THREADS) as u32 {
-        let idx = wg_tid + k * WARPGROUP_THREADS as u32;
-        let row = c * WGMMA_M as u32 + idx / chunks;
-        let chunk = idx % chunks;
-        if chunk >= stored {
-            continue;
-        }
-        if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
-            let v = smem::ld_v4_b32(q_buf + sw128_offset(row, chunk, bm));
-            global::st_v4_b32(dst + chunk as u64 * 16, v);
-        }
+}
+
+/// Frees the Q buffer of the tile before the one at `at`, before this
+/// tile's O store: that tile's store (the last one issued) was issued at
+/// the start of this tile and has read its buffer by now; the producer has
+/// the next two tiles' time to load the buffer again (four buffers:
+/// `HopperTile::q_buffers`).
+#[inline(always)]
+fn release_before<const STAGES: u32, const QB: u32>(wg: Warpgroup<STAGES, QB>, at: Cursor) {
+    if at.tiles > 0 {
+        wg.release_q(at.tiles - 1);
     }
 }
 
