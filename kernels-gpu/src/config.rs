@@ -1082,14 +1082,12 @@ impl HopperTile {
             // dense lines 1-2 % slower, so only the paged lines take it.
             // D = 64's persistent lines serve short rows, whose K/V blocks
             // come from DRAM more often (few query tiles share a head):
-            // there 3 stages (causal) and 4 (full) were fastest (v28), and
-            // 3-4 stages cost the long-row lines 1-3 %.
+            // there 4 stages were fastest (v28; causal since its tiles run
+            // as one pipeline, v29: 1.004-1.016x over 3), and 3-4 stages
+            // cost the long-row lines 1-3 %.
             stages: match (head_dim, rows, policies.seq) {
                 (128, 128, SeqKind::Ragged) => 3,
-                (64, _, _) if persistent => match policies.mask {
-                    MaskKind::Causal => 3,
-                    _ => 4,
-                },
+                (64, _, _) if persistent => 4,
                 _ => 2,
             },
             // Measured per head dim (docs/perf-notes.md, v16; v24: the

@@ -11,10 +11,12 @@
 //!
 //! A persistent line ([`HopperTile::persistent`]) launches at most one CTA
 //! per SM, each looping over tiles (`index::persistent_step`): Q has three
-//! buffers in a ring of its own, and the K/V rings and the ping-pong turns
-//! run on across tiles, so the producer loads the next tile's Q and first
-//! K/V blocks while the consumers finish the current one. The dense lines
-//! store O with TMA from the Q buffer it was computed from.
+//! or four buffers in a ring of its own, and the K/V rings and the
+//! ping-pong turns run on across tiles, so the producer loads the next
+//! tile's Q and first K/V blocks while the consumers finish the current
+//! one. Without ping-pong the consumers run all their tiles' key blocks as
+//! one pipeline ([`stream`]). The dense lines store O with TMA from the Q
+//! buffer it was computed from.
 //!
 //! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
@@ -249,9 +251,10 @@ pub unsafe fn forward<
 }
 
 /// The roles of a persistent CTA: each runs its part of every tile of
-/// [`tile_at`] in turn. The ping-pong turns run on across tiles (both
-/// consumers take one per key block), so the first hand-over and the last
-/// turn (see `consume`) frame the whole loop.
+/// [`tile_at`] in turn: the consumers through [`stream`] on the lines
+/// without ping-pong, else through [`consume`] per tile. The ping-pong
+/// turns run on across tiles (both consumers take one per key block), so
+/// the first hand-over and the last turn frame the whole loop.
 #[inline(always)]
 fn persistent<
     T: Element,
