@@ -2261,6 +2261,21 @@ mod config {
                 assert!(!persistent(&short, rows, Some(false)), "{d} {mask:?}");
                 assert!(!persistent(&short, Some(64), Some(true)), "{d} {mask:?}");
             }
+            // Non-causal D = 64 calls of few queries, up to more keys.
+            let (q, k) = HOPPER_PERSISTENT_SHORT_QUERIES_D64;
+            for (d, seqlen_q, seqlen_k, taken) in [
+                (64, q, k, i == 0),
+                (64, q, k + 1, false),
+                (64, q + 1, k, false),
+                (128, q, k, false),
+                (96, q, k, false),
+            ] {
+                let c = HopperCall {
+                    seqlen_q,
+                    ..call(d, mask, seqlen_k)
+                };
+                assert_eq!(persistent(&c, None, None), taken, "{c:?}");
+            }
             let short = call(256, mask, 512);
             assert!(!persistent(&short, None, Some(true)));
             // One wave of 128-row tiles or less: no next tile to overlap.

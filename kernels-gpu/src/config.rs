@@ -1518,6 +1518,15 @@ pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 2048];
 /// 0.97x at 1k).
 pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 1024;
 
+/// Short non-causal rows against long keys on the D = 64 lines: up to
+/// this many queries per sequence and keys per row, a call takes its
+/// persistent line past [`HOPPER_PERSISTENT_MAX_KEYS`]. The 192-row tiles
+/// it would take otherwise pad 512 queries to 576 rows, and the persistent
+/// line runs its tiles as one pipeline (H100, v29, 512 queries: 1.07x at 2k
+/// keys, 1.02x at 4k; at 2k queries and keys 0.98x, so the longer rows stay
+/// off it).
+pub const HOPPER_PERSISTENT_SHORT_QUERIES_D64: (usize, usize) = (512, 4096);
+
 /// Query rows of a persistent line's tile (two consumer warpgroups): the
 /// only rows [`HopperTile::for_head_dim`] gives a persistent line.
 pub const HOPPER_PERSISTENT_ROWS: usize = 2 * WGMMA_M;
@@ -1525,7 +1534,8 @@ pub const HOPPER_PERSISTENT_ROWS: usize = 2 * WGMMA_M;
 /// Whether a Hopper forward call takes its persistent line (where one
 /// covers it), in place of the lines [`hopper_rows`] chooses among: short
 /// rows, whose CTAs' fixed cost the loop hides
-/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`]),
+/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`],
+/// [`HOPPER_PERSISTENT_SHORT_QUERIES_D64`]),
 /// in a grid of more 128-row tiles than SMs. With at most one tile per
 /// SM there is no next tile to hide anything under, and the other lines
 /// are faster (H100, D = 64, 8-16 heads of 512-1k rows: 1.10-1.41x; D =
@@ -1536,7 +1546,8 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
         return false;
     }
     let causal = matches!(call.need.mask, MaskKind::Causal);
-    let padded = match hopper_line_head_dim(call.head_dim) {
+    let line = hopper_line_head_dim(call.head_dim);
+    let padded = match line {
         Some(line) => line > call.head_dim,
         None => false,
     };
@@ -1545,7 +1556,12 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
     } else {
         HOPPER_PERSISTENT_MAX_KEYS[causal as usize]
     };
-    call.seqlen_k <= max
+    let (short_q, short_q_keys) = HOPPER_PERSISTENT_SHORT_QUERIES_D64;
+    let short_queries = matches!(call.need.mask, MaskKind::Full)
+        && call.head_dim == 64
+        && call.seqlen_q <= short_q
+        && call.seqlen_k <= short_q_keys;
+    call.seqlen_k <= max || short_queries
 }
 
 /// The head dim of the Hopper forward lines that serve `head_dim`: the
