@@ -754,6 +754,23 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         }
     }
 
+    /// The P·V of the tile's last block, alone (no next S to pair it with),
+    /// if the tile has a block.
+    #[inline(always)]
+    fn last_pv<T: Element, const OT: usize, const PK: usize>(
+        self,
+        w: &Work,
+        o: &mut [[f32; 4]; OT],
+        pf: &mut [[u32; 4]; PK],
+    ) {
+        let blocks = w.info.n_hi - w.info.n_lo;
+        if blocks > 0 {
+            let v_tile = self.v_tile(w, blocks - 1);
+            self.issue_pv::<T, OT, PK>(o, pf, v_tile);
+            self.pv_done(o, pf, w, blocks - 1);
+        }
+    }
+
     /// The epilogue: LSE, then O / l through this warpgroup's own rows of
     /// the tile's Q buffer (its last S = Q·Kᵀ has completed), stored with
     /// TMA (dense) or row by row (packed). A TMA store is committed and left
@@ -951,11 +968,7 @@ fn consume<
         release_previous_q();
     }
     wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
-    if blocks > 0 {
-        let v_tile = wg.v_tile(&w, blocks - 1);
-        wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
-        wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
-    }
+    wg.last_pv::<T, OT, PK>(&w, &mut o, &mut pf);
     if !tile.persistent {
         wg.take_last_turn();
     }
@@ -1037,11 +1050,7 @@ fn stream<
                 (info, next) = (u, u_next);
             }
             upcoming => {
-                if blocks > 0 {
-                    let v_tile = wg.v_tile(&w, blocks - 1);
-                    wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
-                    wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
-                }
+                wg.last_pv::<T, OT, PK>(&w, &mut o, &mut pf);
                 let finished = finalize::<S>(p, &info, &softmax);
                 release_before(wg, at);
                 wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
