@@ -1060,8 +1060,8 @@ impl HopperTile {
             _ => return None,
         }
         // Three Q buffers fit beside two K/V stages at D = 128 with 128
-        // rows (224 of 227 KiB; at D = 64 beside up to five); the loop
-        // serves dense sequences.
+        // rows (224 of 227 KiB; at D = 64 four beside four stages, 192
+        // KiB); the loop serves dense sequences.
         if persistent
             && (rows != HOPPER_PERSISTENT_ROWS
                 || head_dim > 128
@@ -1546,8 +1546,7 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
         return false;
     }
     let causal = matches!(call.need.mask, MaskKind::Causal);
-    let line = hopper_line_head_dim(call.head_dim);
-    let padded = match line {
+    let padded = match hopper_line_head_dim(call.head_dim) {
         Some(line) => line > call.head_dim,
         None => false,
     };
