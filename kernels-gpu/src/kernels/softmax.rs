@@ -29,6 +29,26 @@ pub struct OnlineSoftmax {
     pub l: [f32; 2],
 }
 
+/// The lane's max of row half `r` of an S tile (columns 2r, 2r + 1 of each
+/// n-tile) in `CHAINS` independent chains: one chain is 2·ST dependent max
+/// ops on the softmax's critical path; more chains shorten it for
+/// `CHAINS - 1` registers more per row (docs/perf-notes.md, v30).
+#[inline(always)]
+fn lane_row_max<const ST: usize, const CHAINS: usize>(s: &[[f32; 4]; ST], r: usize) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; CHAINS];
+    unroll::<ST>(|j| {
+        let c = j % CHAINS;
+        acc[c] = acc[c].max(s[j][2 * r]).max(s[j][2 * r + 1]);
+    });
+    let mut mx = acc[0];
+    unroll::<CHAINS>(|c| {
+        if c > 0 {
+            mx = mx.max(acc[c]);
+        }
+    });
+    mx
+}
+
 /// Max over the 4 lanes that share a row (lanes differ in bits 0 and 1).
 #[inline(always)]
 fn quad_max(x: f32) -> f32 {
@@ -120,7 +140,7 @@ impl OnlineSoftmax {
     /// factor exp2(m_old - m_new) per row that O still needs, `None` when no
     /// row of the warp moved m.
     #[inline(always)]
-    pub fn advance<const ST: usize>(
+    pub fn advance<const ST: usize, const MAX_CHAINS: usize>(
         &mut self,
         s: &mut [[f32; 4]; ST],
         scale_log2: f32,
@@ -128,8 +148,7 @@ impl OnlineSoftmax {
         let mut m_new = [0.0; 2];
         let mut grows = false;
         unroll::<2>(|r| {
-            let mut mx = f32::NEG_INFINITY;
-            unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
+            let mx = lane_row_max::<ST, MAX_CHAINS>(s, r);
             m_new[r] = self.m[r].max(quad_max(mx) * scale_log2);
             grows |= m_new[r] - self.m[r] > RESCALE_SLACK;
         });
@@ -157,7 +176,7 @@ impl OnlineSoftmax {
     /// code made LLVM fold the plain kernels' first key block into their loop
     /// (H100: 5 % slower, docs/perf-notes.md).
     #[inline(always)]
-    pub fn advance_biased<const ST: usize>(
+    pub fn advance_biased<const ST: usize, const MAX_CHAINS: usize>(
         &mut self,
         s: &mut [[f32; 4]; ST],
         scale_log2: f32,
@@ -166,8 +185,7 @@ impl OnlineSoftmax {
         let mut m_new = [0.0; 2];
         let mut grows = false;
         unroll::<2>(|r| {
-            let mut mx = f32::NEG_INFINITY;
-            unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
+            let mx = lane_row_max::<ST, MAX_CHAINS>(s, r);
             // Added before the row's lanes agree on m.
             m_new[r] = self.m[r].max(quad_max(mx + bias[r]) * scale_log2);
             grows |= m_new[r] - self.m[r] > RESCALE_SLACK;

@@ -680,9 +680,20 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
             let r0 = special::opaque_u32(self.row0);
             mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
         }
-        match row_bias {
-            Some(b) => softmax.advance_biased(s, p.scale_log2, b),
-            None => softmax.advance(s, p.scale_log2),
+        // The row max in four chains where it measured faster: the D = 64
+        // causal persistent line (H100: 1.04x at 512 keys, 1.02x at 1k,
+        // 1.01-1.03x at 2k); on the other D = 64 causal lines (4k-16k keys)
+        // and the other head dims 0.98-1.00x (docs/perf-notes.md, v30).
+        if self.tile.head_dim == 64 && self.tile.persistent && matches!(M::KIND, MaskKind::Causal) {
+            match row_bias {
+                Some(b) => softmax.advance_biased::<ST, 4>(s, p.scale_log2, b),
+                None => softmax.advance::<ST, 4>(s, p.scale_log2),
+            }
+        } else {
+            match row_bias {
+                Some(b) => softmax.advance_biased::<ST, 1>(s, p.scale_log2, b),
+                None => softmax.advance::<ST, 1>(s, p.scale_log2),
+            }
         }
     }
 
