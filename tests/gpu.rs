@@ -1877,17 +1877,29 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     check_lse(&lse_host, &want.lse, &format!("{c:?} cut={cut}"))
 }
 
+/// A [`run_rescale`] case: the keys that point along Q, and the Hopper line's
+/// persistence (`AttnOptions::hopper_persistent`).
+struct RescaleCase {
+    head_dim: usize,
+    causal: bool,
+    aligned: std::ops::Range<usize>,
+    persistent: Option<bool>,
+}
+
 /// Scores that grow by far more than the lazy rescale's slack from the first
-/// key block visited (the last) to the later ones: keys of block 0 point
-/// along Q, so the running max jumps when they arrive and O and l must be
-/// rescaled, or P = exp2(S - stale m) overflows.
-fn run_rescale<T: AttnElement>(gpu: &Gpu, head_dim: usize, causal: bool) -> Result<(), String> {
+/// key block visited (the last) to the later ones: keys `aligned` of block 0
+/// point along Q, so the running max jumps when they arrive and O and l must
+/// be rescaled, or P = exp2(S - stale m) overflows. Eight aligned keys lie in
+/// one 8-key n-tile of S, so a row max that missed that n-tile (one of the
+/// D = 64 causal persistent line's four max chains) overflows too.
+fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String> {
+    let (head_dim, causal) = (c.head_dim, c.causal);
     let mut rng = StdRng::seed_from_u64(head_dim as u64);
     let (b, sq, sk, h, d) = (1, 70, 300, 2, head_dim);
     let q_host = random_values::<T>(&mut rng, b * sq * h * d);
     let mut k_host = random_values::<T>(&mut rng, b * sk * h * d);
     let v_host = random_values::<T>(&mut rng, b * sk * h * d);
-    for j in 0..16 {
+    for j in c.aligned.clone() {
         for hi in 0..h {
             for t in 0..d {
                 // Key j aligned with query 0's signs, scaled up: q·k ~ D/2.
@@ -1910,6 +1922,7 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, head_dim: usize, causal: bool) -> Resu
     let opts = AttnOptions {
         causal,
         softmax_scale: Some(1.0),
+        hopper_persistent: c.persistent,
         ..Default::default()
     };
     gpu.fa
@@ -1939,7 +1952,10 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, head_dim: usize, causal: bool) -> Resu
         &s.clone_dtoh(&o).map_err(e)?,
         &ql,
         &want.o,
-        &format!("rescale hd{d} causal={causal}"),
+        &format!(
+            "rescale hd{d} causal={causal} aligned={:?} persistent={:?}",
+            c.aligned, c.persistent
+        ),
     )
 }
 
@@ -2794,10 +2810,27 @@ fn main() {
                 concat!("lazy_rescale_past_slack_", $name),
                 move || {
                     let gpu = g.as_ref().as_ref().unwrap();
-                    for &d in &flash_attn::SUPPORTED_HEAD_DIMS {
+                    for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
                         for causal in [false, true] {
-                            run_rescale::<$t>(gpu, d, causal)?;
+                            let c = RescaleCase {
+                                head_dim,
+                                causal,
+                                aligned: 0..16,
+                                persistent: None,
+                            };
+                            run_rescale::<$t>(gpu, &c)?;
                         }
+                    }
+                    // One n-tile of aligned keys per max chain of the D = 64
+                    // causal persistent line (four: `hopper::forward`).
+                    for first in [0, 8, 16, 24] {
+                        let c = RescaleCase {
+                            head_dim: 64,
+                            causal: true,
+                            aligned: first..first + 8,
+                            persistent: Some(true),
+                        };
+                        run_rescale::<$t>(gpu, &c)?;
                     }
                     Ok(())
                 },
