@@ -1884,6 +1884,7 @@ struct RescaleCase {
     causal: bool,
     aligned: std::ops::Range<usize>,
     persistent: Option<bool>,
+    softcap: Option<f32>,
 }
 
 /// Scores that grow by far more than the lazy rescale's slack from the first
@@ -1891,7 +1892,11 @@ struct RescaleCase {
 /// point along Q, so the running max jumps when they arrive and O and l must
 /// be rescaled, or P = exp2(S - stale m) overflows. Eight aligned keys lie in
 /// one 8-key n-tile of S, so a row max that missed that n-tile (one of the
-/// D = 64 causal persistent line's four max chains) overflows too.
+/// D = 64 causal persistent line's four max chains) overflows too. Under a
+/// softcap of 20 the aligned scores still jump by more than the slack
+/// (to c·tanh(D/2 / c)), and on the D = 256 line, whose row max comes
+/// from the raw scores, a max that missed the cap would sit (6.4 - 1)·20
+/// nats above row 0's scores: every P of the row 0, and O = 0.
 fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String> {
     let (head_dim, causal) = (c.head_dim, c.causal);
     let mut rng = StdRng::seed_from_u64(head_dim as u64);
@@ -1922,6 +1927,7 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String>
     let opts = AttnOptions {
         causal,
         softmax_scale: Some(1.0),
+        softcap: c.softcap,
         hopper_persistent: c.persistent,
         ..Default::default()
     };
@@ -1945,6 +1951,7 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String>
         head_dim: d,
         causal,
         softmax_scale: 1.0,
+        softcap: c.softcap,
         ..Default::default()
     };
     let want = reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
@@ -1953,8 +1960,8 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String>
         &ql,
         &want.o,
         &format!(
-            "rescale hd{d} causal={causal} aligned={:?} persistent={:?}",
-            c.aligned, c.persistent
+            "rescale hd{d} causal={causal} aligned={:?} persistent={:?} softcap={:?}",
+            c.aligned, c.persistent, c.softcap
         ),
     )
 }
@@ -2812,13 +2819,16 @@ fn main() {
                     let gpu = g.as_ref().as_ref().unwrap();
                     for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
                         for causal in [false, true] {
-                            let c = RescaleCase {
-                                head_dim,
-                                causal,
-                                aligned: 0..16,
-                                persistent: None,
-                            };
-                            run_rescale::<$t>(gpu, &c)?;
+                            for softcap in [None, Some(20.0)] {
+                                let c = RescaleCase {
+                                    head_dim,
+                                    causal,
+                                    aligned: 0..16,
+                                    persistent: None,
+                                    softcap,
+                                };
+                                run_rescale::<$t>(gpu, &c)?;
+                            }
                         }
                     }
                     // One n-tile of aligned keys per max chain of the D = 64
@@ -2829,6 +2839,7 @@ fn main() {
                             causal: true,
                             aligned: first..first + 8,
                             persistent: Some(true),
+                            softcap: None,
                         };
                         run_rescale::<$t>(gpu, &c)?;
                     }

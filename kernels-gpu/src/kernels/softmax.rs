@@ -169,6 +169,49 @@ impl OnlineSoftmax {
         }
     }
 
+    /// [`Self::advance`] for softcapped scores, S still raw: P =
+    /// exp2(tanh(S · pre) · scale - m). tanh is increasing, so the row max
+    /// of the capped scores is the cap of the raw row max: the max chain
+    /// needs S alone and runs beside the tanh ops, not after them. Only for
+    /// a block with no mask (a masked score is -inf after the cap, not -1).
+    #[inline(always)]
+    pub fn advance_capped<const ST: usize>(
+        &mut self,
+        s: &mut [[f32; 4]; ST],
+        scale_log2: f32,
+        pre: f32,
+    ) -> Option<[f32; 2]> {
+        let mut mx = [f32::NEG_INFINITY; 2];
+        unroll::<ST>(|j| {
+            unroll::<4>(|e| {
+                mx[e / 2] = mx[e / 2].max(s[j][e]);
+                s[j][e] = math::tanh(s[j][e] * pre);
+            });
+        });
+        let mut m_new = [0.0; 2];
+        let mut grows = false;
+        unroll::<2>(|r| {
+            // pre > 0 (`Modifiers`), so this is the max of the capped scores.
+            m_new[r] = self.m[r].max(math::tanh(quad_max(mx[r]) * pre) * scale_log2);
+            grows |= m_new[r] - self.m[r] > RESCALE_SLACK;
+        });
+        let moved = vote::any(grows);
+        let mut correction = [1.0; 2];
+        if moved {
+            unroll::<2>(|r| {
+                correction[r] = math::ex2(self.m[r] - m_new[r]);
+                self.m[r] = m_new[r];
+                self.l[r] *= correction[r];
+            });
+        }
+        unroll::<ST>(|j| s[j] = self.exp(&s[j], scale_log2));
+        if moved {
+            Some(correction)
+        } else {
+            None
+        }
+    }
+
     /// [`Self::advance`] for S whose true value is S + `bias` per row half,
     /// the bias being the lane's own (`policy::alibi_one_sided`: its keys
     /// differ from the other lanes' of the row): P = exp2((S + bias) * scale

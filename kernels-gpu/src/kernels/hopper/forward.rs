@@ -658,6 +658,17 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         let (info, bn) = (w.info, self.tile.block_n as u32);
         let n = info.n_hi - 1 - i;
         let key0 = (n * bn + 2 * self.t) as i32;
+        // The softcap's row max from the raw scores where it measured faster:
+        // D = 256 (H100, Gemma 2 9B: 1.10x); at D = 128 the tanh ops then
+        // wait for the max chain (0.96x; docs/perf-notes.md, v31).
+        if S::MODIFIED
+            && self.tile.head_dim == 256
+            && self.mods.softcap
+            && !self.mods.alibi
+            && !info.block_needs_mask(n, bn)
+        {
+            return softmax.advance_capped::<ST>(s, p.scale_log2, p.softcap_pre);
+        }
         let mut row_bias = None;
         if S::MODIFIED {
             self.mods.softcap(p, s);
