@@ -174,6 +174,9 @@ impl OnlineSoftmax {
     /// of the capped scores is the cap of the raw row max: the max chain
     /// needs S alone and runs beside the tanh ops, not after them. Only for
     /// a block with no mask (a masked score is -inf after the cap, not -1).
+    /// Its tail (the vote, the rescale of l) is `advance`'s, copied as in
+    /// `advance_biased`: one helper for the three changed the PTX of 100
+    /// other entries (LLVM laid the loops out anew; not measured).
     #[inline(always)]
     pub fn advance_capped<const ST: usize>(
         &mut self,
