@@ -1896,7 +1896,7 @@ struct RescaleCase {
 /// softcap of 20 the aligned scores still jump by more than the slack
 /// (to c·tanh(D/2 / c)), and on the D = 256 line, whose row max comes
 /// from the raw scores, a max that missed the cap would sit (6.4 - 1)·20
-/// nats above row 0's scores: every P of the row 0, and O = 0.
+/// nats above row 0's scores: every P of row 0 would underflow, O = 0.
 fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String> {
     let (head_dim, causal) = (c.head_dim, c.causal);
     let mut rng = StdRng::seed_from_u64(head_dim as u64);

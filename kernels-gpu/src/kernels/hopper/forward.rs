@@ -659,7 +659,7 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         let n = info.n_hi - 1 - i;
         let key0 = (n * bn + 2 * self.t) as i32;
         // The softcap's row max from the raw scores where it measured faster:
-        // D = 256 (H100, Gemma 2 9B: 1.10x); at D = 128 the tanh ops then
+        // D = 256 (H100, Gemma 2 9B: 1.09x); at D = 128 the tanh ops then
         // wait for the max chain (0.96x; docs/perf-notes.md, v31).
         if S::MODIFIED
             && self.tile.head_dim == 256
