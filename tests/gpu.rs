@@ -1877,8 +1877,8 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     check_lse(&lse_host, &want.lse, &format!("{c:?} cut={cut}"))
 }
 
-/// A [`run_rescale`] case: the keys that point along Q, and the Hopper line's
-/// persistence (`AttnOptions::hopper_persistent`).
+/// A [`run_rescale`] case: the keys that point along Q, the Hopper line's
+/// persistence (`AttnOptions::hopper_persistent`) and the softcap.
 struct RescaleCase {
     head_dim: usize,
     causal: bool,
