@@ -3308,36 +3308,6 @@ mod index {
         }
 
         #[test]
-        fn keys_past_the_first_blocks_count_are_seen_by_no_row(
-            sq in 1usize..70, sk in 0usize..300, left in bound(), right in bound(),
-            bn in prop::sample::select(vec![16u32, 32, 64, 80]),
-            bm in prop::sample::select(vec![16u32, 64, 128]),
-        ) {
-            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
-            for t0 in (0..sq as u32).step_by(bm as usize) {
-                let t1 = t0 + bm - 1;
-                let (lo, hi) = key_blocks(&keys, t0, t1, bn, 0, 1);
-                if lo == hi {
-                    continue;
-                }
-                let count = keys_in_first_block(&keys, t1, hi, bn);
-                prop_assert!(count <= bn);
-                let start = (hi - 1) * bn;
-                let rows = t0..=t1.min(sq as u32 - 1);
-                // No row sees a key of the block past the count, and some
-                // row sees the last key inside it: the count is tight.
-                for t in rows.clone() {
-                    for j in start + count..start + bn {
-                        prop_assert!(!keys.sees(t, j), "t={} j={} count {}", t, j, count);
-                    }
-                }
-                prop_assert!(count > 0, "a visited block with no visible key");
-                let last = start + count - 1;
-                prop_assert!(rows.clone().any(|t| keys.sees(t, last)), "key {} seen by no row", last);
-            }
-        }
-
-        #[test]
         fn blocks_without_mask_are_fully_visible(
             sq in 1usize..70, sk in 1usize..300, left in bound(), right in bound(),
             bn in prop::sample::select(vec![16u32, 32, 64]), bm in prop::sample::select(vec![16u32, 64]),

@@ -1232,9 +1232,8 @@ impl HopperTile {
 ///   mbarrier ring and back out with a TMA store.
 ///
 /// The probe shapes are those of the forward: Q·Kᵀ at D = 128 (176 keys),
-/// 192 (112 keys) and 256 (80 and 64 keys, and 32 in a tile's narrow first
-/// block), P·V at the same, and the 128 x 128 causal tile; TMA boxes of
-/// every line head dim.
+/// 192 (112 keys) and 256 (80 and 64 keys), P·V at the same, and the
+/// 128 x 128 causal tile; TMA boxes of every line head dim.
 macro_rules! hopper_entries {
     ($callback:ident) => {
         $callback! {
@@ -1348,7 +1347,6 @@ macro_rules! hopper_entries {
             wgmma f16 256 80;
             wgmma f16 64 256;
             wgmma f16 256 64;
-            wgmma f16 32 256;
             wgmma bf16 64 64;
             wgmma bf16 128 128;
             wgmma bf16 176 128;
@@ -1359,7 +1357,6 @@ macro_rules! hopper_entries {
             wgmma bf16 256 80;
             wgmma bf16 64 256;
             wgmma bf16 256 64;
-            wgmma bf16 32 256;
             tma 64;
             tma 128;
             tma 192;

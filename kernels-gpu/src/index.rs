@@ -88,19 +88,6 @@ pub fn key_blocks(
     (n_lo, n_hi)
 }
 
-/// How many leading keys of block `n_hi - 1` (the block a CTA visits first)
-/// some token up to `t_last` sees, in `[0, block_n]`: the block's other
-/// columns are masked for every row, so S need not be computed there.
-/// Rows further down see keys further right, so `t_last` (clamped as in
-/// [`key_blocks`]) bounds them all.
-#[inline(always)]
-pub fn keys_in_first_block(keys: &KeyWindow, t_last: u32, n_hi: u32, block_n: u32) -> u32 {
-    let t_last = t_last.min(keys.seqlen_q.max(1) - 1);
-    let end = keys.last(t_last) as i64 + 1;
-    let start = n_hi.saturating_sub(1) as i64 * block_n as i64;
-    (end - start).clamp(0, block_n as i64) as u32
-}
-
 /// Whether key block `n` holds a key that some token of `t_first..=t_last`
 /// does not see (or lies past the sequence's end), so that only those
 /// blocks pay for the element-wise mask.

@@ -183,7 +183,6 @@ macro_rules! wgmma_shapes {
 }
 
 wgmma_shapes! {
-    32 => 4: ss_f16_n32 ss_bf16_n32 rs_f16_n32 rs_bf16_n32 [0 1 2 3];
     64 => 8: ss_f16_n64 ss_bf16_n64 rs_f16_n64 rs_bf16_n64 [0 1 2 3 4 5 6 7];
     80 => 10: ss_f16_n80 ss_bf16_n80 rs_f16_n80 rs_bf16_n80 [0 1 2 3 4 5 6 7 8 9];
     112 => 14: ss_f16_n112 ss_bf16_n112 rs_f16_n112 rs_bf16_n112

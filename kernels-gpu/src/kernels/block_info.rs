@@ -290,13 +290,6 @@ impl BlockInfo {
         self.token_unchecked(r) as i32 + self.keys.diag
     }
 
-    /// Leading keys of the first block visited (`n_hi - 1`) that some row
-    /// of the CTA sees (`index::keys_in_first_block`).
-    #[inline(always)]
-    pub fn keys_in_first_block(&self, block_n: u32) -> u32 {
-        index::keys_in_first_block(&self.keys, self.last_token, self.n_hi, block_n)
-    }
-
     /// Whether key block `n` has any element that the mask removes for some
     /// row of the CTA, so only those blocks pay for masking.
     #[inline(always)]

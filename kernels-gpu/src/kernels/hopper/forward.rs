@@ -46,8 +46,7 @@ use crate::kernels::mask;
 use crate::kernels::policy::{self, policies, Mask, Modifiers, Scores, Seq};
 use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
 use crate::params::{AttnParams, HopperFwdMaps};
-use crate::unroll::{unroll, unroll_steps, Step};
-use core::marker::PhantomData;
+use crate::unroll::unroll;
 
 /// Named barrier of consumer warpgroup c's epilogue: 1 + c (0 is the CTA's;
 /// at most three consumers).
@@ -247,33 +246,8 @@ pub unsafe fn forward<
     } else {
         setmaxnreg::inc::<REGS>();
         let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
-        let at = Cursor::default();
-        if narrow_first(tile, &info) {
-            consume::<T, M, S, L, D, ST, NARROW_FIRST_NT, OT, QK, PK, STAGES, QB>(
-                p, wg, &info, maps, at,
-            );
-        } else {
-            consume::<T, M, S, L, D, ST, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, at);
-        }
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, Cursor::default());
     }
-}
-
-/// n-tiles of S in a [`narrow_first`] tile's first block: 32 keys.
-const NARROW_FIRST_NT: usize = 4;
-
-/// Whether a tile runs the consumer body whose first block's S covers only
-/// its first [`NARROW_FIRST_NT`] n-tiles: on the 80-key lines (D = 256),
-/// not persistent, when no row of the tile sees a key past them in that
-/// block (`BlockInfo::keys_in_first_block`). At 512 keys the first block
-/// visited holds 32 of its 80 keys, and its S, whose latency no P·V hides,
-/// then takes 40 % of the tensor work. ptxas 13.0 serialises every `wgmma`
-/// of a body that holds two shapes of that S on the two sides of a branch
-/// (docs/perf-notes.md, v30), so the choice is made once per tile, before
-/// any `wgmma`, and the consumer body is compiled for each.
-#[inline(always)]
-fn narrow_first(tile: HopperTile, info: &BlockInfo) -> bool {
-    let keys = (NARROW_FIRST_NT * 8) as u32;
-    tile.block_n == 80 && !tile.persistent && info.keys_in_first_block(80) <= keys
 }
 
 /// The roles of a persistent CTA: each runs its part of every tile of
@@ -323,7 +297,7 @@ fn persistent<
         } else {
             wg.hand_over_first();
             while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
-                consume::<T, M, S, L, D, ST, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, at);
+                consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, at);
                 at = at.after(&info, next);
             }
             wg.take_last_turn();
@@ -606,42 +580,17 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         q_rows: u32,
         k_tile: u32,
     ) {
+        let (bm, bn) = (self.tile.block_m as u32, self.tile.block_n as u32);
         wgmma::fence_operands(s);
         wgmma::fence();
-        unroll_steps::<QK>(&mut QkSteps::<T, ST> {
-            s,
-            q_rows,
-            k_tile,
-            bm: self.tile.block_m as u32,
-            bn: self.tile.block_n as u32,
-            element: PhantomData,
+        unroll::<QK>(|kk| {
+            let (a, b) = (
+                k_major_desc(q_rows, bm, kk as u32),
+                k_major_desc(k_tile, bn, kk as u32),
+            );
+            wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
         });
         wgmma::commit_group();
-    }
-
-    /// The S = Q·Kᵀ of the tile's first block over its first `NT` n-tiles
-    /// (`NT >= ST`: all), the turn handed over, then the wait for it. The
-    /// other n-tiles keep their values: no row sees their keys
-    /// ([`narrow_first`]), so the block's mask sets them to -inf.
-    #[inline(always)]
-    fn first_s<T: Element, const ST: usize, const NT: usize, const QK: usize>(
-        self,
-        s: &mut [[f32; 4]; ST],
-        w: &Work,
-        k_tile: u32,
-    ) {
-        match s.first_chunk_mut::<NT>() {
-            Some(part) if NT < ST => {
-                self.issue_s::<T, NT, QK>(part, w.q_rows, k_tile);
-                self.hand_over();
-                self.s_done(part, w, 0, 1);
-            }
-            _ => {
-                self.issue_s::<T, ST, QK>(s, w.q_rows, k_tile);
-                self.hand_over();
-                self.s_done(s, w, 0, 1);
-            }
-        }
     }
 
     /// O += P·V as one group of `wgmma`s. V is MN-major, as TMA stored it; P
@@ -767,7 +716,6 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         M: Mask,
         S: Scores,
         const ST: usize,
-        const FS: usize,
         const QK: usize,
         const PK: usize,
     >(
@@ -779,7 +727,9 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         let mut s = [[0f32; 4]; ST];
         let k_tile = self.k_tile(w, 0);
         self.take_turn();
-        self.first_s::<T, ST, FS, QK>(&mut s, w, k_tile);
+        self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
+        self.hand_over();
+        self.s_done(&mut s, w, 0, 1);
         let _ = self.softmax::<M, S, ST>(p, w, softmax, &mut s, 0);
         pack::<T, ST, PK>(&s)
     }
@@ -951,28 +901,6 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
     }
 }
 
-/// The k-steps of S = Q·Kᵀ over `NT` n-tiles (`NT * 8` keys of a K tile
-/// of `bn` rows), Q's rows at `q_rows` of a tile of `bm`.
-struct QkSteps<'a, T, const NT: usize> {
-    s: &'a mut [[f32; 4]; NT],
-    q_rows: u32,
-    k_tile: u32,
-    bm: u32,
-    bn: u32,
-    element: PhantomData<T>,
-}
-
-impl<T: Element, const NT: usize> Step for QkSteps<'_, T, NT> {
-    #[inline(always)]
-    fn step(&mut self, kk: usize) {
-        let (a, b) = (
-            k_major_desc(self.q_rows, self.bm, kk as u32),
-            k_major_desc(self.k_tile, self.bn, kk as u32),
-        );
-        wgmma::ss::<NT, 0>(T::BF16, self.s, a, b, (kk > 0) as u32);
-    }
-}
-
 /// l and LSE of the finished rows; a sink adds exp(sink) to every row's
 /// denominator (policy.rs).
 #[inline(always)]
@@ -999,9 +927,7 @@ fn pack<T: Element, const ST: usize, const PK: usize>(s: &[[f32; 4]; ST]) -> [[u
 }
 
 /// One consumer warpgroup: its 64 rows of O over every key block, then
-/// the epilogue; `at` places a persistent CTA's tile in the rings. The
-/// first block's S covers its first `FS` n-tiles (`FS >= ST`: all of it;
-/// [`narrow_first`]).
+/// the epilogue; `at` places a persistent CTA's tile in the rings.
 #[inline(always)]
 fn consume<
     T: Element,
@@ -1010,7 +936,6 @@ fn consume<
     L: Seq,
     const D: usize,
     const ST: usize,
-    const FS: usize,
     const OT: usize,
     const QK: usize,
     const PK: usize,
@@ -1049,7 +974,7 @@ fn consume<
     // P of the block whose P·V is issued next.
     let mut pf = [[0u32; 4]; PK];
     if blocks > 0 {
-        pf = wg.first_block::<T, M, S, ST, FS, QK, PK>(p, &w, &mut softmax);
+        pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
         release_previous_q();
         if L::RAGGED {
             // Uniform: the first block visited is the sequence's last.
@@ -1121,7 +1046,7 @@ fn stream<
         if !begun {
             wg.sm.q_ring().wait_full(at.tiles);
             if blocks > 0 {
-                pf = wg.first_block::<T, M, S, ST, ST, QK, PK>(p, &w, &mut softmax);
+                pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
             }
         }
         wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
