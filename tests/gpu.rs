@@ -396,6 +396,128 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
     Ok(())
 }
 
+/// Three Hopper forward calls back to back on one stream, as programmatic
+/// dependent launches (the default), each touching what the one before it
+/// still reads or writes, with no host synchronisation between them:
+/// 1. O1 = attn(Q, K, V) over 8 sequences: two waves of CTAs on an H100;
+/// 2. O2 = attn(O1[last], K[last], V[last]): reads the sequence that call 1's
+///    last wave writes;
+/// 3. K[last] = attn(Q[0], O1[0], V[0]): overwrites the K that call 2 reads,
+///    with CTAs that fit beside call 2's single wave.
+///
+/// A CTA that read or wrote global memory before `griddep::wait` (while the
+/// grid before it still ran) would take a partial O1 as call 2's Q or hand
+/// call 2 a K that call 3 has begun to overwrite. Each result is checked
+/// against the f64 reference on the inputs each call should have seen.
+fn run_forward_chain<T: AttnElement>(
+    gpu: &Gpu,
+    head_dim: usize,
+    causal: bool,
+    seed: u64,
+) -> Result<(), String> {
+    let (b, n, h, d) = (8, 512, 8, head_dim);
+    let seq = n * h * d;
+    let layout = |batch| Layout::contiguous([batch, n, h, d]);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let q_host = random_values::<T>(&mut rng, b * seq);
+    let k_host = random_values::<T>(&mut rng, b * seq);
+    let v_host = random_values::<T>(&mut rng, b * seq);
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let q = s.clone_htod(&q_host).map_err(e)?;
+    let mut k = s.clone_htod(&k_host).map_err(e)?;
+    let v = s.clone_htod(&v_host).map_err(e)?;
+    let mut o1 = s.clone_htod(&vec![nan::<T>(); b * seq]).map_err(e)?;
+    let mut o2 = s.clone_htod(&vec![nan::<T>(); seq]).map_err(e)?;
+    let opts = AttnOptions {
+        causal,
+        ..Default::default()
+    };
+    let last = (b - 1) * seq;
+    let fa = &gpu.fa;
+    let launches = flash_attn::hopper::launches_on_this_thread();
+    let err = |x: flash_attn::FlashAttnError| x.to_string();
+    fa.forward(
+        s,
+        &TensorRef::new(q.as_view(), layout(b)),
+        &TensorRef::new(k.as_view(), layout(b)),
+        &TensorRef::new(v.as_view(), layout(b)),
+        &mut TensorMut::new(o1.as_view_mut(), layout(b)),
+        None,
+        &opts,
+    )
+    .map_err(err)?;
+    fa.forward(
+        s,
+        &TensorRef::new(o1.slice(last..), layout(1)),
+        &TensorRef::new(k.slice(last..), layout(1)),
+        &TensorRef::new(v.slice(last..), layout(1)),
+        &mut TensorMut::new(o2.as_view_mut(), layout(1)),
+        None,
+        &opts,
+    )
+    .map_err(err)?;
+    fa.forward(
+        s,
+        &TensorRef::new(q.slice(..seq), layout(1)),
+        &TensorRef::new(o1.slice(..seq), layout(1)),
+        &TensorRef::new(v.slice(..seq), layout(1)),
+        &mut TensorMut::new(k.slice_mut(last..), layout(1)),
+        None,
+        &opts,
+    )
+    .map_err(err)?;
+    let hopper_calls = flash_attn::hopper::launches_on_this_thread() - launches;
+    if hopper_calls != 3 || !fa.programmatic_launch() {
+        return Err(format!(
+            "D={d}: {hopper_calls} of 3 calls on the Hopper kernels, programmatic launch {}",
+            fa.programmatic_launch()
+        ));
+    }
+    let (o1_host, o2_host, k_after) = (
+        s.clone_dtoh(&o1).map_err(e)?,
+        s.clone_dtoh(&o2).map_err(e)?,
+        s.clone_dtoh(&k).map_err(e)?,
+    );
+    let shape = |batch| ForwardShape {
+        batch,
+        seqlen_q: n,
+        seqlen_k: n,
+        heads: h,
+        kv_heads: h,
+        head_dim: d,
+        causal,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
+    };
+    let what = |call| format!("D={d} causal={causal} call {call}");
+    let want = reference::attention(
+        &shape(b),
+        &to_f64(&q_host),
+        &to_f64(&k_host),
+        &to_f64(&v_host),
+    );
+    check_output(&o1_host, &layout(b), &want.o, &what(1))?;
+    let want = reference::attention(
+        &shape(1),
+        &to_f64(&o1_host[last..]),
+        &to_f64(&k_host[last..]),
+        &to_f64(&v_host[last..]),
+    );
+    check_output(&o2_host, &layout(1), &want.o, &what(2))?;
+    let want = reference::attention(
+        &shape(1),
+        &to_f64(&q_host[..seq]),
+        &to_f64(&o1_host[..seq]),
+        &to_f64(&v_host[..seq]),
+    );
+    check_output(&k_after[last..], &layout(1), &want.o, &what(3))?;
+    if k_after[..last] != k_host[..last] {
+        return Err(format!("{}: K outside call 3's output changed", what(3)));
+    }
+    Ok(())
+}
+
 #[derive(Clone, Debug)]
 struct DecodeCase {
     batch: usize,
@@ -3105,6 +3227,23 @@ fn main() {
                     for d in hopper_head_dims() {
                         for causal in [false, true] {
                             run_varlen_isolation::<$t>(gpu, d, causal)?;
+                        }
+                    }
+                    Ok(())
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_chained_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    check_hopper_path(gpu)?;
+                    let line_dims = hopper_head_dims()
+                        .into_iter()
+                        .filter(|&d| hopper_line_head_dim(d) == Some(d));
+                    for (i, d) in line_dims.enumerate() {
+                        for causal in [false, true] {
+                            run_forward_chain::<$t>(gpu, d, causal, 40 + i as u64)?;
                         }
                     }
                     Ok(())
