@@ -134,9 +134,7 @@
 //! or a line of one CTA per tile, instead of the heuristic's choice),
 //! `--hopper-keys 64|80|112|128` (forward rows on the Hopper kernels take
 //! that many keys per block where the head dim has such a line, instead of
-//! the heuristic's choice), `--pdl on|off` (the Hopper forward rows launch
-//! as programmatic dependent launches, the default, or as plain launches:
-//! `FlashAttention::set_programmatic_launch`),
+//! the heuristic's choice),
 //! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
@@ -1897,14 +1895,6 @@ fn main() {
             std::process::exit(2);
         }
     };
-    let programmatic_launch = match value_of("--pdl").as_deref() {
-        None | Some("on") => true,
-        Some("off") => false,
-        Some(other) => {
-            eprintln!("--pdl wants on or off, not {other:?}");
-            std::process::exit(2);
-        }
-    };
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -1967,7 +1957,6 @@ fn main() {
     let fa = FlashAttention::new_with(&ctx, module_choice).expect("load flash-attn kernels");
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     fa.set_hopper_forward(hopper_forward);
-    fa.set_programmatic_launch(programmatic_launch);
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
@@ -1995,10 +1984,8 @@ fn main() {
         fa.num_sms(),
         flash_attn::PTX_SOURCE,
         fa.loaded_code(),
-        if fa.hopper_forward() && fa.programmatic_launch() {
-            "the Hopper kernels where they cover the row (wgmma + TMA; programmatic dependent launch)"
-        } else if fa.hopper_forward() {
-            "the Hopper kernels where they cover the row (wgmma + TMA; plain launches)"
+        if fa.hopper_forward() {
+            "the Hopper kernels where they cover the row (wgmma + TMA)"
         } else {
             "the mma.sync kernels"
         }

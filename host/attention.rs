@@ -106,8 +106,6 @@ pub struct FlashAttention {
     hopper: Option<HopperModule>,
     /// Whether forward calls that a Hopper entry covers use it.
     hopper_forward: AtomicBool,
-    /// Whether Hopper forward calls are programmatic dependent launches.
-    programmatic_launch: AtomicBool,
 }
 
 /// How a decode launch is split and buffered.
@@ -449,7 +447,6 @@ impl FlashAttention {
             arch,
             loaded,
             hopper_forward: AtomicBool::new(hopper.is_some()),
-            programmatic_launch: AtomicBool::new(true),
             hopper,
         })
     }
@@ -468,22 +465,6 @@ impl FlashAttention {
     pub fn set_hopper_forward(&self, on: bool) {
         self.hopper_forward
             .store(on && self.hopper.is_some(), Ordering::Relaxed);
-    }
-
-    /// Whether the Hopper forward kernels are launched as programmatic
-    /// dependent launches (the default): a call's CTAs may start on the SMs
-    /// that the stream's previous kernel has left, set up, and wait in the
-    /// kernel for that kernel to complete before they read or write global
-    /// memory, so the launch gap and their prologue overlap its tail.
-    pub fn programmatic_launch(&self) -> bool {
-        self.programmatic_launch.load(Ordering::Relaxed)
-    }
-
-    /// Switches programmatic dependent launch of this instance's Hopper
-    /// forward calls off (plain launches, to compare both in one process)
-    /// or back on, for the calls issued after it.
-    pub fn set_programmatic_launch(&self, on: bool) {
-        self.programmatic_launch.store(on, Ordering::Relaxed);
     }
 
     /// The CUDA context the kernels were loaded into.
@@ -893,14 +874,7 @@ impl FlashAttention {
             (m_blocks as u32, shape.heads as u32, shape.batch as u32)
         };
         let maps = HopperFwdMaps { q, k, v, o: o_map };
-        module.launch_forward(
-            stream,
-            entry,
-            maps,
-            params,
-            grid,
-            self.programmatic_launch(),
-        )?;
+        module.launch_forward(stream, entry, maps, params, grid)?;
         Ok(true)
     }
 

@@ -90,9 +90,7 @@ impl HopperModule {
 
     /// Launches the Hopper forward `entry` over Q, K and V (in `params`, whose
     /// strides and sizes validation checked; `maps` their tensor maps) on a
-    /// grid of `grid` CTAs. With `programmatic`, as a programmatic dependent
-    /// launch: its CTAs may start while the stream's previous grid finishes,
-    /// and wait in the kernel (`griddep::wait`) before touching global memory.
+    /// grid of `grid` CTAs.
     pub(crate) fn launch_forward(
         &self,
         stream: &CudaStream,
@@ -100,60 +98,20 @@ impl HopperModule {
         maps: HopperFwdMaps,
         params: AttnParams,
         grid: (u32, u32, u32),
-        programmatic: bool,
     ) -> Result<(), FlashAttnError> {
         let function = self.function(entry.name)?;
-        let block = (entry.threads(PtxArch::Sm90a) as u32, 1, 1);
-        let smem = entry.smem_bytes(PtxArch::Sm90a) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (entry.threads(PtxArch::Sm90a) as u32, 1, 1),
+            shared_mem_bytes: entry.smem_bytes(PtxArch::Sm90a) as u32,
+        };
         let (maps, params) = (ByValue(maps), ByValue(params));
-        if programmatic {
-            stream.context().bind_to_thread()?;
-            let mut attr = sys::CUlaunchAttribute {
-                id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-                pad: [0; 4],
-                value: sys::CUlaunchAttributeValue { pad: [0; 64] },
-            };
-            attr.value.programmaticStreamSerializationAllowed = 1;
-            let config = sys::CUlaunchConfig {
-                gridDimX: grid.0,
-                gridDimY: grid.1,
-                gridDimZ: grid.2,
-                blockDimX: block.0,
-                blockDimY: block.1,
-                blockDimZ: block.2,
-                sharedMemBytes: smem,
-                hStream: stream.cu_stream(),
-                attrs: &mut attr,
-                numAttrs: 1,
-            };
-            let mut args = [
-                &maps.0 as *const HopperFwdMaps as *mut std::ffi::c_void,
-                &params.0 as *const AttnParams as *mut std::ffi::c_void,
-            ];
-            // SAFETY: as for the launch below; `args` points at the entry's two
-            // by-value parameters, which the driver copies before returning.
-            unsafe {
-                sys::cuLaunchKernelEx(
-                    &config,
-                    function.cu_function(),
-                    args.as_mut_ptr(),
-                    std::ptr::null_mut(),
-                )
-            }
-            .result()?;
-        } else {
-            let cfg = LaunchConfig {
-                grid_dim: grid,
-                block_dim: block,
-                shared_mem_bytes: smem,
-            };
-            let mut builder = stream.launch_builder(function);
-            builder.arg(&maps).arg(&params);
-            // SAFETY: the entry takes (HopperFwdMaps, AttnParams) by value; the
-            // maps cover exactly the validated tensors, and validation bounded
-            // every address the kernel derives from the parameters.
-            unsafe { builder.launch(cfg) }?;
-        }
+        let mut builder = stream.launch_builder(function);
+        builder.arg(&maps).arg(&params);
+        // SAFETY: the entry takes (HopperFwdMaps, AttnParams) by value; the
+        // maps cover exactly the validated tensors, and validation bounded
+        // every address the kernel derives from the parameters.
+        unsafe { builder.launch(cfg) }?;
         LAUNCHES.with(|n| n.set(n.get() + 1));
         Ok(())
     }

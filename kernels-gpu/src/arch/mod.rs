@@ -4,16 +4,14 @@
 //!
 //! Shared-memory addresses are 32-bit `.shared` window addresses (what
 //! `cvta.to.shared` yields), which is what `ldmatrix`, `cp.async` and
-//! `ld/st.shared` take. The Hopper families (`fence`, `griddep`,
-//! `mbarrier`, `setmaxnreg`, `tma`, `wgmma`) are compiled into the `sm_90a` module only.
+//! `ld/st.shared` take. The Hopper families (`fence`, `mbarrier`,
+//! `setmaxnreg`, `tma`, `wgmma`) are compiled into the `sm_90a` module only.
 
 pub mod barrier;
 pub mod cp_async;
 #[cfg(target_feature = "sm_90a")]
 pub mod fence;
 pub mod global;
-#[cfg(target_feature = "sm_90a")]
-pub mod griddep;
 pub mod ldmatrix;
 pub mod math;
 #[cfg(target_feature = "sm_90a")]

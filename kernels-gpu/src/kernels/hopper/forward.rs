@@ -34,7 +34,7 @@
 //! zero-filled loads guarantee.
 use super::ring::{wait, TmaRing};
 use crate::arch::{
-    barrier, fence, global, griddep, ldmatrix, mbarrier, setmaxnreg, smem, special, tma, wgmma,
+    barrier, fence, global, ldmatrix, mbarrier, setmaxnreg, smem, special, tma, wgmma,
 };
 use crate::config::{HopperTile, MaskKind, SW128_ROW_ELEMS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M};
 use crate::index::{
@@ -173,11 +173,6 @@ pub unsafe fn forward<
         assert!(STAGES as usize == t.stages && t.block_m == t.consumers * WGMMA_M);
         assert!(REGS == t.consumer_regs() && (!t.pingpong || t.consumers == 2));
     }
-    // Under programmatic dependent launch the next call's CTAs may start
-    // once every CTA of this one has: they set up their barriers and then
-    // wait (below) for this grid to finish, on SMs this grid no longer
-    // needs, so the launch gap and their prologue overlap this grid's tail.
-    griddep::launch_dependents();
     let a = SW128_ATOM_BYTES;
     let base = (smem::base() + a - 1) & !(a - 1);
     let at = |offset: usize| base + offset as u32;
@@ -217,9 +212,6 @@ pub unsafe fn forward<
         }
     }
     barrier::sync_cta_divergent();
-    // Everything above touched shared memory and the parameters only; the
-    // previous grid on the stream may still write Q, K, V or read O.
-    griddep::wait();
     if LOOP {
         persistent::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB, REGS>(
             p, tile, maps, sm, k_ring, v_ring,
