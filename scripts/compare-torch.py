@@ -29,6 +29,12 @@ Usage (on the GPU host; no Rust and no network needed there):
     # run the bundled bench first (its JSON lines go to cmp/ours-bench.jsonl)
     python3 scripts/compare-torch.py --run-bench bundle --bench-args "--quick" --out cmp
 
+    # the forward sweep with one timing method on both sides (CUDA graphs): the README's table.
+    # Our default events rows against do_bench baselines favour ours on short rows: do_bench
+    # flushes the L2 and times each call alone, dispatch included (docs/perf-notes.md v34)
+    python3 scripts/compare-torch.py --run-bench bundle --bench-args "--timing graph" --timer graph \
+        --filter "sweep forward" --out cmp
+
     # issue 9's decode table, timed as servers run it: ours and PyTorch both in CUDA graphs
     # (PyTorch also with do_bench, for reference: its do_bench times include Python dispatch)
     python3 scripts/compare-torch.py --run-bench bundle --filter decode-graph --timer do_bench,graph --out cmp
