@@ -1062,7 +1062,7 @@ def render_markdown(env: dict, ceilings: dict, entries: list[dict], names: list[
                         _shape_table(rows, kernel, timing, names, columns, modes)]
 
     # Summary: distribution of the ratios per variant, kernel and timing, then the losses.
-    out += ["", "## Summary (each of our rows against the baselines timed the same way)", ""]
+    out += ["", "## Summary (each of our rows against the baselines of its timing)", ""]
     srows = []
     for name in names:
         for kernel in ("forward", "decode"):
@@ -1076,6 +1076,12 @@ def render_markdown(env: dict, ceilings: dict, entries: list[dict], names: list[
                 srows.append(cells)
     out.append(md_table(["variant", "kernel", "our timing", "baseline timer", "rows", "vs FA2 min / median / max",
                          "vs cuDNN min / median / max", "rows slower than FA2"], srows, {4, 7}))
+    if any(r[2] == "events" and r[3] != "not run" for r in srows):
+        out += ["", "Events rows are not one method on both sides: ours are batches of back-to-back calls "
+                    "between two events, while the baseline timers time each call alone, dispatch included "
+                    "(do_bench and events after an L2 flush): on short rows that costs the baselines 2-8 % "
+                    "(docs/perf-notes.md v34). For one method on both sides, run the bench with --timing graph "
+                    "(--bench-args)."]
     # The shapes where the primary variant loses to FA2 (the labels' lists are in compare.json).
     for kernel in ("forward", "decode"):
         for timing, d in summary.get(primary, {}).get(kernel, {}).items():
