@@ -1544,7 +1544,7 @@ def _unit_checks(tmp: Path) -> None:
     assert rows[2]["timing"] == "graph" and rows[2]["origin"] == "floor" and rows[2]["mem_bytes"] == 268435456
 
     # Merge: one entry per (shape, timing); duplicates keep the first time;
-    # ratios are baseline / ours, vs_matched against the baseline timed the same way.
+    # ratios are baseline / ours, vs_matched against the baseline column of its timing (graph rows: graph).
     entries = merge({"ours": [rows[0], {**rows[0], "median_ms": 2.5}, rows[2]], "v0": [rows[0]]})
     assert [e["timing"] for e in entries] == ["events", "graph"]
     assert entries[0]["results"]["ours"]["dup_ms"] == [2.5] and entries[1]["results"]["ours"]["dup_ms"] == []
