@@ -134,7 +134,9 @@
 //! or a line of one CTA per tile, instead of the heuristic's choice),
 //! `--hopper-keys 64|80|112|128` (forward rows on the Hopper kernels take
 //! that many keys per block where the head dim has such a line, instead of
-//! the heuristic's choice),
+//! the heuristic's choice), `--tile-order dynamic|static` (persistent Hopper
+//! lines claim their tiles from a counter, the default, or walk the static
+//! order, to compare both),
 //! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
@@ -1895,6 +1897,14 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let static_tiles = match value_of("--tile-order").as_deref() {
+        None | Some("dynamic") => false,
+        Some("static") => true,
+        Some(other) => {
+            eprintln!("--tile-order wants dynamic or static, not {other:?}");
+            std::process::exit(2);
+        }
+    };
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -1957,6 +1967,7 @@ fn main() {
     let fa = FlashAttention::new_with(&ctx, module_choice).expect("load flash-attn kernels");
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     fa.set_hopper_forward(hopper_forward);
+    fa.set_static_tile_order(static_tiles);
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));

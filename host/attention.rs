@@ -13,7 +13,7 @@ use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, HopperCall,
     HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS,
-    CHUNK_ELEMS, COMBINE_SPLIT_GROUP, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    CHUNK_ELEMS, COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
@@ -106,6 +106,9 @@ pub struct FlashAttention {
     hopper: Option<HopperModule>,
     /// Whether forward calls that a Hopper entry covers use it.
     hopper_forward: AtomicBool,
+    /// Whether persistent Hopper launches walk the static tile order
+    /// instead of claiming tiles from a counter.
+    static_tiles: AtomicBool,
 }
 
 /// How a decode launch is split and buffered.
@@ -448,6 +451,7 @@ impl FlashAttention {
             loaded,
             hopper_forward: AtomicBool::new(hopper.is_some()),
             hopper,
+            static_tiles: AtomicBool::new(false),
         })
     }
 
@@ -465,6 +469,16 @@ impl FlashAttention {
     pub fn set_hopper_forward(&self, on: bool) {
         self.hopper_forward
             .store(on && self.hopper.is_some(), Ordering::Relaxed);
+    }
+
+    /// Makes this instance's persistent Hopper launches walk the static
+    /// tile order (`index::persistent_step`), which they otherwise take only
+    /// once the counters for graph-captured launches run out, or claim
+    /// tiles from a counter again: to test and compare both orders. Not
+    /// part of the supported API.
+    #[doc(hidden)]
+    pub fn set_static_tile_order(&self, on: bool) {
+        self.static_tiles.store(on, Ordering::Relaxed);
     }
 
     /// The CUDA context the kernels were loaded into.
@@ -862,14 +876,32 @@ impl FlashAttention {
             if tiles >= TileGrid::TILE_LIMIT {
                 return Ok(false);
             }
-            let paired = matches!(need.mask, MaskKind::Causal) && tiles > self.num_sms;
+            let causal = matches!(need.mask, MaskKind::Causal);
+            let paired = causal && tiles > self.num_sms;
+            let ctas = tiles.min(self.num_sms).max(1);
             params.tiles = TileGrid::new(
                 m_blocks as u32,
                 shape.heads as u32,
                 shape.kv_heads as u32,
                 paired,
             );
-            (tiles.min(self.num_sms).max(1) as u32, 1, 1)
+            let dynamic = tile.claims_tiles(entry.policies.mask)
+                && !self.static_tiles.load(Ordering::Relaxed);
+            if dynamic {
+                if let Some(counter) = module.counters.for_launch(stream)? {
+                    let tail = if causal {
+                        (HOPPER_TAIL_WAVES * ctas).div_ceil(m_blocks)
+                    } else {
+                        0
+                    };
+                    params.tiles = params.tiles.dynamic(
+                        (shape.heads * shape.batch) as u32,
+                        tail as u32,
+                        counter,
+                    );
+                }
+            }
+            (ctas as u32, 1, 1)
         } else {
             (m_blocks as u32, shape.heads as u32, shape.batch as u32)
         };

@@ -3,14 +3,15 @@
 //! `FlashAttention::new` loads it on such GPUs for the Hopper forward (unless
 //! [`FORCE_SM80_ENV`] is set); [`probes`] loads it for the primitive checks.
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{
     self, CUfunction_attribute, CUtensorMapDataType, CUtensorMapFloatOOBfill,
     CUtensorMapInterleave, CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaStream, DeviceRepr, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
+    PushKernelArg,
 };
 use flash_attn_kernels::config::{Dtype, Entry, PtxArch, HOPPER_ENTRIES, SW128_ROW_ELEMS};
 use flash_attn_kernels::params::{
@@ -59,6 +60,68 @@ pub(crate) const TMA_MAX_BOX_ROWS: usize = 256;
 pub(crate) struct HopperModule {
     functions: HashMap<&'static str, CudaFunction>,
     pub(crate) loaded: LoadedCode,
+    pub(crate) counters: TileCounters,
+}
+
+/// The u32 tile counters of dynamically scheduled persistent launches
+/// (`index::TileGrid::counter`). A counter is 0 between launches (each
+/// launch takes exactly as many tickets as the counter wraps at), but two
+/// launches that run at the same time must not share one: their tickets
+/// would interleave and tiles go undone. So launches take them in turn
+/// from a ring of [`Self::RING`] (a counter comes back after that many
+/// launches of this instance, far more than can be queued at once), and a
+/// launch captured into a CUDA graph takes one of its own for good, since
+/// the graph runs it again whenever it is launched (a graph's launches run
+/// in order; two executable graphs instantiated from one capture must not
+/// run at the same time). Once those are used up, captured launches take
+/// the static order ([`flash_attn_kernels::index::persistent_step`]).
+pub(crate) struct TileCounters {
+    /// [`Self::RING`] + [`Self::CAPTURED`] zeroed counters.
+    _counters: CudaSlice<u32>,
+    base: u64,
+    /// (launches so far, counters given to captured launches).
+    taken: Mutex<(u64, u32)>,
+}
+
+impl TileCounters {
+    /// Counters the launches outside graph capture go round.
+    pub(crate) const RING: u32 = 1 << 16;
+    /// Counters for captured launches, one each.
+    pub(crate) const CAPTURED: u32 = 1 << 14;
+
+    fn new(ctx: &Arc<CudaContext>) -> Result<Self, FlashAttnError> {
+        let stream = ctx.default_stream();
+        let counters = stream.alloc_zeros::<u32>((Self::RING + Self::CAPTURED) as usize)?;
+        let base = {
+            let (ptr, _sync) = counters.device_ptr(&stream);
+            ptr
+        };
+        stream.synchronize()?;
+        Ok(TileCounters {
+            _counters: counters,
+            base,
+            taken: Mutex::new((0, 0)),
+        })
+    }
+
+    /// The address of the counter for a launch on `stream`, `None` when it
+    /// should take the static order.
+    pub(crate) fn for_launch(&self, stream: &CudaStream) -> Result<Option<u64>, FlashAttnError> {
+        let captured =
+            stream.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut taken = self.taken.lock().unwrap_or_else(|e| e.into_inner());
+        let slot = if captured {
+            if taken.1 == Self::CAPTURED {
+                return Ok(None);
+            }
+            taken.1 += 1;
+            Self::RING + taken.1 - 1
+        } else {
+            taken.0 += 1;
+            ((taken.0 - 1) % Self::RING as u64) as u32
+        };
+        Ok(Some(self.base + 4 * slot as u64))
+    }
 }
 
 impl HopperModule {
@@ -85,7 +148,11 @@ impl HopperModule {
             )?;
             functions.insert(entry.name, function);
         }
-        Ok(Some(HopperModule { functions, loaded }))
+        Ok(Some(HopperModule {
+            functions,
+            loaded,
+            counters: TileCounters::new(ctx)?,
+        }))
     }
 
     /// Launches the Hopper forward `entry` over Q, K and V (in `params`, whose

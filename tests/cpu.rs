@@ -1915,7 +1915,10 @@ mod config {
                 assert_eq!((t.q_empty(0), t.q_empty(2)), (qb, qb + 2), "{t:?}");
                 assert!(t.block_m == 128 && t.head_dim <= 128, "{t:?}");
             }
-            assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()));
+            // A persistent CTA's tile slots, 8 bytes per Q buffer, close it.
+            let slots = if t.persistent { qb } else { 0 };
+            assert_eq!(t.tile_slot(0), t.barrier(t.barriers()), "{t:?}");
+            assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()) + 8 * slots);
         }
         assert!(seen > 0);
     }
@@ -3492,6 +3495,70 @@ mod index {
                             m_blocks
                         };
                         assert!(first.len() as u32 <= grid / per_pair + 2, "{first:?}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// The dynamic order visits every (query block, pair) once: pair by
+    /// pair, heaviest block first, before the tail, and across the tail's
+    /// pairs by weight (never a heavier block after a lighter one). The
+    /// claim protocol (each CTA's first tile its index, then grid +
+    /// `atom.inc`'s ticket until one lands past the tiles), under any
+    /// interleaving of the CTAs, runs every tile exactly once and leaves
+    /// the counter at 0 for the next launch.
+    #[test]
+    fn dynamic_order_and_claims_cover_the_grid() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(21);
+        for m_blocks in [1u32, 2, 3, 4, 7, 16] {
+            for pairs in [1u32, 2, 5, 64, 131, 512] {
+                let tiles = m_blocks * pairs;
+                for tail in [0u32, 1, 3, pairs, pairs + 5] {
+                    let g = TileGrid::new(m_blocks, pairs, 1, false).dynamic(pairs, tail, 1);
+                    let tail = tail.clamp(1, pairs);
+                    let order: Vec<(u32, u32)> = (0..tiles).map(|i| dynamic_tile(i, &g)).collect();
+                    let mut seen = vec![false; tiles as usize];
+                    for &(m, pair) in &order {
+                        assert!(m < m_blocks && pair < pairs, "({m}, {pair})");
+                        assert!(!std::mem::replace(
+                            &mut seen[(pair * m_blocks + m) as usize],
+                            true
+                        ));
+                    }
+                    let head = ((pairs - tail) * m_blocks) as usize;
+                    for w in order[..head].windows(2) {
+                        assert!(w[1].1 > w[0].1 || (w[1].1 == w[0].1 && w[1].0 < w[0].0));
+                    }
+                    for w in order[head..].windows(2) {
+                        assert!(w[1].0 <= w[0].0, "{m_blocks} x {pairs}, tail {tail}");
+                    }
+                    for grid in [1u32, 7, 132] {
+                        let grid = grid.min(tiles);
+                        let limit = tiles - 1;
+                        let mut counter = 0u32;
+                        let mut ran = vec![0u32; tiles as usize];
+                        let mut live: Vec<u32> = (0..grid).collect();
+                        for cta in 0..grid {
+                            ran[cta as usize] += 1;
+                        }
+                        while !live.is_empty() {
+                            let k = rng.random_range(0..live.len());
+                            let ticket = counter;
+                            counter = if counter >= limit { 0 } else { counter + 1 };
+                            let i = grid + ticket;
+                            if i < tiles {
+                                ran[i as usize] += 1;
+                            } else {
+                                live.swap_remove(k);
+                            }
+                        }
+                        assert!(
+                            ran.iter().all(|&n| n == 1),
+                            "{m_blocks} x {pairs} on {grid}"
+                        );
+                        assert_eq!(counter, 0, "{m_blocks} x {pairs} on {grid}");
                     }
                 }
             }

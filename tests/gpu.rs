@@ -2458,6 +2458,117 @@ fn hopper_many_tile_cases() -> Vec<FwdCase> {
     )
 }
 
+/// The persistent lines' two tile orders on a grid of more tiles than
+/// SMs, each line forced (D = 64 and 128, full and causal, GQA 3:1): the
+/// dynamic order (tiles claimed from a counter), the static order that
+/// captured launches fall back to once their counters run out
+/// ([`FlashAttention::set_static_tile_order`]), and one dynamic launch
+/// captured in a CUDA graph and replayed four times, O poisoned with NaN
+/// before each: the graph reuses its launch's counter, so a replay runs
+/// every tile only if the launch before left that counter at 0.
+fn tile_orders<T: AttnElement>() -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let ctx = CudaContext::new(0).map_err(e)?;
+    // Capture needs a non-default stream and no cross-stream event waits.
+    unsafe { ctx.disable_event_tracking() };
+    let s = ctx.new_stream().map_err(e)?;
+    let fa = FlashAttention::new(&ctx).map_err(|x| x.to_string())?;
+    let hopper = fa.hopper_forward();
+    let (b, n, h, hk) = (4, 600, 12, 4);
+    for d in [64, 128] {
+        for causal in [false, true] {
+            let what = |how: &str| format!("D = {d}, causal {causal}, {how}");
+            let mut rng = StdRng::seed_from_u64(d as u64 + causal as u64);
+            let q_host = random_values::<T>(&mut rng, b * n * h * d);
+            let k_host = random_values::<T>(&mut rng, b * n * hk * d);
+            let v_host = random_values::<T>(&mut rng, b * n * hk * d);
+            let (q_layout, kv_layout) = (
+                Layout::contiguous([b, n, h, d]),
+                Layout::contiguous([b, n, hk, d]),
+            );
+            let o_layout = gapped_layout([b, n, h, d]);
+            let poison = vec![nan::<T>(); b * o_layout.strides[0]];
+            let q = s.clone_htod(&q_host).map_err(e)?;
+            let k = s.clone_htod(&k_host).map_err(e)?;
+            let v = s.clone_htod(&v_host).map_err(e)?;
+            let mut o = s.clone_htod(&poison).map_err(e)?;
+            let shape = ForwardShape {
+                batch: b,
+                seqlen_q: n,
+                seqlen_k: n,
+                heads: h,
+                kv_heads: hk,
+                head_dim: d,
+                causal,
+                softmax_scale: 1.0 / (d as f32).sqrt(),
+                ..Default::default()
+            };
+            let want =
+                reference::attention(&shape, &to_f64(&q_host), &to_f64(&k_host), &to_f64(&v_host));
+            let opts = AttnOptions {
+                causal,
+                hopper_rows: Some(128),
+                hopper_persistent: Some(true),
+                ..Default::default()
+            };
+            let call = |o: &mut CudaSlice<T>| {
+                let launches = flash_attn::hopper::launches_on_this_thread();
+                fa.forward(
+                    &s,
+                    &TensorRef::new(q.as_view(), q_layout),
+                    &TensorRef::new(k.as_view(), kv_layout),
+                    &TensorRef::new(v.as_view(), kv_layout),
+                    &mut TensorMut::new(o.as_view_mut(), o_layout),
+                    None,
+                    &opts,
+                )
+                .map_err(|x| x.to_string())?;
+                if hopper && flash_attn::hopper::launches_on_this_thread() != launches + 1 {
+                    return Err("the call did not run on a Hopper line".to_string());
+                }
+                Ok(())
+            };
+            let check = |o: &CudaSlice<T>, how: &str| -> Result<(), String> {
+                let got = s.clone_dtoh(o).map_err(e)?;
+                check_output(&got, &o_layout, &want.o, &what(how))?;
+                check_untouched_outside(&got, &o_layout, &what(how))
+            };
+            for static_order in [false, true] {
+                fa.set_static_tile_order(static_order);
+                s.memcpy_htod(&poison, &mut o).map_err(e)?;
+                call(&mut o)?;
+                check(
+                    &o,
+                    if static_order {
+                        "static order"
+                    } else {
+                        "dynamic order"
+                    },
+                )?;
+            }
+            fa.set_static_tile_order(false);
+            s.synchronize().map_err(e)?;
+            s.begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(e)?;
+            let captured = call(&mut o);
+            let graph = s
+                .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                .map_err(e)?;
+            captured?;
+            let graph = graph.ok_or("stream capture produced no graph")?;
+            for replay in 0..4 {
+                s.memcpy_htod(&poison, &mut o).map_err(e)?;
+                graph.launch().map_err(e)?;
+                s.synchronize().map_err(e)?;
+                check(&o, &format!("graph replay {replay}"))?;
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The `wgmma` probe shapes, (dtype, N, K), from the module's entry list.
 fn wgmma_probe_shapes() -> Vec<(Dtype, usize, usize)> {
     HOPPER_ENTRIES
@@ -3121,6 +3232,10 @@ fn main() {
                     }
                     Ok(())
                 },
+            ));
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_tile_orders_", $name),
+                move || tile_orders::<$t>().map_err(Failed::from),
             ));
             for (kind, cases) in fixed {
                 let g = gpu.clone();

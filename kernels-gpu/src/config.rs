@@ -1193,10 +1193,28 @@ impl HopperTile {
     pub const fn barrier(self, i: usize) -> usize {
         self.v_offset(self.stages) + 8 * i
     }
+    /// Offset of Q buffer `b`'s tile slot in a persistent CTA: the
+    /// producer writes the tile it loads there (query block, pair; 8 bytes)
+    /// before the buffer's full barrier completes, and the consumers read
+    /// it after their wait on that barrier.
+    pub const fn tile_slot(self, b: usize) -> usize {
+        self.barrier(self.barriers()) + 8 * b
+    }
+    /// Whether a persistent line of this tile under `mask` claims its tiles
+    /// from a counter when the launch gives one (`index::TileGrid::counter`):
+    /// the causal lines, whose tiles differ in key blocks, and the lines
+    /// without ping-pong. The other persistent lines walk the static order,
+    /// as before the counters: on their non-causal D = 96 and 128 rows at
+    /// 512 keys the counter's code cost 2-3 % in every order (H100,
+    /// docs/perf-notes.md v35).
+    pub const fn claims_tiles(self, mask: MaskKind) -> bool {
+        self.persistent && (!self.pingpong || matches!(mask, MaskKind::Causal))
+    }
     /// Dynamic shared memory of one CTA, with the slack that lets the kernel
     /// round its base up to [`SWIZZLE_ATOM_BYTES`].
     pub const fn smem_bytes(self) -> usize {
-        SWIZZLE_ATOM_BYTES + self.barrier(self.barriers())
+        let slots = if self.persistent { self.q_buffers() } else { 0 };
+        SWIZZLE_ATOM_BYTES + self.tile_slot(slots)
     }
 }
 
@@ -1517,6 +1535,13 @@ pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 2048];
 /// at 2k, 0.96x at 4k (v23, before the TMA store and the host divisors:
 /// 0.97x at 1k).
 pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 1024;
+
+/// Waves of the grid's tiles in the tail of a causal launch's dynamic
+/// order (`index::dynamic_tile`: heaviest first across the tail's pairs).
+/// A longer tail evens out the SMs' finish more, and spreads more pairs'
+/// K/V over the same time in L2: H100, 512 keys, D = 128 causal, against a
+/// 3-wave tail: 2 waves 1.01x, 6 waves 0.87x (docs/perf-notes.md v35).
+pub const HOPPER_TAIL_WAVES: usize = 2;
 
 /// Short non-causal rows against long keys on the D = 64 lines: up to
 /// this many queries per sequence and keys per row, a call takes its

@@ -182,6 +182,20 @@ pub struct TileGrid {
     /// its own: a unit would run two tiles (M + 1 key blocks) on one SM,
     /// where alone the heaviest runs M.
     pub paired: u32,
+    /// Tiles of the launch: M x pairs ([`dynamic_tile`]'s order).
+    pub tiles: u32,
+    /// Tiles before the order's tail: the first pairs' tiles, pair by pair.
+    pub tail_start: u32,
+    /// Pairs in the tail, whose tiles go heaviest first across the pairs.
+    pub tail_pairs: FastDiv,
+    /// `.global` address of the launch's u32 tile counter, 0 for the
+    /// static order of [`persistent_step`]. A CTA's first tile is its index;
+    /// each further one is grid + `atom.inc`'s ticket, until a ticket past
+    /// the tiles. That takes exactly `tiles` tickets per launch, and
+    /// `atom.inc` wraps at `tiles - 1`, so the counter is 0 again for the
+    /// next launch on it (the host gives concurrent launches different
+    /// counters).
+    pub counter: u64,
 }
 
 impl TileGrid {
@@ -202,7 +216,53 @@ impl TileGrid {
             heads: FastDiv::new(heads),
             group: FastDiv::new(heads / kv_heads),
             paired: paired as u32,
+            tiles: 0,
+            tail_start: 0,
+            tail_pairs: FastDiv::new(1),
+            counter: 0,
         }
+    }
+
+    /// The same grid scheduled through the u32 counter at `counter`
+    /// ([`dynamic_tile`]'s order over `pairs` pairs, `tail_pairs` of them
+    /// in the tail, at least 1).
+    pub const fn dynamic(self, pairs: u32, tail_pairs: u32, counter: u64) -> TileGrid {
+        let tail = if tail_pairs > pairs {
+            pairs
+        } else {
+            tail_pairs
+        };
+        let tail = if tail > 0 { tail } else { 1 };
+        let m_blocks = self.m_blocks.divisor;
+        TileGrid {
+            tiles: m_blocks * pairs,
+            tail_start: m_blocks * (pairs - tail),
+            tail_pairs: FastDiv::new(tail),
+            counter,
+            ..self
+        }
+    }
+}
+
+/// Tile `i` of a dynamically scheduled persistent launch ([`TileGrid::dynamic`]):
+/// `(query block, pair)`. The CTAs claim tiles in this order, each its next
+/// once it has a Q buffer for it, so an SM that finishes early takes more
+/// (greedy list scheduling). Before the tail the order goes pair by pair,
+/// heaviest block first (causal: block m sees m + 1 key blocks), so the
+/// tiles running at one time share their pairs' K/V in L2. The tail's tiles
+/// go heaviest first across its pairs (longest processing time first), so
+/// the last tiles claimed are the lightest and the SMs finish close
+/// together; without a mask all tiles weigh the same and the tail's order
+/// changes nothing.
+#[inline(always)]
+pub const fn dynamic_tile(i: u32, g: &TileGrid) -> (u32, u32) {
+    let last = g.m_blocks.divisor - 1;
+    if i < g.tail_start {
+        let (pair, r) = g.m_blocks.divmod(i);
+        (last - r, pair)
+    } else {
+        let (r, k) = g.tail_pairs.divmod(i - g.tail_start);
+        (last - r, g.m_blocks.quotient(g.tail_start) + k)
     }
 }
 

@@ -1,4 +1,4 @@
-//! Global-memory loads and stores with an explicit `.global` state space (the
+//! Global-memory loads, stores and the tile counter's atomic, with an explicit `.global` state space (the
 //! pointers come from `u64` launch parameters, so the compiler cannot infer it).
 use core::arch::asm;
 
@@ -86,4 +86,16 @@ pub fn ld_nc_s32(p: u64) -> i32 {
         asm!("ld.global.nc.s32 {r}, [{p}];", r = out(reg32) r, p = in(reg64) p, options(nostack, readonly, pure));
     }
     r
+}
+
+/// `atom.global.inc.u32 d, [p], limit;` returns the old value `d` and stores
+/// `d >= limit ? 0 : d + 1` (relaxed, GPU scope): a ticket counter that
+/// wraps to 0 after `limit + 1` tickets.
+#[inline(always)]
+pub fn atom_inc_u32(p: u64, limit: u32) -> u32 {
+    let d: u32;
+    unsafe {
+        asm!("atom.global.inc.u32 {d}, [{p}], {l};", d = out(reg32) d, p = in(reg64) p, l = in(reg32) limit, options(nostack));
+    }
+    d
 }

@@ -57,6 +57,20 @@ pub fn ld_b32(addr: u32) -> u32 {
     v
 }
 
+/// `ld.shared.v2.b32 {x,y}, [addr];` 8 bytes, `addr` 8-byte aligned.
+#[inline(always)]
+pub fn ld_v2_b32(addr: u32) -> (u32, u32) {
+    let (x, y): (u32, u32);
+    unsafe {
+        asm!(
+            "ld.shared.v2.b32 {{{x}, {y}}}, [{a}];",
+            x = out(reg32) x, y = out(reg32) y, a = in(reg32) addr,
+            options(nostack, readonly),
+        );
+    }
+    (x, y)
+}
+
 /// `ld.shared.v4.b32 {x,y,z,w}, [addr];` 16 bytes, `addr` 16-byte aligned.
 #[inline(always)]
 pub fn ld_v4_b32(addr: u32) -> [u32; 4] {

@@ -10,11 +10,13 @@
 //! (FlashAttention-3's intra-warpgroup overlap; see `consume`).
 //!
 //! A persistent line ([`HopperTile::persistent`]) launches at most one CTA
-//! per SM, each looping over tiles (`index::persistent_step`): Q has three
-//! or four buffers in a ring of its own, and the K/V rings and the
-//! ping-pong turns run on across tiles, so the producer loads the next
-//! tile's Q and first K/V blocks while the consumers finish the current
-//! one. Without ping-pong the consumers run all their tiles' key blocks as
+//! per SM, each looping over tiles: the producer claims them from a
+//! counter (`index::dynamic_tile`'s order) or, without one, walks
+//! `index::persistent_step`, and tells the consumers which through a slot
+//! beside each Q buffer. Q has three or four buffers in a ring of its own,
+//! and the K/V rings and the ping-pong turns run on across tiles, so the
+//! producer loads the next tile's Q and first K/V blocks while the
+//! consumers finish the current one. Without ping-pong the consumers run all their tiles' key blocks as
 //! one pipeline ([`stream`]). The dense lines store O with TMA from the Q
 //! buffer it was computed from.
 //!
@@ -70,6 +72,9 @@ struct Smem<const QB: u32> {
     /// A persistent CTA's Q ring: buffer b at `q + b * q_bytes`, its
     /// barriers at `q_full + 8b` and `q_empty + 8b`.
     q_empty: u32,
+    /// A persistent CTA's tile slots: buffer b's at `tile_slot + 8b`
+    /// ([`HopperTile::tile_slot`]).
+    tile_slot: u32,
 }
 
 impl<const QB: u32> Smem<QB> {
@@ -80,42 +85,38 @@ impl<const QB: u32> Smem<QB> {
 }
 
 /// Where a tile's loads sit in the rings of a persistent CTA: the tiles
-/// and K/V blocks before it (zero in a CTA of one tile), and its step of
-/// `index::persistent_step`.
+/// and K/V blocks before it (zero in a CTA of one tile).
 #[derive(Clone, Copy, Default)]
 struct Cursor {
     tiles: u32,
     blocks: u32,
-    step: u32,
 }
 
 impl Cursor {
-    /// The next tile's, after `info`'s at this step; `next` is its step.
+    /// The next tile's, after `info`'s.
     #[inline(always)]
-    fn after(self, info: &BlockInfo, next: u32) -> Cursor {
+    fn after(self, info: &BlockInfo) -> Cursor {
         Cursor {
             tiles: self.tiles + 1,
             blocks: self.blocks + (info.n_hi - info.n_lo),
-            step: next,
         }
     }
 }
 
-/// A persistent CTA's tile at `step` ([`index::persistent_step`]; causal
-/// masks pair heavy and light query blocks) and the step after it; `None`
-/// past the last. Rebuilt from the parameters (and the host's divisors) at
-/// each step: only the cursor is state through the mainloop.
+/// What a tile slot holds once the producer has no tile left.
+const NO_TILE: u32 = u32::MAX;
+
+/// Query block `m_block` of (batch, head) pair `pair`, rebuilt from the
+/// parameters and the host's divisors: only the cursor is state through
+/// the mainloop.
 #[inline(always)]
-fn tile_at<M: Mask, L: Seq>(
+fn tile_info<M: Mask, L: Seq>(
     p: &AttnParams,
     tile: HopperTile,
-    step: u32,
-) -> Option<(BlockInfo, u32)> {
+    m_block: u32,
+    pair: u32,
+) -> BlockInfo {
     let g = &p.tiles;
-    let paired = matches!(M::KIND, MaskKind::Causal) && g.paired != 0;
-    let pairs = (p.heads * p.batch).max(1);
-    let (cta, grid) = (special::block_idx_x(), special::grid_dim_x());
-    let (m_block, pair, next) = index::persistent_step(step, cta, grid, g, pairs, paired)?;
     let (batch, head) = g.heads.divmod(pair);
     let at = TileCoord {
         m_block,
@@ -123,10 +124,59 @@ fn tile_at<M: Mask, L: Seq>(
         batch,
         kv_head: g.group.quotient(head),
     };
-    Some((
-        BlockInfo::at::<M, L>(p, tile.block_m, tile.block_n, at),
-        next,
-    ))
+    BlockInfo::at::<M, L>(p, tile.block_m, tile.block_n, at)
+}
+
+/// The producer's next tile, the `tiles`-th of its CTA: `(query block,
+/// pair)`, `None` past the last. With a counter (`TileGrid::counter`) the
+/// CTA's first tile is its index and each later one a ticket's, taken once
+/// the tile before has its loads issued; without one, `step` walks
+/// [`index::persistent_step`] (causal masks pair heavy and light query
+/// blocks).
+#[inline(always)]
+fn claim<M: Mask>(
+    p: &AttnParams,
+    tile: HopperTile,
+    tiles: u32,
+    step: &mut u32,
+) -> Option<(u32, u32)> {
+    let g = &p.tiles;
+    let (cta, grid) = (special::block_idx_x(), special::grid_dim_x());
+    if !tile.claims_tiles(M::KIND) || g.counter == 0 {
+        let paired = matches!(M::KIND, MaskKind::Causal) && g.paired != 0;
+        let pairs = (p.heads * p.batch).max(1);
+        let (m_block, pair, next) = index::persistent_step(*step, cta, grid, g, pairs, paired)?;
+        *step = next;
+        return Some((m_block, pair));
+    }
+    let i = if tiles == 0 {
+        cta
+    } else {
+        grid + global::atom_inc_u32(g.counter, g.tiles - 1)
+    };
+    if i < g.tiles {
+        Some(index::dynamic_tile(i, g))
+    } else {
+        None
+    }
+}
+
+/// The tile a persistent CTA's consumers run at `at`, once its Q has
+/// landed (the producer wrote the tile's slot before that barrier's
+/// arrival); `None` past the last.
+#[inline(always)]
+fn next_tile<M: Mask, L: Seq, const QB: u32>(
+    p: &AttnParams,
+    tile: HopperTile,
+    sm: Smem<QB>,
+    at: Cursor,
+) -> Option<BlockInfo> {
+    sm.q_ring().wait_full(at.tiles);
+    let (m_block, pair) = smem::ld_v2_b32(sm.tile_slot + 8 * (at.tiles % QB));
+    if m_block == NO_TILE {
+        return None;
+    }
+    Some(tile_info::<M, L>(p, tile, m_block, pair))
 }
 
 /// One Hopper forward CTA of `ROWS` query rows, persistent or not (`LOOP`),
@@ -182,6 +232,7 @@ pub unsafe fn forward<
         v: at(tile.v_offset(0)),
         q_full: at(tile.barrier(HopperTile::Q_FULL)),
         q_empty: at(tile.barrier(tile.q_empty(0))),
+        tile_slot: at(tile.tile_slot(0)),
     };
     let ring = |first: usize| {
         TmaRing::<STAGES>::new(
@@ -232,6 +283,10 @@ pub unsafe fn forward<
         // A paged cache takes the whole first warp: one page lookup and box
         // per lane (`produce`).
         if tid == 0 || (L::PAGED && tid < WARP_SIZE as u32) {
+            if tid == 0 {
+                mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
+            }
+            let q = (sm.q, sm.q_full);
             produce::<L, D, STAGES, QB>(
                 p,
                 tile,
@@ -241,18 +296,26 @@ pub unsafe fn forward<
                 k_ring,
                 v_ring,
                 Cursor::default(),
+                q,
             );
         }
     } else {
         setmaxnreg::inc::<REGS>();
         let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
-        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, Cursor::default());
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
+            p,
+            wg,
+            &info,
+            maps,
+            Cursor::default(),
+            false,
+        );
     }
 }
 
-/// The roles of a persistent CTA: each runs its part of every tile of
-/// [`tile_at`] in turn: the consumers through [`stream`] on the lines
-/// without ping-pong, else through [`consume`] per tile. The ping-pong
+/// The roles of a persistent CTA: each runs its part of every tile the
+/// producer claims ([`claim`]) in turn: the consumers through [`stream`]
+/// on the lines without ping-pong, else through [`consume`] per tile. The ping-pong
 /// turns run on across tiles (both consumers take one per key block), so
 /// the first hand-over and the last turn frame the whole loop.
 #[inline(always)]
@@ -281,10 +344,33 @@ fn persistent<
     let mut at = Cursor::default();
     if tid < WARPGROUP_THREADS as u32 {
         setmaxnreg::dec::<{ HopperTile::PERSISTENT_PRODUCER_REGS }>();
-        if tid == 0 {
-            while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
-                produce::<L, D, STAGES, QB>(p, tile, &info, maps, sm, k_ring, v_ring, at);
-                at = at.after(&info, next);
+        let mut step = 0;
+        if tid == 0 && !tile.claims_tiles(M::KIND) {
+            while let Some((m_block, pair)) = claim::<M>(p, tile, at.tiles, &mut step) {
+                let info = tile_info::<M, L>(p, tile, m_block, pair);
+                let (b, full) = sm.q_ring().acquire(at.tiles, tile.q_bytes() as u32);
+                let q = (sm.q + b * tile.q_bytes() as u32, full);
+                produce::<L, D, STAGES, QB>(p, tile, &info, maps, sm, k_ring, v_ring, at, q);
+                at = at.after(&info);
+            }
+        } else if tid == 0 {
+            loop {
+                // The tile's geometry first: it runs while the Q buffer
+                // frees.
+                let next = claim::<M>(p, tile, at.tiles, &mut step);
+                let info = next.map(|(m_block, pair)| tile_info::<M, L>(p, tile, m_block, pair));
+                let (b, full) = sm.q_ring().claim(at.tiles);
+                let slot = sm.tile_slot + 8 * b;
+                let (Some((m_block, pair)), Some(info)) = (next, info) else {
+                    smem::st_v2_b32(slot, NO_TILE, 0);
+                    mbarrier::arrive(full);
+                    break;
+                };
+                smem::st_v2_b32(slot, m_block, pair);
+                mbarrier::arrive_expect_tx(full, tile.q_bytes() as u32);
+                let q = (sm.q + b * tile.q_bytes() as u32, full);
+                produce::<L, D, STAGES, QB>(p, tile, &info, maps, sm, k_ring, v_ring, at, q);
+                at = at.after(&info);
             }
         }
     } else {
@@ -296,9 +382,24 @@ fn persistent<
             stream::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, maps);
         } else {
             wg.hand_over_first();
-            while let Some((info, next)) = tile_at::<M, L>(p, tile, at.step) {
-                consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, &info, maps, at);
-                at = at.after(&info, next);
+            if tile.claims_tiles(M::KIND) && p.tiles.counter != 0 {
+                let mut upcoming = next_tile::<M, L, QB>(p, tile, sm, at);
+                while let Some(info) = upcoming {
+                    upcoming = consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
+                        p, wg, &info, maps, at, true,
+                    );
+                    at = at.after(&info);
+                }
+            } else {
+                // The static order: each consumer walks it too.
+                let mut step = 0;
+                while let Some((m_block, pair)) = claim::<M>(p, tile, at.tiles, &mut step) {
+                    let info = tile_info::<M, L>(p, tile, m_block, pair);
+                    consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
+                        p, wg, &info, maps, at, false,
+                    );
+                    at = at.after(&info);
+                }
             }
             wg.take_last_turn();
         }
@@ -308,7 +409,8 @@ fn persistent<
     }
 }
 
-/// The load loop: Q once, then K(n) and V(n) for n from `n_hi - 1` down,
+/// The load loop: Q once into `q` = (buffer, full barrier), whose bytes
+/// thread 0 has announced, then K(n) and V(n) for n from `n_hi - 1` down,
 /// by thread 0; `at` places a persistent CTA's tile in the rings. From a paged cache (`L::PAGED` and a block table) the first
 /// warp loads each block as boxes of `index::paged_box_rows` rows, which
 /// never straddle a page: lane j looks up box j's page (the table reads of
@@ -325,6 +427,7 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const QB: u32>(
     k_ring: TmaRing<STAGES>,
     v_ring: TmaRing<STAGES>,
     at: Cursor,
+    q: (u32, u32),
 ) {
     let map = |offset: usize| maps + offset as u64;
     let (q_map, k_map, v_map) = (
@@ -351,18 +454,9 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const QB: u32>(
     let leader = lane == 0;
     let (bn, bytes) = (tile.block_n as u32, tile.kv_bytes() as u32);
     if leader {
-        // A persistent CTA's Q buffer frees once the tile that used it has
-        // stored its O through it (`consume`).
-        let (q, full) = if tile.persistent {
-            let (b, full) = sm.q_ring().acquire(at.tiles, tile.q_bytes() as u32);
-            (sm.q + b * tile.q_bytes() as u32, full)
-        } else {
-            mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
-            (sm.q, sm.q_full)
-        };
         let q_row = info.q_start + info.m0;
         let batch = info.addr_batch;
-        load(q, tile.block_m, q_map, q_row, info.head_base, batch, full);
+        load(q.0, tile.block_m, q_map, q_row, info.head_base, batch, q.1);
     }
 
     let blocks = info.n_hi - info.n_lo;
@@ -927,7 +1021,10 @@ fn pack<T: Element, const ST: usize, const PK: usize>(s: &[[f32; 4]; ST]) -> [[u
 }
 
 /// One consumer warpgroup: its 64 rows of O over every key block, then
-/// the epilogue; `at` places a persistent CTA's tile in the rings.
+/// the epilogue; `at` places a persistent CTA's tile in the rings. With
+/// `slots` (the tiles come from the producer's slots) it returns the next
+/// tile ([`next_tile`], read while its last P·V runs, so that the tile's
+/// geometry is worked out in that wait).
 #[inline(always)]
 fn consume<
     T: Element,
@@ -947,7 +1044,8 @@ fn consume<
     info: &BlockInfo,
     maps: u64,
     at: Cursor,
-) {
+    slots: bool,
+) -> Option<BlockInfo> {
     let tile = wg.tile;
     let w = wg.work(p, info, at);
     if !tile.persistent {
@@ -963,10 +1061,12 @@ fn consume<
             wg.release_q(at.tiles - 1);
         }
     };
-    if tile.persistent {
-        wg.sm.q_ring().wait_full(at.tiles);
-    } else {
+    // Read from its slot, a persistent CTA's tile has its Q: [`next_tile`]
+    // waited for it.
+    if !tile.persistent {
         wait(wg.sm.q_full, 0);
+    } else if !slots {
+        wg.sm.q_ring().wait_full(at.tiles);
     }
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
@@ -990,7 +1090,22 @@ fn consume<
         release_previous_q();
     }
     wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
-    wg.last_pv::<T, OT, PK>(&w, &mut o, &mut pf);
+    let upcoming = || {
+        if tile.persistent && slots {
+            next_tile::<M, L, QB>(p, tile, wg.sm, at.after(info))
+        } else {
+            None
+        }
+    };
+    let next = if blocks > 0 {
+        let v_tile = wg.v_tile(&w, blocks - 1);
+        wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
+        let next = upcoming();
+        wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
+        next
+    } else {
+        upcoming()
+    };
     if !tile.persistent {
         wg.take_last_turn();
     }
@@ -1002,6 +1117,7 @@ fn consume<
     if !L::RAGGED && !tile.persistent {
         wg.store_read();
     }
+    next
 }
 
 /// A persistent consumer without turns ([`HopperTile::pingpong`]): one
@@ -1030,10 +1146,10 @@ fn stream<
     maps: u64,
 ) {
     let tile = wg.tile;
-    let Some((mut info, mut next)) = tile_at::<M, L>(p, tile, 0) else {
+    let mut at = Cursor::default();
+    let Some(mut info) = next_tile::<M, L, QB>(p, tile, wg.sm, at) else {
         return;
     };
-    let mut at = Cursor::default();
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
     // P of the block whose P·V is issued next.
@@ -1044,17 +1160,15 @@ fn stream<
         let w = wg.work(p, &info, at);
         let blocks = info.n_hi - info.n_lo;
         if !begun {
-            wg.sm.q_ring().wait_full(at.tiles);
             if blocks > 0 {
                 pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
             }
         }
         wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
-        let after = at.after(&info, next);
-        match tile_at::<M, L>(p, tile, next) {
-            Some((u, u_next)) if blocks > 0 && u.n_hi > u.n_lo => {
+        let after = at.after(&info);
+        match next_tile::<M, L, QB>(p, tile, wg.sm, after) {
+            Some(u) if blocks > 0 && u.n_hi > u.n_lo => {
                 let uw = wg.work(p, &u, after);
-                wg.sm.q_ring().wait_full(after.tiles);
                 let k_tile = wg.k_tile(&uw, 0);
                 let v_tile = wg.v_tile(&w, blocks - 1);
                 let mut s = [[0f32; 4]; ST];
@@ -1069,19 +1183,19 @@ fn stream<
                 wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
                 pf = pack::<T, ST, PK>(&s);
                 begun = true;
-                (info, next) = (u, u_next);
+                info = u;
             }
             upcoming => {
                 wg.last_pv::<T, OT, PK>(&w, &mut o, &mut pf);
                 let finished = finalize::<S>(p, &info, &softmax);
                 release_before(wg, at);
                 wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
-                let Some((u, u_next)) = upcoming else {
+                let Some(u) = upcoming else {
                     break;
                 };
                 softmax = OnlineSoftmax::new();
                 begun = false;
-                (info, next) = (u, u_next);
+                info = u;
             }
         }
         o = [[0f32; 4]; OT];

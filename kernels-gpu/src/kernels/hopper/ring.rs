@@ -48,11 +48,20 @@ impl<const STAGES: u32> TmaRing<STAGES> {
     /// first `STAGES` blocks do not wait.
     #[inline(always)]
     pub fn acquire(self, i: u32, bytes: u32) -> (u32, u32) {
-        let (s, use_) = Self::stage(i);
-        wait(self.empty + 8 * s, use_ ^ 1);
-        let full = self.full + 8 * s;
+        let (s, full) = self.claim(i);
         mbarrier::arrive_expect_tx(full, bytes);
         (s, full)
+    }
+
+    /// [`Self::acquire`] without the arrival: the stage and its full
+    /// barrier, once block `i - STAGES` has been released. The producer
+    /// then writes what the consumers read with the block before it arrives
+    /// (the arrival releases those writes to the waiters).
+    #[inline(always)]
+    pub fn claim(self, i: u32) -> (u32, u32) {
+        let (s, use_) = Self::stage(i);
+        wait(self.empty + 8 * s, use_ ^ 1);
+        (s, self.full + 8 * s)
     }
 
     /// Block `i`'s stage and full barrier, for the threads that issue its
