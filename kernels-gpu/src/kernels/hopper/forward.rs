@@ -16,9 +16,9 @@
 //! beside each Q buffer. Q has three or four buffers in a ring of its own,
 //! and the K/V rings and the ping-pong turns run on across tiles, so the
 //! producer loads the next tile's Q and first K/V blocks while the
-//! consumers finish the current one. Without ping-pong the consumers run all their tiles' key blocks as
-//! one pipeline ([`stream`]). The dense lines store O with TMA from the Q
-//! buffer it was computed from.
+//! consumers finish the current one. Without ping-pong the consumers run
+//! all their tiles' key blocks as one pipeline ([`stream`]). The dense
+//! lines store O with TMA from the Q buffer it was computed from.
 //!
 //! The `wgmma` accumulator of each warp is the `mma.sync` m16n8 C fragment
 //! of its 16 rows, so the online softmax, the mask and P's packing are the
@@ -134,7 +134,7 @@ fn tile_info<M: Mask, L: Seq>(
 /// [`index::persistent_step`] (causal masks pair heavy and light query
 /// blocks).
 #[inline(always)]
-fn claim<M: Mask>(
+fn claim_tile<M: Mask>(
     p: &AttnParams,
     tile: HopperTile,
     tiles: u32,
@@ -314,10 +314,11 @@ pub unsafe fn forward<
 }
 
 /// The roles of a persistent CTA: each runs its part of every tile the
-/// producer claims ([`claim`]) in turn: the consumers through [`stream`]
-/// on the lines without ping-pong, else through [`consume`] per tile. The ping-pong
-/// turns run on across tiles (both consumers take one per key block), so
-/// the first hand-over and the last turn frame the whole loop.
+/// producer claims ([`claim_tile`]) in turn: the consumers through
+/// [`stream`] on the lines without ping-pong, else through [`consume`] per
+/// tile. The ping-pong turns run on across tiles (both consumers take one
+/// per key block), so the first hand-over and the last turn frame the
+/// whole loop.
 #[inline(always)]
 fn persistent<
     T: Element,
@@ -346,7 +347,7 @@ fn persistent<
         setmaxnreg::dec::<{ HopperTile::PERSISTENT_PRODUCER_REGS }>();
         let mut step = 0;
         if tid == 0 && !tile.claims_tiles(M::KIND) {
-            while let Some((m_block, pair)) = claim::<M>(p, tile, at.tiles, &mut step) {
+            while let Some((m_block, pair)) = claim_tile::<M>(p, tile, at.tiles, &mut step) {
                 let info = tile_info::<M, L>(p, tile, m_block, pair);
                 let (b, full) = sm.q_ring().acquire(at.tiles, tile.q_bytes() as u32);
                 let q = (sm.q + b * tile.q_bytes() as u32, full);
@@ -357,7 +358,7 @@ fn persistent<
             loop {
                 // The tile's geometry first: it runs while the Q buffer
                 // frees.
-                let next = claim::<M>(p, tile, at.tiles, &mut step);
+                let next = claim_tile::<M>(p, tile, at.tiles, &mut step);
                 let info = next.map(|(m_block, pair)| tile_info::<M, L>(p, tile, m_block, pair));
                 let (b, full) = sm.q_ring().claim(at.tiles);
                 let slot = sm.tile_slot + 8 * b;
@@ -393,7 +394,7 @@ fn persistent<
             } else {
                 // The static order: each consumer walks it too.
                 let mut step = 0;
-                while let Some((m_block, pair)) = claim::<M>(p, tile, at.tiles, &mut step) {
+                while let Some((m_block, pair)) = claim_tile::<M>(p, tile, at.tiles, &mut step) {
                     let info = tile_info::<M, L>(p, tile, m_block, pair);
                     consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
                         p, wg, &info, maps, at, false,
