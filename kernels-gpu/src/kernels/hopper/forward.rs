@@ -247,9 +247,11 @@ pub unsafe fn forward<
         // `wgmma`s that read it has completed.
         let releasers = (tile.consumers * WARPGROUP_THREADS / WARP_SIZE) as u32;
         if LOOP {
-            // A Q buffer frees once each consumer's TMA store of the O it
-            // holds has read it (`consume`).
-            sm.q_ring().init(tile.consumers as u32);
+            // A Q buffer frees once every consumer thread is done with
+            // its tile slot and each consumer's TMA store of the O it holds
+            // has read it (`Warpgroup::release_q`).
+            sm.q_ring()
+                .init((tile.consumers * WARPGROUP_THREADS) as u32);
         } else {
             mbarrier::init(sm.q_full, 1);
         }
@@ -986,13 +988,19 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
     }
 
     /// Frees the Q buffer of a persistent CTA's tile `tiles` once its O
-    /// store has read it: one arrival per consumer.
+    /// store has read it. Every consumer thread arrives, thread 0 of each
+    /// warpgroup after its store's read: each thread's reads of the
+    /// buffer's tile slot are then ordered before the producer's next
+    /// write by that thread's own arrival, not only through the epilogue's
+    /// named barrier (with one arrival per warpgroup, racecheck reported
+    /// the slot reads against the producer's rewrite; H100,
+    /// docs/perf-notes.md v36).
     #[inline(always)]
     fn release_q(self, tiles: u32) {
         if self.wg_tid == 0 {
             tma::store_wait_read();
-            self.sm.q_ring().release(tiles);
         }
+        self.sm.q_ring().release(tiles);
     }
 }
 
