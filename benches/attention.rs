@@ -49,7 +49,11 @@
 //!
 //! The `small-grid` rows are batch-1 prompts on few heads (8 x 512, 4 x 2k,
 //! 16 x 1k at D = 64 and 128, causal and not): grids smaller than an H100's
-//! SMs, which the Hopper dispatch serves with 64-row tiles.
+//! SMs, which the Hopper dispatch serves with 64-row tiles. The
+//! `grid-waves` rows are batch-1 causal prompts of 8k-16k keys whose grids
+//! hold 4-12 waves of 128-row tiles on an H100 (8 to 24 heads at D = 128, 9
+//! to 16 at D = 64): where the persistent lines' longest-first claims stop
+//! paying against the non-persistent grid (`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`).
 //!
 //! The `tile-cost` rows (D = 64, 32 x 32 heads of 512 queries: 4096 tiles
 //! of 128 rows) take 128 to 4k keys (512 is the sweep's row), so that the
@@ -547,6 +551,26 @@ fn shapes() -> Vec<Shape> {
                 v.push(fwd(Dtype::F16, 1, h, s, head_dim, causal, "small-grid"));
             }
         }
+    }
+    // Causal prompts over a few waves of 128-row tiles (H100: 3.9 to 11.6).
+    for (heads, seqlen, head_dim) in [
+        (8, 8192, 128),
+        (16, 8192, 128),
+        (24, 8192, 128),
+        (8, 16384, 128),
+        (12, 8192, 64),
+        (16, 8192, 64),
+        (9, 16384, 64),
+    ] {
+        v.push(fwd(
+            Dtype::F16,
+            1,
+            heads,
+            seqlen,
+            head_dim,
+            true,
+            "grid-waves",
+        ));
     }
     // The T4 report (SmolLM-135M) ran f32: both dtypes.
     for dtype in [Dtype::F16, Dtype::F32] {

@@ -1949,8 +1949,10 @@ mod config {
             need,
             batch: 4,
             heads: 32,
-            seqlen_q: 4096,
-            seqlen_k: 4096,
+            // Past the persistent lines' keys (`hopper_persistent`), so the
+            // rows asked for decide.
+            seqlen_q: 8192,
+            seqlen_k: 8192,
             window_keys: None,
             num_sms: 132,
         };
@@ -2212,10 +2214,10 @@ mod config {
     /// forward line is reachable with `hopper_rows` (the GPU suite's random
     /// trials ask for each), so each line's kernel is tested.
     /// The persistent lines: chosen up to `HOPPER_PERSISTENT_MAX_KEYS` keys
-    /// (a padded head dim's causal calls up to
-    /// `HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`) where one covers the call,
-    /// never past them, for a call without a line (D = 256, modifiers,
-    /// packed sequences) or when other rows or `Some(false)` are asked for;
+    /// where one covers the call, past them only for causal grids of few
+    /// waves of 128-row tiles up to more keys (`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`);
+    /// never for a call without a line (D = 256, modifiers, packed
+    /// sequences) or when other rows or `Some(false)` are asked for;
     /// `Some(true)` takes one at any length.
     #[test]
     fn hopper_persistent_choice() {
@@ -2245,15 +2247,35 @@ mod config {
         };
         for (mask, i) in [(MaskKind::Full, 0), (MaskKind::Causal, 1)] {
             for d in [64, 128, 96, 32] {
-                let padded = hopper_line_head_dim(d) != Some(d);
-                let max = if padded && i == 1 {
-                    HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL
-                } else {
-                    HOPPER_PERSISTENT_MAX_KEYS[i]
-                };
+                let max = HOPPER_PERSISTENT_MAX_KEYS[i];
                 let (short, long) = (call(d, mask, max), call(d, mask, max + 1));
-                // D = 32 stays on `mma.sync` over few keys unless rows are asked.
+                // Past the keys, a causal grid of few waves still takes it:
+                // the most heads whose tiles count as few, and one more.
+                let (waves, few_keys) = HOPPER_PERSISTENT_CAUSAL_FEW_WAVES;
+                let seqlen = few_keys;
+                let per_head = seqlen.div_ceil(HOPPER_PERSISTENT_ROWS);
+                let heads = waves * 132 / per_head;
+                let few = HopperCall {
+                    batch: 1,
+                    heads,
+                    seqlen_q: seqlen,
+                    ..call(d, mask, seqlen)
+                };
+                let more = HopperCall {
+                    heads: heads + 1,
+                    ..few
+                };
                 let rows = if d == 32 { Some(128) } else { None };
+                assert_eq!(persistent(&few, rows, None), i == 1, "{few:?}");
+                assert!(!persistent(&more, rows, None), "{more:?}");
+                // Nor past its keys, on a grid of as few tiles.
+                let longer = HopperCall {
+                    heads: heads / 2,
+                    seqlen_q: 2 * seqlen,
+                    seqlen_k: 2 * seqlen,
+                    ..few
+                };
+                assert!(!persistent(&longer, rows, None), "{longer:?}");
                 assert!(persistent(&short, rows, None), "{d} {mask:?}");
                 assert!(!persistent(&long, rows, None), "{d} {mask:?}");
                 assert!(persistent(&long, Some(128), Some(true)), "{d} {mask:?}");
@@ -2264,10 +2286,11 @@ mod config {
                 assert!(!persistent(&short, rows, Some(false)), "{d} {mask:?}");
                 assert!(!persistent(&short, Some(64), Some(true)), "{d} {mask:?}");
             }
-            // Non-causal D = 64 calls of few queries, up to more keys.
+            // Non-causal D = 64 calls of few queries, up to more keys (a
+            // causal call past the keys is a grid of few waves here).
             let (q, k) = HOPPER_PERSISTENT_SHORT_QUERIES_D64;
             for (d, seqlen_q, seqlen_k, taken) in [
-                (64, q, k, i == 0),
+                (64, q, k, true),
                 (64, q, k + 1, false),
                 (64, q + 1, k, false),
                 (128, q, k, false),
@@ -2275,7 +2298,7 @@ mod config {
             ] {
                 let c = HopperCall {
                     seqlen_q,
-                    ..call(d, mask, seqlen_k)
+                    ..call(d, MaskKind::Full, seqlen_k)
                 };
                 assert_eq!(persistent(&c, None, None), taken, "{c:?}");
             }

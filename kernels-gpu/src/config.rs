@@ -1521,20 +1521,29 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
 }
 
 /// Keys per query row up to which a call whose line has a persistent twin
-/// (`HopperTile::persistent`: D = 64 and 128, plain full and causal) takes
-/// it, non-causal and causal. H100, over the lines `hopper_rows` picks
-/// (docs/perf-notes.md v23): at 512 keys 1.10-1.14x non-causal, 1.04-1.11x
-/// causal; at 1k 1.02-1.04x and 1.03-1.06x; at 2k 0.92-0.99x except D = 64
-/// causal (1.01-1.03x), at 4k 0.87-0.98x. Since v24's TMA store of O (v25,
-/// same lease): at 2k causal 1.04x (D = 64) and 1.05-1.07x (D = 128),
-/// non-causal still 0.90-0.94x (D = 64) and 1.01-1.02x (D = 128).
-pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 2048];
+/// (`HopperTile::persistent`: D = 64 and 128, plain full and causal; D =
+/// 32 and 96 on them padded) takes it, non-causal and causal. H100, over
+/// the lines `hopper_rows` picks (docs/perf-notes.md v23): at 512 keys
+/// 1.10-1.14x non-causal, 1.04-1.11x causal; at 1k 1.02-1.04x and
+/// 1.03-1.06x; non-causal at 2k 0.90-0.94x (D = 64), 1.01-1.02x (D = 128;
+/// v25). Causal since the dynamic tile order (v35), three leases (v36):
+/// at 4k D = 64 1.05-1.08x, D = 96 1.00-1.04x, D = 128 1.00-1.04x; at 2k
+/// D = 96 0.96-1.16x (rounds spread 5-14 %; median 1.08x); at 8k 0.97-0.98x
+/// on D = 64's sweep rows, at 16k 0.94x.
+pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 4096];
 
-/// The causal limit for a head dim padded to its line (D = 96 on the D =
-/// 128 line). H100, v27: 1.00x at 512 keys, 1.04-1.08x at 1k, 0.99-1.00x
-/// at 2k, 0.96x at 4k (v23, before the TMA store and the host divisors:
-/// 0.97x at 1k).
-pub const HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL: usize = 1024;
+/// Causal calls of at most this many waves of 128-row tiles (`.0`) take
+/// the persistent line up to `.1` keys per row, past
+/// [`HOPPER_PERSISTENT_MAX_KEYS`]: the tiles of a few-wave causal grid
+/// differ in length by up to the whole row, and the counter's
+/// longest-first claims even out the SMs' finish, which a grid of CTAs
+/// launched heaviest first does less well. H100 (docs/perf-notes.md v36),
+/// against the non-persistent lines at 8k keys: SmolLM's 9 heads (4.4
+/// waves) 1.14-1.16x, 8-16 heads of D = 128 (3.9-7.8 waves) 1.05-1.08x,
+/// 12-16 heads of D = 64 1.08-1.12x; 11.6 waves 1.00x. At 16k keys the
+/// persistent lines lose at any grid (0.94-0.97x; 8 heads of D = 128,
+/// 7.8 waves: 0.95x).
+pub const HOPPER_PERSISTENT_CAUSAL_FEW_WAVES: (usize, usize) = (8, 8192);
 
 /// Waves of the grid's tiles in the tail of a causal launch's dynamic
 /// order (`index::dynamic_tile`: heaviest first across the tail's pairs).
@@ -1559,8 +1568,8 @@ pub const HOPPER_PERSISTENT_ROWS: usize = 2 * WGMMA_M;
 /// Whether a Hopper forward call takes its persistent line (where one
 /// covers it), in place of the lines [`hopper_rows`] chooses among: short
 /// rows, whose CTAs' fixed cost the loop hides
-/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL`],
-/// [`HOPPER_PERSISTENT_SHORT_QUERIES_D64`]),
+/// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_SHORT_QUERIES_D64`]),
+/// and causal grids of few waves ([`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`]),
 /// in a grid of more 128-row tiles than SMs. With at most one tile per
 /// SM there is no next tile to hide anything under, and the other lines
 /// are faster (H100, D = 64, 8-16 heads of 512-1k rows: 1.10-1.41x; D =
@@ -1571,21 +1580,14 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
         return false;
     }
     let causal = matches!(call.need.mask, MaskKind::Causal);
-    let padded = match hopper_line_head_dim(call.head_dim) {
-        Some(line) => line > call.head_dim,
-        None => false,
-    };
-    let max = if causal && padded {
-        HOPPER_PERSISTENT_MAX_KEYS_PADDED_CAUSAL
-    } else {
-        HOPPER_PERSISTENT_MAX_KEYS[causal as usize]
-    };
+    let (waves, few_waves_keys) = HOPPER_PERSISTENT_CAUSAL_FEW_WAVES;
+    let few_waves = causal && tiles <= waves * call.num_sms && call.seqlen_k <= few_waves_keys;
     let (short_q, short_q_keys) = HOPPER_PERSISTENT_SHORT_QUERIES_D64;
     let short_queries = matches!(call.need.mask, MaskKind::Full)
         && call.head_dim == 64
         && call.seqlen_q <= short_q
         && call.seqlen_k <= short_q_keys;
-    call.seqlen_k <= max || short_queries
+    call.seqlen_k <= HOPPER_PERSISTENT_MAX_KEYS[causal as usize] || short_queries || few_waves
 }
 
 /// The head dim of the Hopper forward lines that serve `head_dim`: the
