@@ -2251,8 +2251,7 @@ mod config {
                 let (short, long) = (call(d, mask, max), call(d, mask, max + 1));
                 // Past the keys, a causal grid of few waves still takes it:
                 // the most heads whose tiles count as few, and one more.
-                let (waves, few_keys) = HOPPER_PERSISTENT_CAUSAL_FEW_WAVES;
-                let seqlen = few_keys;
+                let (waves, seqlen) = HOPPER_PERSISTENT_CAUSAL_FEW_WAVES;
                 let per_head = seqlen.div_ceil(HOPPER_PERSISTENT_ROWS);
                 let heads = waves * 132 / per_head;
                 let few = HopperCall {
@@ -2265,6 +2264,7 @@ mod config {
                     heads: heads + 1,
                     ..few
                 };
+                // D = 32 stays on `mma.sync` over few keys unless rows are asked.
                 let rows = if d == 32 { Some(128) } else { None };
                 assert_eq!(persistent(&few, rows, None), i == 1, "{few:?}");
                 assert!(!persistent(&more, rows, None), "{more:?}");
