@@ -140,7 +140,8 @@ macro_rules! wgmma_shapes {
         )*
 
         /// `m64nNk16` with A and B from shared memory, N = 8 * NT (one of
-        /// the generated shapes; any other traps), bf16 or f16 inputs.
+        /// the generated shapes; any other fails the build, where the match
+        /// alone would leave a kernel that traps), bf16 or f16 inputs.
         #[inline(always)]
         pub fn ss<const NT: usize, const TRANS_B: u32>(
             bf16: bool,
@@ -149,6 +150,7 @@ macro_rules! wgmma_shapes {
             b: u64,
             scale_d: u32,
         ) {
+            const { assert!(matches!(NT, $($nt)|*), "no wgmma shape of this N") };
             let d = d as *mut [[f32; 4]; NT];
             match NT {
                 $($nt => {
@@ -169,6 +171,7 @@ macro_rules! wgmma_shapes {
             b: u64,
             scale_d: u32,
         ) {
+            const { assert!(matches!(NT, $($nt)|*), "no wgmma shape of this N") };
             let d = d as *mut [[f32; 4]; NT];
             match NT {
                 $($nt => {
