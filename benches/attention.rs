@@ -48,8 +48,8 @@
 //! tokens/s, memory, max error). `scripts/compare-torch.py` skips f32 rows.
 //!
 //! The `small-grid` rows are batch-1 prompts on few heads (8 x 512, 4 x 2k,
-//! 16 x 1k at D = 64 and 128, causal and not): grids smaller than an H100's
-//! SMs, which the Hopper dispatch serves with 64-row tiles. The
+//! 16 x 1k at D = 64, 128 and 256, causal and not): grids smaller than an
+//! H100's SMs, which the Hopper dispatch serves with 64-row tiles. The
 //! `grid-waves` rows are batch-1 causal prompts of 8k-16k keys whose grids
 //! hold 4-12 waves of 128-row tiles on an H100 (8 to 24 heads at D = 128, 9
 //! to 16 at D = 64): where the persistent lines' longest-first claims stop
@@ -545,7 +545,7 @@ fn shapes() -> Vec<Shape> {
     // Batch-1 prompts on few heads: grids of at most an H100's SMs in 64-row
     // CTAs, which the Hopper dispatch gives 64-row tiles, and a larger one
     // (16 heads of 1k).
-    for head_dim in [64, 128] {
+    for head_dim in [64, 128, 256] {
         for causal in [false, true] {
             for (h, s) in [(8, 512), (4, 2048), (16, 1024)] {
                 v.push(fwd(Dtype::F16, 1, h, s, head_dim, causal, "small-grid"));

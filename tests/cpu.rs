@@ -1863,7 +1863,17 @@ mod config {
             let t = e.hopper_tile();
             seen += 1;
             assert!(t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes(), "{t:?}");
-            assert_eq!(t.block_m, t.consumers * WGMMA_M);
+            // A split-key tile's two consumers share its rows.
+            let row_sets = if t.split_keys { 1 } else { t.consumers };
+            assert_eq!(t.block_m, row_sets * WGMMA_M);
+            assert_eq!(t.split_keys, t.head_dim == 256 && t.block_m == 64, "{t:?}");
+            if t.split_keys {
+                // Even stage counts: a stage holds one consumer's blocks.
+                assert!(!t.persistent && t.consumers == 2 && !t.pingpong, "{t:?}");
+                assert_eq!((t.block_n, t.stages, t.v_stages), (64, 2, 4), "{t:?}");
+            } else {
+                assert_eq!(t.v_stages, t.stages, "{t:?}");
+            }
             assert!(t.block_m <= 256, "a TMA box has at most 256 rows: {t:?}");
             let (p, c) = (t.producer_regs() as usize, t.consumer_regs() as usize);
             // Registers and shared memory (with the 1 KiB the hardware
@@ -1904,21 +1914,33 @@ mod config {
                 assert_eq!(t.k_offset(s) % atom, 0, "{t:?}");
                 assert_eq!(t.v_offset(s) % atom, 0, "{t:?}");
             }
+            for s in 0..t.v_stages {
+                assert_eq!(t.v_offset(s) % atom, 0, "{t:?}");
+            }
             assert_eq!(t.v_offset(0), t.k_offset(t.stages));
-            assert_eq!(t.barrier(0), t.v_offset(t.stages));
+            assert_eq!(t.barrier(0), t.v_offset(t.v_stages));
             // Q full per buffer, Q empty per buffer of a persistent CTA,
             // then the rings' four per stage.
             let q_barriers = qb * (1 + t.persistent as usize);
             assert_eq!(t.k_ring(), q_barriers, "{t:?}");
-            assert_eq!(t.barriers(), q_barriers + 4 * t.stages);
+            // A full and an empty barrier per stage of each ring.
+            assert_eq!(t.v_ring(), t.k_ring() + 2 * t.stages, "{t:?}");
+            assert_eq!(t.barriers(), q_barriers + 2 * (t.stages + t.v_stages));
             if t.persistent {
                 assert_eq!((t.q_empty(0), t.q_empty(2)), (qb, qb + 2), "{t:?}");
                 assert!(t.block_m == 128 && t.head_dim <= 128, "{t:?}");
             }
-            // A persistent CTA's tile slots, 8 bytes per Q buffer, close it.
+            // A persistent CTA's tile slots, 8 bytes per Q buffer, then a
+            // split-key tile's row states, (m, l) per row and consumer,
+            // close it.
             let slots = if t.persistent { qb } else { 0 };
+            let rows = if t.split_keys { 2 * t.block_m * 8 } else { 0 };
             assert_eq!(t.tile_slot(0), t.barrier(t.barriers()), "{t:?}");
-            assert_eq!(t.smem_bytes(), atom + t.barrier(t.barriers()) + 8 * slots);
+            assert_eq!(t.merge_rows_offset(), t.tile_slot(slots), "{t:?}");
+            assert_eq!(
+                t.smem_bytes(),
+                atom + t.barrier(t.barriers()) + 8 * slots + rows
+            );
         }
         assert!(seen > 0);
     }
@@ -2012,9 +2034,9 @@ mod config {
                 ] {
                     let c = call(dtype, d, need);
                     // The 64-row lines: every D = 64 line, plain full and
-                    // causal at D = 128.
+                    // causal at D = 128 and 256.
                     let narrow = line_d == 64
-                        || line_d == 128
+                        || (line_d == 128 || line_d == 256)
                             && line.score == plain
                             && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
                     for rows in [None, Some(64), Some(128), Some(192)] {
@@ -2189,7 +2211,15 @@ mod config {
                     packed,
                 ] {
                     for asked in [None, Some(64), Some(80)] {
-                        assert_eq!(keys(&call(dtype, d, other, 512), asked), 80, "{other:?}");
+                        // Plain full calls asked for 64 keys take the
+                        // split-key line, the one 64-key line that covers
+                        // them.
+                        let want = if asked == Some(64) && other == dense(MaskKind::Full) {
+                            64
+                        } else {
+                            80
+                        };
+                        assert_eq!(keys(&call(dtype, d, other, 512), asked), want, "{other:?}");
                     }
                 }
             }

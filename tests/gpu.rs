@@ -2458,6 +2458,45 @@ fn hopper_many_tile_cases() -> Vec<FwdCase> {
     )
 }
 
+/// D = 256's split-key tiles (64 rows, two consumers on alternate key
+/// blocks, their states merged at the tile's end; `HopperTile::split_keys`),
+/// full and causal, with LSE: one key block (the second consumer merges an
+/// empty state), an odd and an even number of blocks, rows and keys that
+/// are not tile multiples, GQA, and causal rows that see no key (Sq > Skv:
+/// tiles where neither consumer has a block).
+fn hopper_split_key_cases() -> Vec<FwdCase> {
+    let mut v = Vec::new();
+    for causal in [false, true] {
+        for (i, &(batch, seqlen_q, seqlen_k, heads, kv_heads)) in [
+            (1, 100, 60, 2, 1),
+            (2, 130, 200, 3, 1),
+            (1, 64, 300, 2, 2),
+            (1, 300, 90, 4, 2),
+            (2, 190, 1000, 2, 1),
+        ]
+        .iter()
+        .enumerate()
+        {
+            v.push(FwdCase {
+                batch,
+                seqlen_q,
+                seqlen_k,
+                heads,
+                kv_heads,
+                head_dim: 256,
+                causal,
+                with_lse: true,
+                packed_qkv: false,
+                seed: 23 + i as u64,
+                hopper_rows: Some(64),
+                hopper_persistent: Some(false),
+                hopper_keys: None,
+            });
+        }
+    }
+    v
+}
+
 /// The persistent lines' two tile orders on a grid of more tiles than
 /// SMs, each line forced (D = 64 and 128, full and causal, GQA 3:1): the
 /// dynamic order (tiles claimed from a counter), the static order that
@@ -3191,9 +3230,10 @@ fn main() {
                 hopper_policy_strategy(),
                 run_forward_policy::<$t>
             );
-            let fixed: [(&str, fn() -> Vec<FwdCase>); 2] = [
+            let fixed: [(&str, fn() -> Vec<FwdCase>); 3] = [
                 ("long", hopper_long_cases),
                 ("many_tiles", hopper_many_tile_cases),
+                ("split_keys", hopper_split_key_cases),
             ];
             hopper_random_trial!(
                 "hopper_varlen_random_",

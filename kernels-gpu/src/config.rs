@@ -976,8 +976,24 @@ pub struct HopperTile {
     pub block_m: usize,
     /// Keys per K/V block: the N of S = Q·Kᵀ and the K of O += P·V.
     pub block_n: usize,
-    /// Stages of each of the K and V rings.
+    /// Stages of the K ring.
     pub stages: usize,
+    /// Stages of the V ring: `stages`, but for [`Self::split_keys`].
+    pub v_stages: usize,
+    /// Both consumer warpgroups own the CTA's [`WGMMA_M`] query rows and
+    /// take alternate 64-key blocks (consumer c the blocks c, c + 2, ...),
+    /// each with an (m, l, O) of its own, merged through shared memory at
+    /// the tile's end (docs/perf-notes.md v38): D = 256 in 64-row tiles,
+    /// where one consumer's registers hold O and little else (v37). Q (32
+    /// KiB), two K stages and four V stages (a V block stays in use one
+    /// block longer than its K) fill 224 KiB. With an even number of
+    /// stages in each ring a stage only ever holds one consumer's blocks,
+    /// so each full barrier completes its phases for one waiter in turn (a
+    /// parity wait on a barrier whose phases went to both consumers could
+    /// pass on a phase still in flight). The rows' CTAs are twice the
+    /// 128-row tiles', on the same K/V traffic each: the dispatch takes
+    /// them only where that fills idle SMs ([`hopper_rows`]).
+    pub split_keys: bool,
     /// The consumer warpgroups take turns issuing their `wgmma`s
     /// (FlashAttention-3's ping-pong), so that one's softmax runs while the
     /// tensor cores work on the other's GEMMs.
@@ -1037,7 +1053,10 @@ impl HopperTile {
         persistent: bool,
         keys: Option<usize>,
     ) -> Option<HopperTile> {
+        let split_keys = matches!((head_dim, rows), (256, 64));
         let most_keys = match (head_dim, rows) {
+            // One 64-key block per consumer in flight at a time.
+            (256, 64) => 64,
             // Two CTAs of Q plus two K and V stages of 128 keys would take
             // 2 x 145 KiB.
             (128, 64) => 64,
@@ -1057,6 +1076,7 @@ impl HopperTile {
         );
         match (rows, head_dim) {
             (128, _) | (192, 64) | (64, 64 | 128) => {}
+            (64, 256) if !persistent => {}
             _ => return None,
         }
         // Three Q buffers fit beside two K/V stages at D = 128 with 128
@@ -1069,33 +1089,36 @@ impl HopperTile {
         {
             return None;
         }
-        let consumers = rows / WGMMA_M;
+        let consumers = if split_keys { 2 } else { rows / WGMMA_M };
+        // A third K/V stage fits D = 128's 128-row tiles (224 of 227
+        // KiB). Measured (docs/perf-notes.md, v22): it makes paged loads
+        // of 16-token pages 1.06x faster (each block is 16 small boxes
+        // per tensor, so the ring needs more depth to hide them) and the
+        // dense lines 1-2 % slower, so only the paged lines take it.
+        // D = 64's persistent lines serve short rows, whose K/V blocks
+        // come from DRAM more often (few query tiles share a head):
+        // there 4 stages were fastest (v28; causal since its tiles run
+        // as one pipeline, v29: 1.004-1.016x over 3), and 3-4 stages
+        // cost the long-row lines 1-3 %.
+        let stages = match (head_dim, rows, policies.seq) {
+            (128, 128, SeqKind::Ragged) => 3,
+            (64, _, _) if persistent => 4,
+            _ => 2,
+        };
         Some(HopperTile {
             head_dim,
             consumers,
             block_m: rows,
             block_n,
-            // A third K/V stage fits D = 128's 128-row tiles (224 of 227
-            // KiB). Measured (docs/perf-notes.md, v22): it makes paged loads
-            // of 16-token pages 1.06x faster (each block is 16 small boxes
-            // per tensor, so the ring needs more depth to hide them) and the
-            // dense lines 1-2 % slower, so only the paged lines take it.
-            // D = 64's persistent lines serve short rows, whose K/V blocks
-            // come from DRAM more often (few query tiles share a head):
-            // there 4 stages were fastest (v28; causal since its tiles run
-            // as one pipeline, v29: 1.004-1.016x over 3), and 3-4 stages
-            // cost the long-row lines 1-3 %.
-            stages: match (head_dim, rows, policies.seq) {
-                (128, 128, SeqKind::Ragged) => 3,
-                (64, _, _) if persistent => 4,
-                _ => 2,
-            },
+            stages,
+            v_stages: if split_keys { 4 } else { stages },
+            split_keys,
             // Measured per head dim (docs/perf-notes.md, v16; v24: the
             // D = 64 persistent lines lose 2-6 % with it; D = 192 as 256,
             // not measured); the turn barriers pair two warpgroups.
             // The D = 256 window/modifier line spills with them.
             pingpong: match head_dim {
-                _ if consumers != 2 => false,
+                _ if consumers != 2 || split_keys => false,
                 64 => false,
                 128 => true,
                 _ => !local_modified,
@@ -1176,22 +1199,27 @@ impl HopperTile {
     }
     /// Barriers: Q full per Q buffer, Q empty per buffer of a persistent
     /// CTA (its consumers release a buffer once the tile's epilogue has read
-    /// it; one Q is loaded once), then K full, K empty, V full, V empty, a
-    /// ring each.
+    /// it; one Q is loaded once), then K full and K empty per K stage, V
+    /// full and V empty per V stage.
     pub const fn barriers(self) -> usize {
-        self.k_ring() + 4 * self.stages
+        self.v_ring() + 2 * self.v_stages
+    }
+    /// Index of the V ring's first (full) barrier; its empty barriers
+    /// follow its full ones, as the K ring's do.
+    pub const fn v_ring(self) -> usize {
+        self.k_ring() + 2 * self.stages
     }
     /// Index of Q buffer `b`'s empty barrier (persistent CTAs only).
     pub const fn q_empty(self, b: usize) -> usize {
         self.q_buffers() + b
     }
-    /// Index of the K ring's first barrier; the V ring's is `+ 2 * stages`.
+    /// Index of the K ring's first (full) barrier.
     pub const fn k_ring(self) -> usize {
         self.q_buffers() * (1 + self.persistent as usize)
     }
     /// Offset of barrier `i` (8 bytes each).
     pub const fn barrier(self, i: usize) -> usize {
-        self.v_offset(self.stages) + 8 * i
+        self.v_offset(self.v_stages) + 8 * i
     }
     /// Offset of Q buffer `b`'s tile slot in a persistent CTA: the
     /// producer writes the tile it loads there (query block, pair; 8 bytes)
@@ -1213,8 +1241,21 @@ impl HopperTile {
     /// Dynamic shared memory of one CTA, with the slack that lets the kernel
     /// round its base up to [`SWIZZLE_ATOM_BYTES`].
     pub const fn smem_bytes(self) -> usize {
+        SWIZZLE_ATOM_BYTES + self.merge_rows_offset() + self.merge_rows_bytes()
+    }
+    /// Offset of a [`Self::split_keys`] tile's row states: each consumer's
+    /// (m, l) of every row, 8 bytes each, exchanged at the tile's end (its
+    /// O goes through the tile's Q buffer); past the tile slots.
+    pub const fn merge_rows_offset(self) -> usize {
         let slots = if self.persistent { self.q_buffers() } else { 0 };
-        SWIZZLE_ATOM_BYTES + self.tile_slot(slots)
+        self.tile_slot(slots)
+    }
+    const fn merge_rows_bytes(self) -> usize {
+        if self.split_keys {
+            2 * self.block_m * 8
+        } else {
+            0
+        }
     }
 }
 
@@ -1235,7 +1276,9 @@ impl HopperTile {
 ///   per page). D = 64 has 192-row lines besides the
 ///   128-row ones (not `local modified`, which spills with 192); 64-row
 ///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
-///   plain full and causal calls at D = 128. A line ending in `persistent`
+///   plain full and causal calls at D = 128; at D = 256 the 64-row plain
+///   full and causal lines give each tile two consumers that take
+///   alternate key blocks ([`HopperTile::split_keys`]). A line ending in `persistent`
 ///   ([`HopperTile::persistent`]; `_persistent` in its name: plain full and
 ///   causal at D = 64 and 128) is taken before the others where
 ///   [`hopper_persistent`] says so. A line ending in `n64` takes 64-key
@@ -1285,6 +1328,8 @@ macro_rules! hopper_entries {
             fwd f16 256 causal plain dense 128 n64;
             fwd f16 256 causal modified dense 128;
             fwd f16 256 local modified dense 128;
+            fwd f16 256 full plain dense 64;
+            fwd f16 256 causal plain dense 64;
             fwd f16 64 full plain packed 128;
             fwd f16 64 causal plain packed 128;
             fwd f16 64 local modified packed 128;
@@ -1335,6 +1380,8 @@ macro_rules! hopper_entries {
             fwd bf16 256 causal plain dense 128 n64;
             fwd bf16 256 causal modified dense 128;
             fwd bf16 256 local modified dense 128;
+            fwd bf16 256 full plain dense 64;
+            fwd bf16 256 causal plain dense 64;
             fwd bf16 64 full plain packed 128;
             fwd bf16 64 causal plain packed 128;
             fwd bf16 64 local modified packed 128;
@@ -1480,8 +1527,9 @@ pub const HOPPER_NARROW_MAX_KEYS_D64: [usize; 2] = [1024, 2048];
 pub const HOPPER_NARROW_MAX_KEYS_D128: [usize; 2] = [0, 512];
 
 /// Query rows per CTA for a Hopper forward call:
-/// - 64 (one consumer, two CTAs per SM) on the lines of D = 64 and 128
-///   over few keys ([`HOPPER_NARROW_MAX_KEYS_D64`], [`HOPPER_NARROW_MAX_KEYS_D128`];
+/// - 64 (one consumer, two CTAs per SM; at D = 256 two consumers that
+///   take alternate key blocks, `HopperTile::split_keys`) on the lines of
+///   D = 64 and 128 over few keys ([`HOPPER_NARROW_MAX_KEYS_D64`], [`HOPPER_NARROW_MAX_KEYS_D128`];
 ///   a window bounded on both sides counts its width, as non-causal rows),
 ///   or where 64-row CTAs do not outnumber the SMs: each then has an SM to
 ///   itself, twice as many SMs as 128-row tiles would use (H100, D = 64, 8

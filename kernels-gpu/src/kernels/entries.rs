@@ -210,6 +210,7 @@ mod sm90a {
                     { $fd / 16 },
                     { TILE.block_n / 16 },
                     { TILE.stages as u32 },
+                    { TILE.v_stages as u32 },
                     { TILE.q_buffers() as u32 },
                     { TILE.consumer_regs() },
                 >(&p, maps)

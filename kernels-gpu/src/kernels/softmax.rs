@@ -270,6 +270,12 @@ impl OnlineSoftmax {
         (self.m, l)
     }
 
+    /// The rows' l: the quad's lane sums added up.
+    #[inline(always)]
+    pub fn row_sums(&self) -> [f32; 2] {
+        [quad_sum(self.l[0]), quad_sum(self.l[1])]
+    }
+
     /// Returns, per row, 1/l (0 for a row that saw no key, whose O is then 0)
     /// and the natural-log LSE (-inf for such a row). With `sinks` (per row,
     /// log2 units), the denominator also holds 2^sink: l' = l·2^(m - m') +
@@ -277,25 +283,74 @@ impl OnlineSoftmax {
     /// LSE includes the sink (a row that saw no key gets O = 0, LSE = sink).
     #[inline(always)]
     pub fn finalize(&self, sinks: Option<[f32; 2]>) -> ([f32; 2], [f32; 2]) {
-        let mut inv = [0.0; 2];
-        let mut lse = [f32::NEG_INFINITY; 2];
-        unroll::<2>(|r| {
-            let l = quad_sum(self.l[r]);
-            let (m, l, o_weight) = match sinks {
-                Some(sink) => {
-                    let m = self.m[r].max(sink[r]);
-                    let o_weight = math::ex2(self.m[r] - m);
-                    (m, math::fma(l, o_weight, math::ex2(sink[r] - m)), o_weight)
-                }
-                None => (self.m[r], l, 1.0),
-            };
-            if l > 0.0 {
-                inv[r] = o_weight * math::rcp(l);
-                lse[r] = (m + math::lg2(l)) * LN_2;
-            }
-        });
-        (inv, lse)
+        finish(self.m, |r| quad_sum(self.l[r]), sinks)
     }
+
+    /// [`Self::finalize`] of rows whose max is `m` and whose l (summed over
+    /// the quad) is `l`.
+    #[inline(always)]
+    pub fn finalize_rows(
+        m: [f32; 2],
+        l: [f32; 2],
+        sinks: Option<[f32; 2]>,
+    ) -> ([f32; 2], [f32; 2]) {
+        finish(m, |r| l[r], sinks)
+    }
+}
+
+/// [`OnlineSoftmax::finalize`] with row r's l from `row_l(r)`, computed
+/// where it is used.
+#[inline(always)]
+fn finish(
+    m: [f32; 2],
+    row_l: impl Fn(usize) -> f32,
+    sinks: Option<[f32; 2]>,
+) -> ([f32; 2], [f32; 2]) {
+    let mut inv = [0.0; 2];
+    let mut lse = [f32::NEG_INFINITY; 2];
+    unroll::<2>(|r| {
+        let l = row_l(r);
+        let (m, l, o_weight) = match sinks {
+            Some(sink) => {
+                let m_sink = m[r].max(sink[r]);
+                let o_weight = math::ex2(m[r] - m_sink);
+                (
+                    m_sink,
+                    math::fma(l, o_weight, math::ex2(sink[r] - m_sink)),
+                    o_weight,
+                )
+            }
+            None => (m[r], l, 1.0),
+        };
+        if l > 0.0 {
+            inv[r] = o_weight * math::rcp(l);
+            lse[r] = (m + math::lg2(l)) * LN_2;
+        }
+    });
+    (inv, lse)
+}
+
+/// Two states of the same rows over disjoint key sets, each its rows' max
+/// `m` and row sum `l` ([`OnlineSoftmax::row_sums`]), as one: the max of
+/// both, and the weight 2^(m_x - m) with which each state's l and O count
+/// (a state that saw no key has m = `NO_KEY_MAX` and weight 0; where
+/// neither saw one, both weights are 1 over l = 0). Returns the merged (m,
+/// l) and the weights of `a` and `b`.
+#[inline(always)]
+pub fn merge_rows(
+    a: ([f32; 2], [f32; 2]),
+    b: ([f32; 2], [f32; 2]),
+) -> (([f32; 2], [f32; 2]), [f32; 2], [f32; 2]) {
+    let mut merged = ([0.0; 2], [0.0; 2]);
+    let (mut wa, mut wb) = ([0.0; 2], [0.0; 2]);
+    unroll::<2>(|r| {
+        let m = a.0[r].max(b.0[r]);
+        wa[r] = math::ex2(a.0[r] - m);
+        wb[r] = math::ex2(b.0[r] - m);
+        merged.0[r] = m;
+        merged.1[r] = math::fma(a.1[r], wa[r], b.1[r] * wb[r]);
+    });
+    (merged, wa, wb)
 }
 
 /// Two consecutive 8-column n-tiles of P in accumulator layout, packed to

@@ -46,7 +46,7 @@ use crate::kernels::block_info::{BlockInfo, TileCoord};
 use crate::kernels::element::Element;
 use crate::kernels::mask;
 use crate::kernels::policy::{self, policies, Mask, Modifiers, Scores, Seq};
-use crate::kernels::softmax::{pack_fragment, OnlineSoftmax};
+use crate::kernels::softmax::{merge_rows, pack_fragment, OnlineSoftmax};
 use crate::params::{AttnParams, HopperFwdMaps};
 use crate::unroll::unroll;
 
@@ -59,6 +59,13 @@ const TURN_BARRIER: u32 = 4;
 /// Named barrier of every consumer thread once the V rows past a packed
 /// sequence's keys are zeroed ([`zero_rows_past`]), past the turn barriers.
 const ZEROED_BARRIER: u32 = 6;
+/// Named barrier of both consumers of a split-key tile at its end
+/// ([`Warpgroup::merge`]).
+const MERGE_BARRIER: u32 = 7;
+/// Rounds in which the consumers of a split-key tile exchange their halves
+/// of O through the tile's Q buffer: a round moves a quarter of O's f32
+/// columns per consumer, both consumers' together the buffer's bytes.
+const MERGE_ROUNDS: usize = 2;
 
 /// `.shared` addresses of the CTA's tiles and barriers ([`HopperTile`]).
 /// `QB` is the tile's Q buffers ([`HopperTile::q_buffers`]).
@@ -75,6 +82,9 @@ struct Smem<const QB: u32> {
     /// A persistent CTA's tile slots: buffer b's at `tile_slot + 8b`
     /// ([`HopperTile::tile_slot`]).
     tile_slot: u32,
+    /// A split-key tile's row states, consumer c's (m, l) of row r at
+    /// `merge_rows + 8 (c block_m + r)` ([`HopperTile::merge_rows_offset`]).
+    merge_rows: u32,
 }
 
 impl<const QB: u32> Smem<QB> {
@@ -200,6 +210,7 @@ pub unsafe fn forward<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const VSTAGES: u32,
     const QB: u32,
     const REGS: u32,
 >(
@@ -220,7 +231,14 @@ pub unsafe fn forward<
         );
         assert!(t.consumers <= 3, "three epilogue barriers");
         assert!(ST * 8 == t.block_n && PK * 16 == t.block_n && OT * 8 == D && QK * 16 == D);
-        assert!(STAGES as usize == t.stages && t.block_m == t.consumers * WGMMA_M);
+        assert!(STAGES as usize == t.stages && VSTAGES as usize == t.v_stages);
+        let row_sets = if t.split_keys { 1 } else { t.consumers };
+        assert!(t.block_m == row_sets * WGMMA_M);
+        // Each stage holds one consumer's blocks (`HopperTile::split_keys`).
+        assert!(
+            !t.split_keys
+                || t.consumers == 2 && !t.persistent && t.stages % 2 == 0 && t.v_stages % 2 == 0
+        );
         assert!(REGS == t.consumer_regs() && (!t.pingpong || t.consumers == 2));
     }
     let a = SW128_ATOM_BYTES;
@@ -233,19 +251,23 @@ pub unsafe fn forward<
         q_full: at(tile.barrier(HopperTile::Q_FULL)),
         q_empty: at(tile.barrier(tile.q_empty(0))),
         tile_slot: at(tile.tile_slot(0)),
+        merge_rows: at(tile.merge_rows_offset()),
     };
-    let ring = |first: usize| {
-        TmaRing::<STAGES>::new(
-            at(tile.barrier(first)),
-            at(tile.barrier(first + tile.stages)),
-        )
-    };
-    let (k_ring, v_ring) = (ring(tile.k_ring()), ring(tile.k_ring() + 2 * tile.stages));
+    let k_ring = TmaRing::<STAGES>::new(
+        at(tile.barrier(tile.k_ring())),
+        at(tile.barrier(tile.k_ring() + tile.stages)),
+    );
+    let v_ring = TmaRing::<VSTAGES>::new(
+        at(tile.barrier(tile.v_ring())),
+        at(tile.barrier(tile.v_ring() + tile.v_stages)),
+    );
     let tid = special::thread_idx_x();
     if tid == 0 {
-        // Every consumer warp releases a stage once its share of the
-        // `wgmma`s that read it has completed.
-        let releasers = (tile.consumers * WARPGROUP_THREADS / WARP_SIZE) as u32;
+        // Every warp of the consumers that read a stage releases it once
+        // its share of the `wgmma`s that read it has completed: one
+        // consumer where they take alternate blocks.
+        let readers = if tile.split_keys { 1 } else { tile.consumers };
+        let releasers = (readers * WARPGROUP_THREADS / WARP_SIZE) as u32;
         if LOOP {
             // A Q buffer frees once every consumer thread is done with
             // its tile slot and each consumer's TMA store of the O it holds
@@ -266,7 +288,7 @@ pub unsafe fn forward<
     }
     barrier::sync_cta_divergent();
     if LOOP {
-        persistent::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB, REGS>(
+        persistent::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB, REGS>(
             p, tile, maps, sm, k_ring, v_ring,
         );
         return;
@@ -289,7 +311,7 @@ pub unsafe fn forward<
                 mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
             }
             let q = (sm.q, sm.q_full);
-            produce::<L, D, STAGES, QB>(
+            produce::<L, D, STAGES, VSTAGES, QB>(
                 p,
                 tile,
                 &info,
@@ -304,7 +326,7 @@ pub unsafe fn forward<
     } else {
         setmaxnreg::inc::<REGS>();
         let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
-        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
+        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
             p,
             wg,
             &info,
@@ -333,6 +355,7 @@ fn persistent<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const VSTAGES: u32,
     const QB: u32,
     const REGS: u32,
 >(
@@ -341,7 +364,7 @@ fn persistent<
     maps: u64,
     sm: Smem<QB>,
     k_ring: TmaRing<STAGES>,
-    v_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<VSTAGES>,
 ) {
     let tid = special::thread_idx_x();
     let mut at = Cursor::default();
@@ -353,7 +376,9 @@ fn persistent<
                 let info = tile_info::<M, L>(p, tile, m_block, pair);
                 let (b, full) = sm.q_ring().acquire(at.tiles, tile.q_bytes() as u32);
                 let q = (sm.q + b * tile.q_bytes() as u32, full);
-                produce::<L, D, STAGES, QB>(p, tile, &info, maps, sm, k_ring, v_ring, at, q);
+                produce::<L, D, STAGES, VSTAGES, QB>(
+                    p, tile, &info, maps, sm, k_ring, v_ring, at, q,
+                );
                 at = at.after(&info);
             }
         } else if tid == 0 {
@@ -372,7 +397,9 @@ fn persistent<
                 smem::st_v2_b32(slot, m_block, pair);
                 mbarrier::arrive_expect_tx(full, tile.q_bytes() as u32);
                 let q = (sm.q + b * tile.q_bytes() as u32, full);
-                produce::<L, D, STAGES, QB>(p, tile, &info, maps, sm, k_ring, v_ring, at, q);
+                produce::<L, D, STAGES, VSTAGES, QB>(
+                    p, tile, &info, maps, sm, k_ring, v_ring, at, q,
+                );
                 at = at.after(&info);
             }
         }
@@ -382,13 +409,13 @@ fn persistent<
         // Persistent lines serve dense sequences (`HopperTile::for_head_dim`):
         // the stream's epilogue has no packed rows to guard.
         if !tile.pingpong && !L::RAGGED {
-            stream::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(p, wg, maps);
+            stream::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(p, wg, maps);
         } else {
             wg.hand_over_first();
             if tile.claims_tiles(M::KIND) && p.tiles.counter != 0 {
                 let mut upcoming = next_tile::<M, L, QB>(p, tile, sm, at);
                 while let Some(info) = upcoming {
-                    upcoming = consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
+                    upcoming = consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
                         p, wg, &info, maps, at, true,
                     );
                     at = at.after(&info);
@@ -398,7 +425,7 @@ fn persistent<
                 let mut step = 0;
                 while let Some((m_block, pair)) = claim_tile::<M>(p, tile, at.tiles, &mut step) {
                     let info = tile_info::<M, L>(p, tile, m_block, pair);
-                    consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, QB>(
+                    consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
                         p, wg, &info, maps, at, false,
                     );
                     at = at.after(&info);
@@ -421,14 +448,14 @@ fn persistent<
 /// boxes, and likewise V. A box whose first key lies past the sequence
 /// reads page 0 (masked, and its V rows zeroed by the consumers).
 #[inline(always)]
-fn produce<L: Seq, const D: usize, const STAGES: u32, const QB: u32>(
+fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const QB: u32>(
     p: &AttnParams,
     tile: HopperTile,
     info: &BlockInfo,
     maps: u64,
     sm: Smem<QB>,
     k_ring: TmaRing<STAGES>,
-    v_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<VSTAGES>,
     at: Cursor,
     q: (u32, u32),
 ) {
@@ -480,17 +507,29 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const QB: u32>(
             let offset = lane * box_rows * SW128_ROW_BYTES;
             // K, then V, each once its stage is claimed: V's stage frees
             // only after an earlier P·V, which K(i) must not wait for.
-            for (ring, base, map) in [(k_ring, sm.k, k_map), (v_ring, sm.v, v_map)] {
-                if leader {
-                    ring.acquire(slot(i), bytes);
-                }
-                barrier::sync_warp();
-                if lane < boxes {
-                    let (s, full) = ring.slot(slot(i));
+            let issue = |base: u32, map: u64| {
+                move |s: u32, full: u32| {
                     let dst = base + s * bytes + offset;
                     load(dst, tile.block_n, map, row, info.kv_head, page, full);
                 }
-            }
+            };
+            let lane_loads = lane < boxes;
+            paged_block(
+                k_ring,
+                slot(i),
+                bytes,
+                leader,
+                lane_loads,
+                issue(sm.k, k_map),
+            );
+            paged_block(
+                v_ring,
+                slot(i),
+                bytes,
+                leader,
+                lane_loads,
+                issue(sm.v, v_map),
+            );
         }
         return;
     }
@@ -520,15 +559,36 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const QB: u32>(
     }
 }
 
+/// One tensor's part of a paged block: `leader` claims ring block `i`'s
+/// stage and announces its `bytes`, then each lane with boxes issues them.
+#[inline(always)]
+fn paged_block<const N: u32>(
+    ring: TmaRing<N>,
+    i: u32,
+    bytes: u32,
+    leader: bool,
+    lane_loads: bool,
+    issue: impl Fn(u32, u32),
+) {
+    if leader {
+        ring.acquire(i, bytes);
+    }
+    barrier::sync_warp();
+    if lane_loads {
+        let (s, full) = ring.slot(i);
+        issue(s, full);
+    }
+}
+
 /// A consumer warpgroup's place in the CTA, the CTA's pipes, and the steps
 /// of the loop over a tile's key blocks, which [`consume`] (one tile) and
 /// [`stream`] (a persistent CTA's tiles, one pipeline) put in order.
 #[derive(Clone, Copy)]
-struct Warpgroup<const STAGES: u32, const QB: u32> {
+struct Warpgroup<const STAGES: u32, const VSTAGES: u32, const QB: u32> {
     tile: HopperTile,
     sm: Smem<QB>,
     k_ring: TmaRing<STAGES>,
-    v_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<VSTAGES>,
     mods: Modifiers,
     /// Consumer index: warpgroup c + 1 of the CTA.
     c: u32,
@@ -554,14 +614,14 @@ struct Work<'a> {
     slope: f32,
 }
 
-impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
+impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VSTAGES, QB> {
     #[inline(always)]
     fn new<S: Scores>(
         p: &AttnParams,
         tile: HopperTile,
         sm: Smem<QB>,
         k_ring: TmaRing<STAGES>,
-        v_ring: TmaRing<STAGES>,
+        v_ring: TmaRing<VSTAGES>,
     ) -> Self {
         let tid = special::thread_idx_x();
         let c = tid / WARPGROUP_THREADS as u32 - 1;
@@ -578,7 +638,12 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
             lane,
             g: lane / 4,
             t: lane % 4,
-            row0: c * WGMMA_M as u32 + wg_tid / WARP_SIZE as u32 * 16 + lane / 4,
+            row0: if tile.split_keys {
+                0
+            } else {
+                c * WGMMA_M as u32
+            } + wg_tid / WARP_SIZE as u32 * 16
+                + lane / 4,
         }
     }
 
@@ -598,7 +663,11 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
             info,
             at,
             q_buf,
-            q_rows: q_buf + self.c * WGMMA_M as u32 * SW128_ROW_BYTES,
+            q_rows: if self.tile.split_keys {
+                q_buf
+            } else {
+                q_buf + self.c * WGMMA_M as u32 * SW128_ROW_BYTES
+            },
             slope,
         }
     }
@@ -805,8 +874,9 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         }
     }
 
-    /// The first block of a tile: S alone, its softmax (O is still 0:
-    /// nothing to rescale), P packed for its P·V.
+    /// The first block of a tile this warpgroup visits, the tile's `i`-th:
+    /// S alone, its softmax (O is still 0: nothing to rescale), P packed
+    /// for its P·V.
     #[inline(always)]
     fn first_block<
         T: Element,
@@ -820,21 +890,23 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         p: &AttnParams,
         w: &Work,
         softmax: &mut OnlineSoftmax,
+        i: u32,
     ) -> [[u32; 4]; PK] {
         let mut s = [[0f32; 4]; ST];
-        let k_tile = self.k_tile(w, 0);
+        let k_tile = self.k_tile(w, i);
         self.take_turn();
         self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
         self.hand_over();
-        self.s_done(&mut s, w, 0, 1);
-        let _ = self.softmax::<M, S, ST>(p, w, softmax, &mut s, 0);
+        self.s_done(&mut s, w, i, 1);
+        let _ = self.softmax::<M, S, ST>(p, w, softmax, &mut s, i);
         pack::<T, ST, PK>(&s)
     }
 
-    /// Blocks 1.. of a tile, P of block 0 in `pf`: FlashAttention-3's
-    /// intra-warpgroup overlap. S(i) and then P(i-1)·V(i-1) are in flight
-    /// together, and the softmax of S(i) runs while the tensor cores still
-    /// work on the P·V. Leaves the last block's P in `pf`.
+    /// The blocks `first + STEP`, `first + 2 STEP`, ... of a tile, P of
+    /// block `first` in `pf`: FlashAttention-3's intra-warpgroup overlap.
+    /// S(i) and then the P·V of the block before it are in flight together,
+    /// and the softmax of S(i) runs while the tensor cores still work on
+    /// the P·V. Leaves the last block's P in `pf` and returns its index.
     #[inline(always)]
     fn later_blocks<
         T: Element,
@@ -844,6 +916,7 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         const OT: usize,
         const QK: usize,
         const PK: usize,
+        const STEP: u32,
     >(
         self,
         p: &AttnParams,
@@ -851,12 +924,13 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         softmax: &mut OnlineSoftmax,
         o: &mut [[f32; 4]; OT],
         pf: &mut [[u32; 4]; PK],
-    ) {
+        first: u32,
+    ) -> u32 {
         let blocks = w.info.n_hi - w.info.n_lo;
-        let mut i = 1;
+        let mut i = first + STEP;
         while i < blocks {
             let k_tile = self.k_tile(w, i);
-            let v_tile = self.v_tile(w, i - 1);
+            let v_tile = self.v_tile(w, i - STEP);
             let mut s = [[0f32; 4]; ST];
             self.take_turn();
             self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
@@ -864,13 +938,14 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
             self.hand_over();
             self.s_done(&mut s, w, i, 2);
             let correction = self.softmax::<M, S, ST>(p, w, softmax, &mut s, i);
-            self.pv_done(o, pf, w, i - 1);
+            self.pv_done(o, pf, w, i - STEP);
             if let Some(c) = correction {
                 unroll::<OT>(|j| unroll::<4>(|e| o[j][e] *= c[e / 2]));
             }
             *pf = pack::<T, ST, PK>(&s);
-            i += 1;
+            i += STEP;
         }
+        i - STEP
     }
 
     /// The P·V of the tile's last block, alone (no next S to pair it with),
@@ -907,7 +982,11 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         let (info, q_buf) = (w.info, w.q_buf);
         let (c, wg_tid, lane) = (self.c, self.wg_tid, self.lane);
         let bm = self.tile.block_m as u32;
-        if p.lse != 0 && self.t == 0 {
+        let split = self.tile.split_keys;
+        // A split-key tile's consumers hold the same rows: consumer c
+        // stores the c-th half of O's columns, consumer 0 the LSE.
+        let own_half = |j: usize| !split || (j / (OT / 2)) as u32 == c;
+        if p.lse != 0 && self.t == 0 && (!split || c == 0) {
             unroll::<2>(|r| {
                 let row = self.row0 + 8 * r as u32;
                 if let Some(token) = info.token(row) {
@@ -921,7 +1000,7 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
         let warp_row0 = self.row0 - self.g;
         let (m_row, m_chunk) = ((lane / 8 % 2) * 8 + lane % 8, lane / 16);
         unroll::<OT>(|j| {
-            if j % 2 == 1 {
+            if j % 2 == 1 || !own_half(j) {
                 return;
             }
             let pair = |j: usize| {
@@ -944,8 +1023,13 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
             barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
             if wg_tid == 0 {
                 let o_map = maps + core::mem::offset_of!(HopperFwdMaps, o) as u64;
-                let row = info.q_start + info.m0 + c * WGMMA_M as u32;
-                for group in 0..(D / SW128_ROW_ELEMS) as u32 {
+                let groups = (D / SW128_ROW_ELEMS) as u32;
+                let (row, own) = if split {
+                    (info.q_start + info.m0, c * groups / 2..(c + 1) * groups / 2)
+                } else {
+                    (info.q_start + info.m0 + c * WGMMA_M as u32, 0..groups)
+                };
+                for group in own {
                     let coord = [
                         (group as usize * SW128_ROW_ELEMS) as i32,
                         row as i32,
@@ -976,6 +1060,80 @@ impl<const STAGES: u32, const QB: u32> Warpgroup<STAGES, QB> {
                 global::st_v4_b32(dst + chunk as u64 * 16, v);
             }
         }
+    }
+
+    /// The end of a split-key tile ([`HopperTile::split_keys`]): the two
+    /// consumers' states over their halves of the key blocks become one
+    /// state over all of them ([`merge_rows`]), of which consumer c keeps
+    /// O's c-th half of columns. Each consumer's rows' (m, l) cross through
+    /// `merge_rows`, the halves of O (unscaled f32) in [`MERGE_ROUNDS`]
+    /// rounds through the tile's Q buffer, which is free once both
+    /// consumers' last S has completed (the first barrier). Fragment n-tile
+    /// j crosses as thread t's 16 bytes at slot (k, t) of its sender's part
+    /// of the round, read back by the other consumer's thread t, which
+    /// holds the same rows and columns: no bank conflicts. Returns the
+    /// merged rows' (m, l); this consumer's half of `o` is the merged O.
+    #[inline(always)]
+    fn merge<const OT: usize>(
+        self,
+        w: &Work,
+        o: &mut [[f32; 4]; OT],
+        softmax: &OnlineSoftmax,
+    ) -> ([f32; 2], [f32; 2]) {
+        let half = OT / 2;
+        let per_round = half / MERGE_ROUNDS;
+        const { assert!(OT % (2 * MERGE_ROUNDS) == 0) };
+        let sync = || barrier::sync_named(MERGE_BARRIER, 2 * WARPGROUP_THREADS as u32);
+        let (c, t) = (self.c, self.wg_tid);
+        let slot = |from: u32, k: usize| {
+            w.q_buf + ((from as usize * per_round + k) * WARPGROUP_THREADS) as u32 * 16 + 16 * t
+        };
+        let row_state = |from: u32, r: u32| {
+            self.sm.merge_rows + 8 * (from * self.tile.block_m as u32 + self.row0 + 8 * r)
+        };
+        let own = (softmax.m, softmax.row_sums());
+        sync();
+        if self.t == 0 {
+            unroll::<2>(|r| {
+                let (m, l) = (own.0[r].to_bits(), own.1[r].to_bits());
+                smem::st_v2_b32(row_state(c, r as u32), m, l);
+            });
+        }
+        let mut merged = own;
+        let mut weights = ([1.0f32; 2], [0.0f32; 2]);
+        unroll::<MERGE_ROUNDS>(|round| {
+            unroll::<OT>(|j| {
+                let (owner, k) = ((j / half) as u32, j % half);
+                if owner != c && k / per_round == round {
+                    smem::st_v4_b32(slot(c, k % per_round), o[j].map(f32::to_bits));
+                }
+            });
+            sync();
+            if round == 0 {
+                let mut other = ([0f32; 2], [0f32; 2]);
+                unroll::<2>(|r| {
+                    let (m, l) = smem::ld_v2_b32(row_state(1 - c, r as u32));
+                    (other.0[r], other.1[r]) = (f32::from_bits(m), f32::from_bits(l));
+                });
+                let (m_l, a, b) = merge_rows(own, other);
+                merged = m_l;
+                weights = (a, b);
+            }
+            let (a, b) = weights;
+            unroll::<OT>(|j| {
+                let (owner, k) = ((j / half) as u32, j % half);
+                if owner == c && k / per_round == round {
+                    let x = smem::ld_v4_b32(slot(1 - c, k % per_round));
+                    unroll::<4>(|e| {
+                        o[j][e] = o[j][e] * a[e / 2] + f32::from_bits(x[e]) * b[e / 2];
+                    });
+                }
+            });
+            // The round's reads precede the next round's writes and the
+            // epilogue's.
+            sync();
+        });
+        merged
     }
 
     /// Waits until this warpgroup's O store (the TMA store its thread 0
@@ -1012,13 +1170,29 @@ fn finalize<S: Scores>(
     info: &BlockInfo,
     softmax: &OnlineSoftmax,
 ) -> ([f32; 2], [f32; 2]) {
-    let sink = if S::MODIFIED && p.sinks != 0 {
+    softmax.finalize(sink_logits::<S>(p, info))
+}
+
+/// [`finalize`] of rows whose max and l are `(m, l)`.
+#[inline(always)]
+fn finalize_rows<S: Scores>(
+    p: &AttnParams,
+    info: &BlockInfo,
+    (m, l): ([f32; 2], [f32; 2]),
+) -> ([f32; 2], [f32; 2]) {
+    OnlineSoftmax::finalize_rows(m, l, sink_logits::<S>(p, info))
+}
+
+/// The row's sink logit in log2 units, for both of a lane's rows.
+#[inline(always)]
+fn sink_logits<S: Scores>(p: &AttnParams, info: &BlockInfo) -> Option<[f32; 2]> {
+    if S::MODIFIED && p.sinks != 0 {
         let logit = global::ld_nc_f32(p.sinks + info.head_base as u64 * 4);
-        Some(logit * core::f32::consts::LOG2_E)
+        let s = logit * core::f32::consts::LOG2_E;
+        Some([s, s])
     } else {
         None
-    };
-    softmax.finalize(sink.map(|s| [s, s]))
+    }
 }
 
 /// Two consecutive 8-column n-tiles of S at a time, as P's A fragments.
@@ -1046,10 +1220,11 @@ fn consume<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const VSTAGES: u32,
     const QB: u32,
 >(
     p: &AttnParams,
-    wg: Warpgroup<STAGES, QB>,
+    wg: Warpgroup<STAGES, VSTAGES, QB>,
     info: &BlockInfo,
     maps: u64,
     at: Cursor,
@@ -1080,10 +1255,13 @@ fn consume<
     let mut o = [[0f32; 4]; OT];
     let mut softmax = OnlineSoftmax::new();
     let blocks = info.n_hi - info.n_lo;
+    // A split-key tile's consumer c takes the blocks c, c + 2, ...
+    // (`HopperTile::split_keys`).
+    let first = if tile.split_keys { wg.c } else { 0 };
     // P of the block whose P·V is issued next.
     let mut pf = [[0u32; 4]; PK];
-    if blocks > 0 {
-        pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
+    if first < blocks {
+        pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax, first);
         release_previous_q();
         if L::RAGGED {
             // Uniform: the first block visited is the sequence's last.
@@ -1095,10 +1273,17 @@ fn consume<
             }
         }
     }
-    if blocks == 0 {
+    if first >= blocks {
         release_previous_q();
     }
-    wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
+    let last = if tile.split_keys {
+        wg.later_blocks::<T, M, S, ST, OT, QK, PK, 2>(p, &w, &mut softmax, &mut o, &mut pf, first)
+    } else {
+        // Recomputed rather than the loop's counter kept past the loop,
+        // as these lines always did.
+        wg.later_blocks::<T, M, S, ST, OT, QK, PK, 1>(p, &w, &mut softmax, &mut o, &mut pf, 0);
+        blocks.wrapping_sub(1)
+    };
     let upcoming = || {
         if tile.persistent && slots {
             next_tile::<M, L, QB>(p, tile, wg.sm, at.after(info))
@@ -1106,11 +1291,11 @@ fn consume<
             None
         }
     };
-    let next = if blocks > 0 {
-        let v_tile = wg.v_tile(&w, blocks - 1);
+    let next = if first < blocks {
+        let v_tile = wg.v_tile(&w, last);
         wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
         let next = upcoming();
-        wg.pv_done(&mut o, &mut pf, &w, blocks - 1);
+        wg.pv_done(&mut o, &mut pf, &w, last);
         next
     } else {
         upcoming()
@@ -1118,7 +1303,11 @@ fn consume<
     if !tile.persistent {
         wg.take_last_turn();
     }
-    let finished = finalize::<S>(p, info, &softmax);
+    let finished = if tile.split_keys {
+        finalize_rows::<S>(p, info, wg.merge(&w, &mut o, &softmax))
+    } else {
+        finalize::<S>(p, info, &softmax)
+    };
     wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
     // A persistent CTA frees the buffer after the next tile's first
     // softmax (`release_previous_q`); another must not exit before the
@@ -1148,10 +1337,11 @@ fn stream<
     const QK: usize,
     const PK: usize,
     const STAGES: u32,
+    const VSTAGES: u32,
     const QB: u32,
 >(
     p: &AttnParams,
-    wg: Warpgroup<STAGES, QB>,
+    wg: Warpgroup<STAGES, VSTAGES, QB>,
     maps: u64,
 ) {
     let tile = wg.tile;
@@ -1170,10 +1360,10 @@ fn stream<
         let blocks = info.n_hi - info.n_lo;
         if !begun {
             if blocks > 0 {
-                pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax);
+                pf = wg.first_block::<T, M, S, ST, QK, PK>(p, &w, &mut softmax, 0);
             }
         }
-        wg.later_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
+        wg.later_blocks::<T, M, S, ST, OT, QK, PK, 1>(p, &w, &mut softmax, &mut o, &mut pf, 0);
         let after = at.after(&info);
         match next_tile::<M, L, QB>(p, tile, wg.sm, after) {
             Some(u) if blocks > 0 && u.n_hi > u.n_lo => {
@@ -1218,7 +1408,10 @@ fn stream<
 /// the next two tiles' time to load the buffer again (four buffers:
 /// `HopperTile::q_buffers`).
 #[inline(always)]
-fn release_before<const STAGES: u32, const QB: u32>(wg: Warpgroup<STAGES, QB>, at: Cursor) {
+fn release_before<const STAGES: u32, const VSTAGES: u32, const QB: u32>(
+    wg: Warpgroup<STAGES, VSTAGES, QB>,
+    at: Cursor,
+) {
     if at.tiles > 0 {
         wg.release_q(at.tiles - 1);
     }
