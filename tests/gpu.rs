@@ -2465,36 +2465,17 @@ fn hopper_many_tile_cases() -> Vec<FwdCase> {
 /// are not tile multiples, GQA, and causal rows that see no key (Sq > Skv:
 /// tiles where neither consumer has a block).
 fn hopper_split_key_cases() -> Vec<FwdCase> {
-    let mut v = Vec::new();
-    for causal in [false, true] {
-        for (i, &(batch, seqlen_q, seqlen_k, heads, kv_heads)) in [
-            (1, 100, 60, 2, 1),
-            (2, 130, 200, 3, 1),
-            (1, 64, 300, 2, 2),
-            (1, 300, 90, 4, 2),
-            (2, 190, 1000, 2, 1),
-        ]
-        .iter()
-        .enumerate()
-        {
-            v.push(FwdCase {
-                batch,
-                seqlen_q,
-                seqlen_k,
-                heads,
-                kv_heads,
-                head_dim: 256,
-                causal,
-                with_lse: true,
-                packed_qkv: false,
-                seed: 23 + i as u64,
-                hopper_rows: Some(64),
-                hopper_persistent: Some(false),
-                hopper_keys: None,
-            });
-        }
-    }
-    v
+    let shapes = [
+        (1, 100, 60, 2, 1),
+        (2, 130, 200, 3, 1),
+        (1, 64, 300, 2, 2),
+        (1, 300, 90, 4, 2),
+        (2, 190, 1000, 2, 1),
+    ];
+    hopper_cases(&shapes, true, false, 23)
+        .into_iter()
+        .filter(|c| c.head_dim == 256 && c.hopper_rows == Some(64))
+        .collect()
 }
 
 /// The persistent lines' two tile orders on a grid of more tiles than
