@@ -963,9 +963,10 @@ pub const WARPGROUP_THREADS: usize = 128;
 /// The tile of one Hopper forward CTA (docs/hopper-plan.md §2): a producer
 /// warpgroup whose one thread issues the TMA loads, and `consumers`
 /// warpgroups that each own [`WGMMA_M`] query rows. Shared memory, from a
-/// 1024-byte-aligned base: Q (`block_m` rows), `stages` K tiles, `stages` V
+/// 1024-byte-aligned base: Q (`block_m` rows), `stages` K tiles, `v_stages` V
 /// tiles (`block_n` rows each, every tile SW128 in 64-column groups, as TMA
-/// writes it), then the mbarriers.
+/// writes it), then the mbarriers, a persistent CTA's tile slots and a
+/// split-key tile's row states.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HopperTile {
     /// Head dimension D.
@@ -990,9 +991,9 @@ pub struct HopperTile {
     /// stages in each ring a stage only ever holds one consumer's blocks,
     /// so each full barrier completes its phases for one waiter in turn (a
     /// parity wait on a barrier whose phases went to both consumers could
-    /// pass on a phase still in flight). The rows' CTAs are twice the
-    /// 128-row tiles', on the same K/V traffic each: the dispatch takes
-    /// them only where that fills idle SMs ([`hopper_rows`]).
+    /// pass on a phase still in flight). On the 16k-token sweep these tiles
+    /// ran 0.75-0.87x the 128-row ones (v38), so the dispatch takes them
+    /// only where 64-row CTAs do not outnumber the SMs ([`hopper_rows`]).
     pub split_keys: bool,
     /// The consumer warpgroups take turns issuing their `wgmma`s
     /// (FlashAttention-3's ping-pong), so that one's softmax runs while the
@@ -1041,7 +1042,9 @@ impl HopperTile {
     /// epilogue) and its K/V traffic spread over 1.5x the rows; 64 (one
     /// consumer with 232 registers, two CTAs per SM) for D = 64 and 128, so
     /// that on short rows one CTA's fixed cost runs under the other's GEMMs
-    /// (D = 128 then takes 64-key blocks: two CTAs fit 2 x 82 KiB).
+    /// (D = 128 then takes 64-key blocks: two CTAs fit 2 x 82 KiB); at
+    /// D = 256, 64 rows are a [`Self::split_keys`] tile of two consumers
+    /// and 64-key blocks, one CTA per SM.
     ///
     /// `keys`, where given, is a line's own keys per block: any multiple of
     /// 16 up to its head dim's, since fewer keys only shrink the K and V
