@@ -1920,7 +1920,7 @@ mod config {
             assert_eq!(t.v_offset(0), t.k_offset(t.stages));
             assert_eq!(t.barrier(0), t.v_offset(t.v_stages));
             // Q full per buffer, Q empty per buffer of a persistent CTA,
-            // then the rings' four per stage.
+            // then the rings'.
             let q_barriers = qb * (1 + t.persistent as usize);
             assert_eq!(t.k_ring(), q_barriers, "{t:?}");
             // A full and an empty barrier per stage of each ring.
