@@ -1145,6 +1145,16 @@ impl HopperTile {
         }
     }
 
+    /// Consumer warpgroup c's first query row in the tile: its own
+    /// [`WGMMA_M`] rows, or 0 where the consumers share them
+    /// ([`Self::split_keys`]).
+    pub const fn first_row(self, c: u32) -> u32 {
+        if self.split_keys {
+            0
+        } else {
+            c * WGMMA_M as u32
+        }
+    }
     /// Threads per CTA: the producer warpgroup and the consumers.
     pub const fn threads(self) -> usize {
         (1 + self.consumers) * WARPGROUP_THREADS

@@ -638,12 +638,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             lane,
             g: lane / 4,
             t: lane % 4,
-            row0: if tile.split_keys {
-                0
-            } else {
-                c * WGMMA_M as u32
-            } + wg_tid / WARP_SIZE as u32 * 16
-                + lane / 4,
+            row0: tile.first_row(c) + wg_tid / WARP_SIZE as u32 * 16 + lane / 4,
         }
     }
 
@@ -663,11 +658,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             info,
             at,
             q_buf,
-            q_rows: if self.tile.split_keys {
-                q_buf
-            } else {
-                q_buf + self.c * WGMMA_M as u32 * SW128_ROW_BYTES
-            },
+            q_rows: q_buf + self.tile.first_row(self.c) * SW128_ROW_BYTES,
             slope,
         }
     }
@@ -1024,10 +1015,11 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             if wg_tid == 0 {
                 let o_map = maps + core::mem::offset_of!(HopperFwdMaps, o) as u64;
                 let groups = (D / SW128_ROW_ELEMS) as u32;
-                let (row, own) = if split {
-                    (info.q_start + info.m0, c * groups / 2..(c + 1) * groups / 2)
+                let row = info.q_start + info.m0 + self.tile.first_row(c);
+                let own = if split {
+                    c * groups / 2..(c + 1) * groups / 2
                 } else {
-                    (info.q_start + info.m0 + c * WGMMA_M as u32, 0..groups)
+                    0..groups
                 };
                 for group in own {
                     let coord = [
