@@ -43,6 +43,29 @@ pub fn block_idx_z() -> u32 {
     r
 }
 
+/// `mov.u32 %r, %nctaid.y;`
+#[inline(always)]
+pub fn grid_dim_y() -> u32 {
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %nctaid.y;", r = out(reg32) r, options(nomem, nostack)) };
+    r
+}
+/// `mov.u32 %r, %nctaid.z;`
+#[inline(always)]
+pub fn grid_dim_z() -> u32 {
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %nctaid.z;", r = out(reg32) r, options(nomem, nostack)) };
+    r
+}
+/// `mov.u32 %r, %nsmid;`: one more than the largest SM identifier, at least
+/// the number of SMs (identifiers need not be contiguous).
+#[inline(always)]
+pub fn sm_ids() -> u32 {
+    let r: u32;
+    unsafe { asm!("mov.u32 {r}, %nsmid;", r = out(reg32) r, options(nomem, nostack)) };
+    r
+}
+
 /// `trap;` aborts the kernel; the launch then reports an error.
 #[inline(always)]
 pub fn trap() -> ! {

@@ -533,6 +533,16 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
         }
         return;
     }
+    // In a grid of one wave every CTA starts at once, and the K and V
+    // blocks (mostly L2 hits) take the SMs' load bandwidth while Q's DRAM
+    // misses wait, so the first S = Q·Kᵀ waits for Q: such a CTA loads V(0)
+    // and the later blocks once Q has landed (H100, 8 heads x 512 keys at
+    // D = 256: 1.08x). Over several waves the CTAs start apart and the later
+    // V(0) costs 2 % (docs/perf-notes.md, v39). `sm_ids` may exceed the SM
+    // count: a grid just over one wave can take this order too.
+    let q_first = !tile.persistent
+        && special::grid_dim_x() * special::grid_dim_y() * special::grid_dim_z()
+            <= special::sm_ids();
     for i in 0..blocks {
         let row = info.k_start + (info.n_hi - 1 - i) * bn;
         let batch = info.addr_batch;
@@ -546,6 +556,9 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
             batch,
             full,
         );
+        if i == 0 && q_first {
+            wait(q.1, 0);
+        }
         let (s, full) = v_ring.acquire(slot(i), bytes);
         load(
             sm.v + s * bytes,
