@@ -6,6 +6,10 @@
 # With --candle, also the candle integration's tests and example (candle-tests,
 # example-candle_llama_attention), built with nvcc from
 # scripts/setup-candle-cuda.sh for CUDA_COMPUTE_CAP (default 90).
+# Refuses to bundle binaries whose committed cubins were not assembled from
+# the embedded PTX (the GPU host would JIT-compile the whole module on first
+# use, minutes of device time): run scripts/update-cubins.sh first, or set
+# FLASH_ATTN_BUNDLE_JIT=1 to bundle anyway.
 set -euo pipefail
 dir=${1:?usage: scripts/gpu-bundle.sh DIR [--candle]}
 candle=${2:-}
@@ -15,7 +19,10 @@ dir=$(cd "$dir" && pwd)
 cd "$root"
 
 
-{
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+
+build() {
   cargo test --release --no-run --message-format=json-render-diagnostics --test gpu --test cpu
   cargo bench --no-run --message-format=json-render-diagnostics --bench attention
   cargo build --release --message-format=json-render-diagnostics --examples
@@ -28,7 +35,17 @@ cd "$root"
         --example candle_llama_attention
     )
   fi
-} | python3 scripts/cargo-executables.py | while read -r name exe; do
+}
+
+# Once for the build's messages (shown, and kept to check), once (nothing
+# left to build) for the executables' paths.
+build 2>&1 >/dev/null | tee "$log" >&2
+if grep -q "were not assembled from the embedded PTX" "$log" && [ "${FLASH_ATTN_BUNDLE_JIT:-0}" != 1 ]; then
+  echo "gpu-bundle: the binaries would embed stale cubins (see the warning above): run" \
+    "scripts/update-cubins.sh and bundle again, or set FLASH_ATTN_BUNDLE_JIT=1" >&2
+  exit 1
+fi
+build 2>/dev/null | python3 scripts/cargo-executables.py | while read -r name exe; do
   case "$name" in
     gpu) cp "$exe" "$dir/gpu-tests" ;;
     cpu) cp "$exe" "$dir/cpu-tests" ;;
