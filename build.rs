@@ -125,6 +125,7 @@ fn embed_cubins(cubin_dirs: &[&Path], out_dir: &Path, ptx: &PtxSet) {
         }
         write(&out_dir.join(name), &bytes.unwrap_or_default());
     }
+    // scripts/gpu-bundle.sh refuses a bundle on this warning's text.
     if !stale.is_empty() {
         println!(
             "cargo:warning=the committed cubins {stale:?} were not assembled from the embedded PTX; \

@@ -37,7 +37,8 @@ build() {
   fi
 }
 
-# Once for the build's messages (shown, and kept to check), once (nothing
+# Once for the build's messages (shown, and kept to check for the warning
+# of build.rs's `embed_cubins`: keep the two texts in step), once (nothing
 # left to build) for the executables' paths.
 build 2>&1 >/dev/null | tee "$log" >&2
 if grep -q "were not assembled from the embedded PTX" "$log" && [ "${FLASH_ATTN_BUNDLE_JIT:-0}" != 1 ]; then
