@@ -1871,8 +1871,18 @@ mod config {
                 // Even stage counts: a stage holds one consumer's blocks.
                 assert!(!t.persistent && t.consumers == 2 && !t.pingpong, "{t:?}");
                 assert_eq!((t.block_n, t.stages, t.v_stages), (64, 2, 4), "{t:?}");
+            } else if t.serial {
+                // Half blocks: 3 K and 2 V stages of 32 KiB.
+                assert!(!t.persistent && t.consumers == 2 && t.pingpong, "{t:?}");
+                assert_eq!(
+                    (t.head_dim, t.block_n, t.stages, t.v_stages),
+                    (256, 128, 3, 2),
+                    "{t:?}"
+                );
+                assert_eq!(2 * t.stage_bytes(), t.kv_bytes(), "{t:?}");
             } else {
                 assert_eq!(t.v_stages, t.stages, "{t:?}");
+                assert_eq!(t.stage_bytes(), t.kv_bytes(), "{t:?}");
             }
             assert!(t.block_m <= 256, "a TMA box has at most 256 rows: {t:?}");
             let (p, c) = (t.producer_regs() as usize, t.consumer_regs() as usize);
@@ -2150,10 +2160,12 @@ mod config {
     }
 
     /// The 64-key line: plain causal calls at D = 256 (and head dims padded
-    /// to it) over at most `HOPPER_SHORT_CAUSAL_MAX_KEYS_D256` keys take it,
-    /// longer ones, non-causal, modified and packed calls and every other
-    /// head dim the head dim's own keys; `keys` asked for takes a line with
-    /// them where one covers the call, else the head dim's own.
+    /// to it) over at most `HOPPER_SHORT_CAUSAL_MAX_KEYS_D256` keys take it;
+    /// the serial 128-key line: plain full calls there over at most
+    /// `HOPPER_SERIAL_MAX_KEYS_D256` keys, unless their grid is small enough
+    /// for 64-row tiles; longer ones, modified and packed calls and every
+    /// other head dim the head dim's own keys; `keys` asked for takes a line
+    /// with them where one covers the call, else the head dim's own.
     #[test]
     fn hopper_keys_choice() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -2179,7 +2191,14 @@ mod config {
             );
             let e = e.expect("a line");
             assert!(e.policies.covers(c.need));
-            assert_eq!(e.keys.is_some(), e.name.ends_with("_n64"), "{}", e.name);
+            let keyed = e.name.ends_with("_n64") || e.name.ends_with("_n128");
+            assert_eq!(e.keys.is_some(), keyed, "{}", e.name);
+            assert_eq!(
+                e.hopper_tile().serial,
+                e.name.ends_with("_n128"),
+                "{}",
+                e.name
+            );
             e.hopper_tile().block_n
         };
         let short = HOPPER_SHORT_CAUSAL_MAX_KEYS_D256;
@@ -2193,6 +2212,9 @@ mod config {
                         "{d} {seqlen_k}"
                     );
                     assert_eq!(keys(&call(dtype, d, causal, seqlen_k), Some(80)), 80);
+                    // No causal line has 128-key blocks (a small grid's
+                    // 64-row tiles have 64).
+                    assert_ne!(keys(&call(dtype, d, causal, seqlen_k), Some(128)), 128);
                 }
                 for seqlen_k in [short + 1, 4096, 16384] {
                     assert_eq!(
@@ -2204,20 +2226,44 @@ mod config {
                 }
                 let modified = need(MaskKind::Causal, ScoreKind::Modified, SeqKind::Dense);
                 let packed = need(MaskKind::Causal, ScoreKind::Plain, SeqKind::Packed);
-                for other in [
-                    dense(MaskKind::Full),
-                    dense(MaskKind::Local),
-                    modified,
-                    packed,
-                ] {
-                    for asked in [None, Some(64), Some(80)] {
+                let full = dense(MaskKind::Full);
+                let serial = HOPPER_SERIAL_MAX_KEYS_D256;
+                for seqlen_k in [129, 300, serial] {
+                    assert_eq!(
+                        keys(&call(dtype, d, full, seqlen_k), None),
+                        128,
+                        "{d} {seqlen_k}"
+                    );
+                    assert_eq!(keys(&call(dtype, d, full, seqlen_k), Some(80)), 80);
+                }
+                for seqlen_k in [serial + 1, 1024, 16384] {
+                    assert_eq!(
+                        keys(&call(dtype, d, full, seqlen_k), None),
+                        80,
+                        "{d} {seqlen_k}"
+                    );
+                    assert_eq!(keys(&call(dtype, d, full, seqlen_k), Some(128)), 128);
+                }
+                // A grid of at most one wave of 64-row tiles keeps its
+                // split-key tiles (`hopper_rows`).
+                let small = HopperCall {
+                    batch: 1,
+                    heads: 8,
+                    ..call(dtype, d, full, serial)
+                };
+                assert_eq!(hopper_rows(&small), 64);
+                let e = find_hopper_entry(&small, HopperPick::default()).expect("a line");
+                assert!(e.hopper_tile().split_keys, "{}", e.name);
+                for other in [full, dense(MaskKind::Local), modified, packed] {
+                    for asked in [None, Some(64), Some(80), Some(128)] {
                         // Plain full calls asked for 64 keys take the
                         // split-key line, the one 64-key line that covers
-                        // them.
-                        let want = if asked == Some(64) && other == dense(MaskKind::Full) {
-                            64
-                        } else {
-                            80
+                        // them, and for 128 (or none, at 512 keys) the
+                        // serial line.
+                        let want = match asked {
+                            Some(64) if other == full => 64,
+                            None | Some(128) if other == full => 128,
+                            _ => 80,
                         };
                         assert_eq!(keys(&call(dtype, d, other, 512), asked), want, "{other:?}");
                     }
@@ -2501,7 +2547,7 @@ mod config {
                 };
                 for rows in [Some(64), Some(128), Some(192)] {
                     for persistent in [None, Some(false), Some(true)] {
-                        for keys in [None, Some(64), Some(80)] {
+                        for keys in [None, Some(64), Some(80), Some(128)] {
                             let pick = HopperPick {
                                 rows,
                                 persistent,

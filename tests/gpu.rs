@@ -2237,13 +2237,13 @@ fn hopper_line() -> impl Strategy<Value = (usize, Option<usize>)> {
 /// Forward cases the Hopper kernels serve (their head dims, plain, dense),
 /// with `fwd_strategy`'s ragged lengths, GQA, LSE and causal masks; the
 /// persistent lines asked for in one case of three, keys per block (D =
-/// 256's two sizes) in two of three.
+/// 256's three sizes) in three of four.
 fn hopper_fwd_strategy() -> impl Strategy<Value = FwdCase> {
     (
         fwd_strategy(),
         hopper_line(),
         prop::sample::select(vec![None, Some(false), Some(true)]),
-        prop::sample::select(vec![None, Some(64), Some(80)]),
+        prop::sample::select(vec![None, Some(64), Some(80), Some(128)]),
     )
         .prop_map(
             |(c, (head_dim, hopper_rows), hopper_persistent, hopper_keys)| FwdCase {
@@ -2476,6 +2476,28 @@ fn hopper_split_key_cases() -> Vec<FwdCase> {
         .into_iter()
         .filter(|c| c.head_dim == 256 && c.hopper_rows == Some(64))
         .collect()
+}
+
+/// D = 256's serial tiles (128-key blocks through K and V rings of half
+/// blocks, one GEMM per ping-pong turn; `HopperTile::serial`), full, with
+/// LSE: one block (only the first S and the last P·V) and a partial one,
+/// two blocks, and enough blocks that the rings' three and two stages wrap
+/// several times (each phase parity reused), rows and keys that are not
+/// tile multiples, GQA.
+fn hopper_serial_cases() -> Vec<FwdCase> {
+    let shapes = [
+        (1, 100, 60, 2, 1),
+        (2, 130, 200, 3, 1),
+        (1, 300, 512, 4, 2),
+        (2, 190, 1000, 2, 1),
+        (1, 129, 2049, 2, 2),
+    ];
+    let cases: Vec<FwdCase> = hopper_cases(&shapes, true, false, 29)
+        .into_iter()
+        .filter(|c| c.head_dim == 256 && c.hopper_keys == Some(128))
+        .collect();
+    assert!(!cases.is_empty(), "no serial line");
+    cases
 }
 
 /// The persistent lines' two tile orders on a grid of more tiles than
@@ -3211,10 +3233,11 @@ fn main() {
                 hopper_policy_strategy(),
                 run_forward_policy::<$t>
             );
-            let fixed: [(&str, fn() -> Vec<FwdCase>); 3] = [
+            let fixed: [(&str, fn() -> Vec<FwdCase>); 4] = [
                 ("long", hopper_long_cases),
                 ("many_tiles", hopper_many_tile_cases),
                 ("split_keys", hopper_split_key_cases),
+                ("serial", hopper_serial_cases),
             ];
             hopper_random_trial!(
                 "hopper_varlen_random_",

@@ -864,6 +864,9 @@ macro_rules! table_word {
     (grid n64) => {
         false
     };
+    (grid n128) => {
+        false
+    };
     (keys) => {
         None
     };
@@ -872,6 +875,9 @@ macro_rules! table_word {
     };
     (keys n64) => {
         Some(64)
+    };
+    (keys n128) => {
+        Some(128)
     };
 }
 
@@ -995,6 +1001,14 @@ pub struct HopperTile {
     /// ran 0.75-0.87x the 128-row ones (v38), so the dispatch takes them
     /// only where 64-row CTAs do not outnumber the SMs ([`hopper_rows`]).
     pub split_keys: bool,
+    /// Each consumer runs its blocks one GEMM at a time (cuDNN's D = 256
+    /// tile: 128 rows, 128-key blocks): P(i-1)·V, its wait, then S(i), so
+    /// that S (64 registers) and P (32) are never live together beside O
+    /// (128). Without FlashAttention-3's intra-warpgroup overlap the other
+    /// consumer's GEMMs (ping-pong, one turn per GEMM) cover the softmax.
+    /// Its K and V rings hold half blocks ([`Self::stage_bytes`]). The
+    /// dispatch takes it for short non-causal rows ([`hopper_keys`]).
+    pub serial: bool,
     /// The consumer warpgroups take turns issuing their `wgmma`s
     /// (FlashAttention-3's ping-pong), so that one's softmax runs while the
     /// tensor cores work on the other's GEMMs.
@@ -1068,9 +1082,11 @@ impl HopperTile {
             (256, _) => 80,
             _ => return None,
         };
+        let serial = head_dim == 256 && rows == 128 && !persistent && matches!(keys, Some(128));
         let block_n = match keys {
             None => most_keys,
             Some(n) if n % 16 == 0 && n > 0 && n <= most_keys => n,
+            Some(_) if serial => 128,
             Some(_) => return None,
         };
         let local_modified = matches!(
@@ -1104,6 +1120,7 @@ impl HopperTile {
         // as one pipeline, v29: 1.004-1.016x over 3), and 3-4 stages
         // cost the long-row lines 1-3 %.
         let stages = match (head_dim, rows, policies.seq) {
+            _ if serial => Self::SERIAL_K_HALVES,
             (128, 128, SeqKind::Ragged) => 3,
             (64, _, _) if persistent => 4,
             _ => 2,
@@ -1114,8 +1131,15 @@ impl HopperTile {
             block_m: rows,
             block_n,
             stages,
-            v_stages: if split_keys { 4 } else { stages },
+            v_stages: if split_keys {
+                4
+            } else if serial {
+                Self::SERIAL_V_HALVES
+            } else {
+                stages
+            },
             split_keys,
+            serial,
             // Measured per head dim (docs/perf-notes.md, v16; v24: the
             // D = 64 persistent lines lose 2-6 % with it; D = 192 as 256,
             // not measured); the turn barriers pair two warpgroups.
@@ -1183,6 +1207,25 @@ impl HopperTile {
     pub const fn kv_bytes(self) -> usize {
         self.block_n * self.head_dim * ELEM_BYTES
     }
+    /// Stages of a serial tile's K ring, each half a block (two of its four
+    /// 64-column groups, half of S's k-steps), so that a stage frees, and
+    /// the next half loads, while the other half is still read; with
+    /// [`Self::SERIAL_V_HALVES`] 160 KiB beside Q's 64. H100, 512 keys,
+    /// against whole 64 KiB blocks in one K and one V stage: 1.01x; 3 K and
+    /// 2 V halves 0.3-0.8 % faster than 2 and 3 (docs/perf-notes.md, v44).
+    pub const SERIAL_K_HALVES: usize = 3;
+    /// Stages of a serial tile's V ring, each half a block (half of O's
+    /// columns).
+    pub const SERIAL_V_HALVES: usize = 2;
+    /// Bytes of one ring stage: a block's K or V tile, or half of it on a
+    /// serial tile.
+    pub const fn stage_bytes(self) -> usize {
+        if self.serial {
+            self.kv_bytes() / 2
+        } else {
+            self.kv_bytes()
+        }
+    }
     /// Q buffers: three or four in a persistent CTA, else one. A buffer
     /// frees after the next tile's first softmax (once the TMA store of the
     /// O it held has read it), so with two the next Q could only start
@@ -1204,11 +1247,11 @@ impl HopperTile {
     }
     /// Offset of stage `s`'s K tile.
     pub const fn k_offset(self, s: usize) -> usize {
-        self.q_offset(self.q_buffers()) + s * self.kv_bytes()
+        self.q_offset(self.q_buffers()) + s * self.stage_bytes()
     }
     /// Offset of stage `s`'s V tile.
     pub const fn v_offset(self, s: usize) -> usize {
-        self.k_offset(self.stages) + s * self.kv_bytes()
+        self.k_offset(self.stages) + s * self.stage_bytes()
     }
     /// Barriers: Q full per Q buffer, Q empty per buffer of a persistent
     /// CTA (its consumers release a buffer once the tile's epilogue has read
@@ -1339,6 +1382,7 @@ macro_rules! hopper_entries {
             fwd f16 256 full plain dense 128;
             fwd f16 256 causal plain dense 128;
             fwd f16 256 causal plain dense 128 n64;
+            fwd f16 256 full plain dense 128 n128;
             fwd f16 256 causal modified dense 128;
             fwd f16 256 local modified dense 128;
             fwd f16 256 full plain dense 64;
@@ -1391,6 +1435,7 @@ macro_rules! hopper_entries {
             fwd bf16 256 full plain dense 128;
             fwd bf16 256 causal plain dense 128;
             fwd bf16 256 causal plain dense 128 n64;
+            fwd bf16 256 full plain dense 128 n128;
             fwd bf16 256 causal modified dense 128;
             fwd bf16 256 local modified dense 128;
             fwd bf16 256 full plain dense 64;
@@ -1701,15 +1746,33 @@ pub const fn hopper_padded_short(head_dim: usize, seqlen_k: usize) -> bool {
 /// over fewer keys.
 pub const HOPPER_SHORT_CAUSAL_MAX_KEYS_D256: usize = 2048;
 
+/// Non-causal calls at D = 256 over at most this many keys per query row
+/// take the serial 128-key line ([`hopper_keys`], `HopperTile::serial`),
+/// where their 128-row tiles outnumber the SMs. H100, against the 80-key
+/// line (docs/perf-notes.md v44): 512 keys 1.013-1.021x (f16) and
+/// 1.018-1.019x (bf16); 1k 0.94-1.00x, 2k-16k 0.86-0.95x. Four 128-key
+/// blocks cover 512 keys where seven of 80 compute 560 columns, and each
+/// consumer issues fewer instructions per key; over more blocks its GEMMs
+/// without intra-warpgroup overlap lose.
+pub const HOPPER_SERIAL_MAX_KEYS_D256: usize = 512;
+
 /// Keys per block for a Hopper forward call where its head dim has lines
-/// of fewer keys than its own (`n64`): plain causal calls at D = 256 over
-/// few keys ([`HOPPER_SHORT_CAUSAL_MAX_KEYS_D256`]); `None` for the head
-/// dim's own.
+/// of other keys than its own (`n64`, `n128`): plain causal calls at D =
+/// 256 over few keys ([`HOPPER_SHORT_CAUSAL_MAX_KEYS_D256`]) 64, plain
+/// full ones over fewer ([`HOPPER_SERIAL_MAX_KEYS_D256`]) 128 where
+/// [`hopper_rows`] keeps 128-row tiles (a small grid's split-key tiles
+/// are faster: H100, 8 heads of 512 rows, 1.46x); `None` for the head
+/// dim's own. A call no such line covers (modified, packed) takes the
+/// head dim's own ([`find_hopper_entry`]).
 pub const fn hopper_keys(call: &HopperCall) -> Option<usize> {
     let short_causal = matches!(call.need.mask, MaskKind::Causal)
         && call.seqlen_k <= HOPPER_SHORT_CAUSAL_MAX_KEYS_D256;
+    let short_full = matches!(call.need.mask, MaskKind::Full)
+        && call.seqlen_k <= HOPPER_SERIAL_MAX_KEYS_D256
+        && hopper_rows(call) != WGMMA_M;
     match hopper_line_head_dim(call.head_dim) {
         Some(256) if short_causal => Some(64),
+        Some(256) if short_full => Some(128),
         _ => None,
     }
 }

@@ -240,6 +240,9 @@ pub unsafe fn forward<
                 || t.consumers == 2 && !t.persistent && t.stages % 2 == 0 && t.v_stages % 2 == 0
         );
         assert!(REGS == t.consumer_regs() && (!t.pingpong || t.consumers == 2));
+        // A serial tile's halves: two column groups each, O's columns in
+        // two `wgmma`s of n = D / 2.
+        assert!(!t.serial || OT == 2 * SERIAL_O_HALF && QK % 2 == 0 && D == 4 * SW128_ROW_ELEMS);
     }
     let a = SW128_ATOM_BYTES;
     let base = (smem::base() + a - 1) & !(a - 1);
@@ -466,18 +469,26 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
         map(core::mem::offset_of!(HopperFwdMaps, v)),
     );
     let groups = (D / SW128_ROW_ELEMS) as u32;
-    // One box per 64-column group: `rows` rows of 128 bytes at `dst`, the
-    // groups `stride` rows apart.
-    let load = |dst: u32, stride: usize, map: u64, row: u32, head: u32, batch: u32, bar: u32| {
-        for c in 0..groups {
+    // One box per 64-column group from `first` on (`count` of them): `rows`
+    // rows of 128 bytes at `dst`, the groups `stride` rows apart.
+    let load_groups = |dst: u32,
+                       stride: usize,
+                       map: u64,
+                       (row, head, batch): (u32, u32, u32),
+                       bar: u32,
+                       (first, count): (u32, u32)| {
+        for c in 0..count {
             let coord = [
-                (c as usize * SW128_ROW_ELEMS) as i32,
+                ((first + c) as usize * SW128_ROW_ELEMS) as i32,
                 row as i32,
                 head as i32,
                 batch as i32,
             ];
             tma::load_4d(dst + c * stride as u32 * SW128_ROW_BYTES, map, coord, bar);
         }
+    };
+    let load = |dst: u32, stride: usize, map: u64, row: u32, head: u32, batch: u32, bar: u32| {
+        load_groups(dst, stride, map, (row, head, batch), bar, (0, groups));
     };
     // Only a paged cache's loads use more than thread 0.
     let lane = if L::PAGED { special::thread_idx_x() } else { 0 };
@@ -543,6 +554,45 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
     let q_first = !tile.persistent
         && special::grid_dim_x() * special::grid_dim_y() * special::grid_dim_z()
             <= special::sm_ids();
+    if tile.serial {
+        // Half blocks (`HopperTile::stage_bytes`): half h is the groups
+        // 2h and 2h + 1, ring slot 2 (block) + h.
+        let half = tile.stage_bytes() as u32;
+        let halves = (groups / 2, groups / 2);
+        for i in 0..blocks {
+            let at = (
+                info.k_start + (info.n_hi - 1 - i) * bn,
+                info.kv_head,
+                info.addr_batch,
+            );
+            for h in 0..2 {
+                let (s, full) = k_ring.acquire(2 * slot(i) + h, half);
+                load_groups(
+                    sm.k + s * half,
+                    tile.block_n,
+                    k_map,
+                    at,
+                    full,
+                    (h * halves.0, halves.1),
+                );
+            }
+            if i == 0 && q_first {
+                wait(q.1, 0);
+            }
+            for h in 0..2 {
+                let (s, full) = v_ring.acquire(2 * slot(i) + h, half);
+                load_groups(
+                    sm.v + s * half,
+                    tile.block_n,
+                    v_map,
+                    at,
+                    full,
+                    (h * halves.0, halves.1),
+                );
+            }
+        }
+        return;
+    }
     for i in 0..blocks {
         let row = info.k_start + (info.n_hi - 1 - i) * bn;
         let batch = info.addr_batch;
@@ -705,6 +755,109 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
         }
     }
 
+    /// Ring slot of half `h` of the tile's `i`-th block on a serial tile
+    /// ([`HopperTile::stage_bytes`]).
+    #[inline(always)]
+    fn half_slot(w: &Work, i: u32, h: u32) -> u32 {
+        2 * (w.at.blocks + i) + h
+    }
+
+    /// Half `h` of K of the tile's `i`-th block (a serial tile), once it has
+    /// landed. Opaque: with few stages the same addresses recur, and LLVM
+    /// and ptxas would hoist every `wgmma` descriptor built on them out of
+    /// the loop into registers (ptxas spilled 140 bytes so).
+    #[inline(always)]
+    fn k_half(self, w: &Work, i: u32, h: u32) -> u32 {
+        let s = self.k_ring.wait_full(Self::half_slot(w, i, h));
+        special::opaque_u32(self.sm.k + s * self.tile.stage_bytes() as u32)
+    }
+
+    /// Likewise V.
+    #[inline(always)]
+    fn v_half(self, w: &Work, i: u32, h: u32) -> u32 {
+        let s = self.v_ring.wait_full(Self::half_slot(w, i, h));
+        special::opaque_u32(self.sm.v + s * self.tile.stage_bytes() as u32)
+    }
+
+    /// S = Q·Kᵀ of a serial tile's `i`-th block in one turn: a group of
+    /// `wgmma`s per K half, each issued once its half has landed, and each
+    /// half's stage released once its group has completed, so that the
+    /// producer refills it while the other half is still read.
+    #[inline(always)]
+    fn serial_s<T: Element, const ST: usize, const QK: usize>(
+        self,
+        s: &mut [[f32; 4]; ST],
+        w: &Work,
+        i: u32,
+    ) {
+        let (bm, bn) = (self.tile.block_m as u32, self.tile.block_n as u32);
+        let q_rows = special::opaque_u32(w.q_rows);
+        let k_lo = self.k_half(w, i, 0);
+        self.take_turn();
+        unroll::<2>(|h| {
+            let k = if h == 0 { k_lo } else { self.k_half(w, i, 1) };
+            wgmma::fence_operands(s);
+            wgmma::fence();
+            unroll::<QK>(|kk| {
+                if kk / (QK / 2) == h {
+                    let a = k_major_desc(q_rows, bm, kk as u32);
+                    let b = k_major_desc(k, bn, (kk % (QK / 2)) as u32);
+                    wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
+                }
+            });
+            wgmma::commit_group();
+        });
+        self.hand_over();
+        wgmma::wait_group::<1>();
+        self.release_half(self.k_ring, w, i, 0);
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(s);
+        self.release_half(self.k_ring, w, i, 1);
+    }
+
+    /// O += P·V of a serial tile's `i`-th block in one turn: a group per V
+    /// half (O's columns of that half, an n = D / 2 `wgmma` per k-step),
+    /// each issued once its half has landed and released once done.
+    #[inline(always)]
+    fn serial_pv<T: Element, const OT: usize, const PK: usize>(
+        self,
+        o: &mut [[f32; 4]; OT],
+        pf: &mut [[u32; 4]; PK],
+        w: &Work,
+        i: u32,
+    ) {
+        let bn = self.tile.block_n as u32;
+        let v_lo = self.v_half(w, i, 0);
+        self.take_turn();
+        unroll::<2>(|h| {
+            let v = if h == 0 { v_lo } else { self.v_half(w, i, 1) };
+            wgmma::fence_operands(o);
+            wgmma::fence_fragments(pf);
+            wgmma::fence();
+            let oh = o_half(o, h);
+            unroll::<PK>(|kk| {
+                let b = mn_major_desc(v, bn, kk as u32);
+                wgmma::rs::<SERIAL_O_HALF, 1>(T::BF16, oh, &pf[kk], b, 1);
+            });
+            wgmma::commit_group();
+        });
+        self.hand_over();
+        wgmma::wait_group::<1>();
+        self.release_half(self.v_ring, w, i, 0);
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(o);
+        wgmma::fence_fragments(pf);
+        self.release_half(self.v_ring, w, i, 1);
+    }
+
+    /// Every warp releases its half's stage.
+    #[inline(always)]
+    fn release_half<const N: u32>(self, ring: TmaRing<N>, w: &Work, i: u32, h: u32) {
+        if self.lane == 0 {
+            ring.release(Self::half_slot(w, i, h));
+        }
+    }
+
     /// Ping-pong: a warpgroup waits for its turn, issues its GEMMs and hands
     /// the turn to the other.
     #[inline(always)]
@@ -864,8 +1017,14 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
         // The row max in four chains where it measured faster: the D = 64
         // causal persistent line (H100: 1.04x at 512 keys, 1.02x at 1k,
         // 1.01-1.03x at 2k); on the other D = 64 causal lines (4k-16k keys)
-        // and the other head dims 0.98-1.00x (docs/perf-notes.md, v30).
-        if self.tile.head_dim == 64 && self.tile.persistent && matches!(M::KIND, MaskKind::Causal) {
+        // and the other head dims 0.98-1.00x (docs/perf-notes.md, v30). The
+        // serial tile takes it too (v43: 0.997-1.002x the one-chain build,
+        // within noise); v44 measured it so.
+        if self.tile.serial
+            || self.tile.head_dim == 64
+                && self.tile.persistent
+                && matches!(M::KIND, MaskKind::Causal)
+        {
             match row_bias {
                 Some(b) => softmax.advance_biased::<ST, 4>(s, p.scale_log2, b),
                 None => softmax.advance::<ST, 4>(s, p.scale_log2),
@@ -897,11 +1056,15 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
         i: u32,
     ) -> [[u32; 4]; PK] {
         let mut s = [[0f32; 4]; ST];
-        let k_tile = self.k_tile(w, i);
-        self.take_turn();
-        self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
-        self.hand_over();
-        self.s_done(&mut s, w, i, 1);
+        if self.tile.serial {
+            self.serial_s::<T, ST, QK>(&mut s, w, i);
+        } else {
+            let k_tile = self.k_tile(w, i);
+            self.take_turn();
+            self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
+            self.hand_over();
+            self.s_done(&mut s, w, i, 1);
+        }
         let _ = self.softmax::<M, S, ST>(p, w, softmax, &mut s, i);
         pack::<T, ST, PK>(&s)
     }
@@ -950,6 +1113,44 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             i += STEP;
         }
         i - STEP
+    }
+
+    /// The blocks after the tile's first, one GEMM per turn
+    /// ([`HopperTile::serial`]), P of the first block in `pf`: P(i-1)·V,
+    /// its wait, then S(i), so that P and S never hold registers together
+    /// beside O. The consumers' turns alternate per GEMM (the tensor cores
+    /// see P·V, P·V, S, S), so that one consumer's wait for its P·V runs
+    /// under the other's, and each softmax under the other's S or P·V.
+    /// Leaves the last block's P in `pf`.
+    #[inline(always)]
+    fn serial_blocks<
+        T: Element,
+        M: Mask,
+        S: Scores,
+        const ST: usize,
+        const OT: usize,
+        const QK: usize,
+        const PK: usize,
+    >(
+        self,
+        p: &AttnParams,
+        w: &Work,
+        softmax: &mut OnlineSoftmax,
+        o: &mut [[f32; 4]; OT],
+        pf: &mut [[u32; 4]; PK],
+    ) {
+        let blocks = w.info.n_hi - w.info.n_lo;
+        let mut i = 1;
+        while i < blocks {
+            self.serial_pv::<T, OT, PK>(o, pf, w, i - 1);
+            let mut s = [[0f32; 4]; ST];
+            self.serial_s::<T, ST, QK>(&mut s, w, i);
+            if let Some(c) = self.softmax::<M, S, ST>(p, w, softmax, &mut s, i) {
+                unroll::<OT>(|j| unroll::<4>(|e| o[j][e] *= c[e / 2]));
+            }
+            *pf = pack::<T, ST, PK>(&s);
+            i += 1;
+        }
     }
 
     /// The P·V of the tile's last block, alone (no next S to pair it with),
@@ -1208,6 +1409,27 @@ fn pack<T: Element, const ST: usize, const PK: usize>(s: &[[f32; 4]; ST]) -> [[u
     pf
 }
 
+/// Accumulator quads of half of O's columns on a serial tile (n = 128 at
+/// D = 256, the one head dim with such a tile).
+const SERIAL_O_HALF: usize = 16;
+
+/// O's columns of half `h` as the accumulator of one n = D / 2 `wgmma`:
+/// quad j holds the columns 8j..8j + 7 of the lane's rows.
+#[inline(always)]
+fn o_half<const OT: usize>(o: &mut [[f32; 4]; OT], h: usize) -> &mut [[f32; 4]; SERIAL_O_HALF] {
+    if OT != 2 * SERIAL_O_HALF || h > 1 {
+        special::trap();
+    }
+    // SAFETY: OT = 2 SERIAL_O_HALF and h <= 1 (checked): the quads
+    // h SERIAL_O_HALF.. are in `o`, an array of the same element type.
+    unsafe {
+        &mut *o
+            .as_mut_ptr()
+            .add(h * SERIAL_O_HALF)
+            .cast::<[[f32; 4]; SERIAL_O_HALF]>()
+    }
+}
+
 /// One consumer warpgroup: its 64 rows of O over every key block, then
 /// the epilogue; `at` places a persistent CTA's tile in the rings. With
 /// `slots` (the tiles come from the producer's slots) it returns the next
@@ -1283,6 +1505,9 @@ fn consume<
     }
     let last = if tile.split_keys {
         wg.later_blocks::<T, M, S, ST, OT, QK, PK, 2>(p, &w, &mut softmax, &mut o, &mut pf, first)
+    } else if tile.serial {
+        wg.serial_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
+        blocks.wrapping_sub(1)
     } else {
         // Recomputed rather than the loop's counter kept past the loop,
         // as these lines always did.
@@ -1296,7 +1521,10 @@ fn consume<
             None
         }
     };
-    let next = if first < blocks {
+    let next = if first < blocks && tile.serial {
+        wg.serial_pv::<T, OT, PK>(&mut o, &mut pf, &w, last);
+        upcoming()
+    } else if first < blocks {
         let v_tile = wg.v_tile(&w, last);
         wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
         let next = upcoming();
