@@ -313,30 +313,44 @@ pub unsafe fn forward<
             if tid == 0 {
                 mbarrier::arrive_expect_tx(sm.q_full, tile.q_bytes() as u32);
             }
-            let q = (sm.q, sm.q_full);
-            produce::<L, D, STAGES, VSTAGES, QB>(
-                p,
-                tile,
-                &info,
-                maps,
-                sm,
-                k_ring,
-                v_ring,
-                Cursor::default(),
-                q,
-            );
+            // An inline const, so that only the serial entries generate the
+            // serial roles: behind `tile.serial` (folded by LLVM, not by
+            // rustc) the dead code changed LLVM's code for every other line
+            // (docs/perf-notes.md, v44).
+            if const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8)).serial } {
+                produce_serial::<D, STAGES, VSTAGES, QB>(tile, &info, maps, sm, k_ring, v_ring);
+            } else {
+                let q = (sm.q, sm.q_full);
+                produce::<L, D, STAGES, VSTAGES, QB>(
+                    p,
+                    tile,
+                    &info,
+                    maps,
+                    sm,
+                    k_ring,
+                    v_ring,
+                    Cursor::default(),
+                    q,
+                );
+            }
         }
     } else {
         setmaxnreg::inc::<REGS>();
         let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
-        consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
-            p,
-            wg,
-            &info,
-            maps,
-            Cursor::default(),
-            false,
-        );
+        if const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8)).serial } {
+            consume_serial::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
+                p, wg, &info, maps,
+            );
+        } else {
+            consume::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
+                p,
+                wg,
+                &info,
+                maps,
+                Cursor::default(),
+                false,
+            );
+        }
     }
 }
 
@@ -469,26 +483,18 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
         map(core::mem::offset_of!(HopperFwdMaps, v)),
     );
     let groups = (D / SW128_ROW_ELEMS) as u32;
-    // One box per 64-column group from `first` on (`count` of them): `rows`
-    // rows of 128 bytes at `dst`, the groups `stride` rows apart.
-    let load_groups = |dst: u32,
-                       stride: usize,
-                       map: u64,
-                       (row, head, batch): (u32, u32, u32),
-                       bar: u32,
-                       (first, count): (u32, u32)| {
-        for c in 0..count {
+    // One box per 64-column group: `rows` rows of 128 bytes at `dst`, the
+    // groups `stride` rows apart.
+    let load = |dst: u32, stride: usize, map: u64, row: u32, head: u32, batch: u32, bar: u32| {
+        for c in 0..groups {
             let coord = [
-                ((first + c) as usize * SW128_ROW_ELEMS) as i32,
+                (c as usize * SW128_ROW_ELEMS) as i32,
                 row as i32,
                 head as i32,
                 batch as i32,
             ];
             tma::load_4d(dst + c * stride as u32 * SW128_ROW_BYTES, map, coord, bar);
         }
-    };
-    let load = |dst: u32, stride: usize, map: u64, row: u32, head: u32, batch: u32, bar: u32| {
-        load_groups(dst, stride, map, (row, head, batch), bar, (0, groups));
     };
     // Only a paged cache's loads use more than thread 0.
     let lane = if L::PAGED { special::thread_idx_x() } else { 0 };
@@ -554,45 +560,6 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
     let q_first = !tile.persistent
         && special::grid_dim_x() * special::grid_dim_y() * special::grid_dim_z()
             <= special::sm_ids();
-    if tile.serial {
-        // Half blocks (`HopperTile::stage_bytes`): half h is the groups
-        // 2h and 2h + 1, ring slot 2 (block) + h.
-        let half = tile.stage_bytes() as u32;
-        let halves = (groups / 2, groups / 2);
-        for i in 0..blocks {
-            let at = (
-                info.k_start + (info.n_hi - 1 - i) * bn,
-                info.kv_head,
-                info.addr_batch,
-            );
-            for h in 0..2 {
-                let (s, full) = k_ring.acquire(2 * slot(i) + h, half);
-                load_groups(
-                    sm.k + s * half,
-                    tile.block_n,
-                    k_map,
-                    at,
-                    full,
-                    (h * halves.0, halves.1),
-                );
-            }
-            if i == 0 && q_first {
-                wait(q.1, 0);
-            }
-            for h in 0..2 {
-                let (s, full) = v_ring.acquire(2 * slot(i) + h, half);
-                load_groups(
-                    sm.v + s * half,
-                    tile.block_n,
-                    v_map,
-                    at,
-                    full,
-                    (h * halves.0, halves.1),
-                );
-            }
-        }
-        return;
-    }
     for i in 0..blocks {
         let row = info.k_start + (info.n_hi - 1 - i) * bn;
         let batch = info.addr_batch;
@@ -1017,14 +984,8 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
         // The row max in four chains where it measured faster: the D = 64
         // causal persistent line (H100: 1.04x at 512 keys, 1.02x at 1k,
         // 1.01-1.03x at 2k); on the other D = 64 causal lines (4k-16k keys)
-        // and the other head dims 0.98-1.00x (docs/perf-notes.md, v30). The
-        // serial tile takes it too (v43: 0.997-1.002x the one-chain build,
-        // within noise); v44 measured it so.
-        if self.tile.serial
-            || self.tile.head_dim == 64
-                && self.tile.persistent
-                && matches!(M::KIND, MaskKind::Causal)
-        {
+        // and the other head dims 0.98-1.00x (docs/perf-notes.md, v30).
+        if self.tile.head_dim == 64 && self.tile.persistent && matches!(M::KIND, MaskKind::Causal) {
             match row_bias {
                 Some(b) => softmax.advance_biased::<ST, 4>(s, p.scale_log2, b),
                 None => softmax.advance::<ST, 4>(s, p.scale_log2),
@@ -1056,15 +1017,11 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
         i: u32,
     ) -> [[u32; 4]; PK] {
         let mut s = [[0f32; 4]; ST];
-        if self.tile.serial {
-            self.serial_s::<T, ST, QK>(&mut s, w, i);
-        } else {
-            let k_tile = self.k_tile(w, i);
-            self.take_turn();
-            self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
-            self.hand_over();
-            self.s_done(&mut s, w, i, 1);
-        }
+        let k_tile = self.k_tile(w, i);
+        self.take_turn();
+        self.issue_s::<T, ST, QK>(&mut s, w.q_rows, k_tile);
+        self.hand_over();
+        self.s_done(&mut s, w, i, 1);
         let _ = self.softmax::<M, S, ST>(p, w, softmax, &mut s, i);
         pack::<T, ST, PK>(&s)
     }
@@ -1505,9 +1462,6 @@ fn consume<
     }
     let last = if tile.split_keys {
         wg.later_blocks::<T, M, S, ST, OT, QK, PK, 2>(p, &w, &mut softmax, &mut o, &mut pf, first)
-    } else if tile.serial {
-        wg.serial_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
-        blocks.wrapping_sub(1)
     } else {
         // Recomputed rather than the loop's counter kept past the loop,
         // as these lines always did.
@@ -1521,10 +1475,7 @@ fn consume<
             None
         }
     };
-    let next = if first < blocks && tile.serial {
-        wg.serial_pv::<T, OT, PK>(&mut o, &mut pf, &w, last);
-        upcoming()
-    } else if first < blocks {
+    let next = if first < blocks {
         let v_tile = wg.v_tile(&w, last);
         wg.issue_pv::<T, OT, PK>(&mut o, &mut pf, v_tile);
         let next = upcoming();
@@ -1549,6 +1500,129 @@ fn consume<
         wg.store_read();
     }
     next
+}
+
+/// A consumer warpgroup of a serial tile ([`HopperTile::serial`]: one CTA
+/// per tile, dense): the first block's S alone, then one GEMM per turn
+/// ([`Warpgroup::serial_blocks`]), the last block's P·V, the epilogue.
+/// Apart from [`consume`], whose lines' code does not change with it.
+#[inline(always)]
+fn consume_serial<
+    T: Element,
+    M: Mask,
+    S: Scores,
+    L: Seq,
+    const D: usize,
+    const ST: usize,
+    const OT: usize,
+    const QK: usize,
+    const PK: usize,
+    const STAGES: u32,
+    const VSTAGES: u32,
+    const QB: u32,
+>(
+    p: &AttnParams,
+    wg: Warpgroup<STAGES, VSTAGES, QB>,
+    info: &BlockInfo,
+    maps: u64,
+) {
+    let w = wg.work(p, info, Cursor::default());
+    wg.hand_over_first();
+    wait(wg.sm.q_full, 0);
+    let mut o = [[0f32; 4]; OT];
+    let mut softmax = OnlineSoftmax::new();
+    let blocks = info.n_hi - info.n_lo;
+    if blocks > 0 {
+        let mut s = [[0f32; 4]; ST];
+        wg.serial_s::<T, ST, QK>(&mut s, &w, 0);
+        let _ = wg.softmax::<M, S, ST>(p, &w, &mut softmax, &mut s, 0);
+        let mut pf = pack::<T, ST, PK>(&s);
+        wg.serial_blocks::<T, M, S, ST, OT, QK, PK>(p, &w, &mut softmax, &mut o, &mut pf);
+        wg.serial_pv::<T, OT, PK>(&mut o, &mut pf, &w, blocks - 1);
+    }
+    wg.take_last_turn();
+    let finished = finalize::<S>(p, info, &softmax);
+    wg.epilogue::<T, L, D, OT>(p, maps, &w, &o, finished);
+    wg.store_read();
+}
+
+/// The producer of a serial tile: Q, then each block's K and V as two
+/// halves each ([`HopperTile::stage_bytes`]: half h is the column groups
+/// 2h and 2h + 1, ring slot 2 block + h), in the order the consumers read
+/// them.
+#[inline(always)]
+fn produce_serial<const D: usize, const STAGES: u32, const VSTAGES: u32, const QB: u32>(
+    tile: HopperTile,
+    info: &BlockInfo,
+    maps: u64,
+    sm: Smem<QB>,
+    k_ring: TmaRing<STAGES>,
+    v_ring: TmaRing<VSTAGES>,
+) {
+    let map = |offset: usize| maps + offset as u64;
+    let (q_map, k_map, v_map) = (
+        map(core::mem::offset_of!(HopperFwdMaps, q)),
+        map(core::mem::offset_of!(HopperFwdMaps, k)),
+        map(core::mem::offset_of!(HopperFwdMaps, v)),
+    );
+    let groups = (D / SW128_ROW_ELEMS) as u32;
+    // `count` boxes of 64 columns from group `first` on, `rows` rows of
+    // 128 bytes each at `dst`, the groups `rows` rows apart.
+    let load =
+        |dst: u32, rows: usize, map: u64, row: u32, head: u32, bar: u32, first: u32, count: u32| {
+            for c in 0..count {
+                let col = ((first + c) as usize * SW128_ROW_ELEMS) as i32;
+                let coord = [col, row as i32, head as i32, info.addr_batch as i32];
+                tma::load_4d(dst + c * rows as u32 * SW128_ROW_BYTES, map, coord, bar);
+            }
+        };
+    let q_row = info.q_start + info.m0;
+    load(
+        sm.q,
+        tile.block_m,
+        q_map,
+        q_row,
+        info.head_base,
+        sm.q_full,
+        0,
+        groups,
+    );
+    // As in [`produce`]: a grid of one wave loads V(0) once Q has landed.
+    let q_first =
+        special::grid_dim_x() * special::grid_dim_y() * special::grid_dim_z() <= special::sm_ids();
+    let (bn, half) = (tile.block_n as u32, tile.stage_bytes() as u32);
+    for i in 0..info.n_hi - info.n_lo {
+        let row = info.k_start + (info.n_hi - 1 - i) * bn;
+        for h in 0..2 {
+            let (s, full) = k_ring.acquire(2 * i + h, half);
+            load(
+                sm.k + s * half,
+                tile.block_n,
+                k_map,
+                row,
+                info.kv_head,
+                full,
+                2 * h,
+                2,
+            );
+        }
+        if i == 0 && q_first {
+            wait(sm.q_full, 0);
+        }
+        for h in 0..2 {
+            let (s, full) = v_ring.acquire(2 * i + h, half);
+            load(
+                sm.v + s * half,
+                tile.block_n,
+                v_map,
+                row,
+                info.kv_head,
+                full,
+                2 * h,
+                2,
+            );
+        }
+    }
 }
 
 /// A persistent consumer without turns ([`HopperTile::pingpong`]): one
