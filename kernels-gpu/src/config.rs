@@ -1749,8 +1749,8 @@ pub const HOPPER_SHORT_CAUSAL_MAX_KEYS_D256: usize = 2048;
 /// Non-causal calls at D = 256 over at most this many keys per query row
 /// take the serial 128-key line ([`hopper_keys`], `HopperTile::serial`),
 /// where their 128-row tiles outnumber the SMs. H100, against the 80-key
-/// line (docs/perf-notes.md v44): 512 keys 1.013-1.021x (f16) and
-/// 1.018-1.019x (bf16); 1k 0.94-1.00x, 2k-16k 0.86-0.95x. Four 128-key
+/// line (docs/perf-notes.md v44, five calls): 512 keys 1.013-1.025x (f16)
+/// and 1.014-1.023x (bf16); 1k 0.94-1.00x, 2k-16k 0.86-0.95x. Four 128-key
 /// blocks cover 512 keys where seven of 80 compute 560 columns, and each
 /// consumer issues fewer instructions per key; over more blocks its GEMMs
 /// without intra-warpgroup overlap lose.
