@@ -552,6 +552,14 @@ fn shapes() -> Vec<Shape> {
             }
         }
     }
+    // D = 256 grids of one to three waves of 64-row CTAs (H100: 192, 256
+    // and 384 of them), where the dispatch weighs split-key 64-row tiles
+    // against 128-row ones.
+    for causal in [false, true] {
+        for (h, s) in [(12, 1024), (8, 2048), (32, 512), (24, 1024)] {
+            v.push(fwd(Dtype::F16, 1, h, s, 256, causal, "small-grid"));
+        }
+    }
     // Causal prompts over a few waves of 128-row tiles (H100: 3.9 to 11.6).
     for (heads, seqlen, head_dim) in [
         (8, 8192, 128),
