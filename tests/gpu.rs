@@ -2472,10 +2472,7 @@ fn hopper_split_key_cases() -> Vec<FwdCase> {
         (1, 300, 90, 4, 2),
         (2, 190, 1000, 2, 1),
     ];
-    hopper_cases(&shapes, true, false, 23)
-        .into_iter()
-        .filter(|c| c.head_dim == 256 && c.hopper_rows == Some(64))
-        .collect()
+    d256_line_cases(&shapes, 23, "split-key", |c| c.hopper_rows == Some(64))
 }
 
 /// D = 256's serial tiles (128-key blocks through K and V rings of half
@@ -2492,11 +2489,22 @@ fn hopper_serial_cases() -> Vec<FwdCase> {
         (2, 190, 1000, 2, 1),
         (1, 129, 2049, 2, 2),
     ];
-    let cases: Vec<FwdCase> = hopper_cases(&shapes, true, false, 29)
+    d256_line_cases(&shapes, 29, "serial", |c| c.hopper_keys == Some(128))
+}
+
+/// [`hopper_cases`] with LSE, on the D = 256 lines that `line` picks
+/// (forced through their rows or keys per block); there must be one.
+fn d256_line_cases(
+    shapes: &[(usize, usize, usize, usize, usize)],
+    seed: u64,
+    what: &str,
+    line: fn(&FwdCase) -> bool,
+) -> Vec<FwdCase> {
+    let cases: Vec<FwdCase> = hopper_cases(shapes, true, false, seed)
         .into_iter()
-        .filter(|c| c.head_dim == 256 && c.hopper_keys == Some(128))
+        .filter(|c| c.head_dim == 256 && line(c))
         .collect();
-    assert!(!cases.is_empty(), "no serial line");
+    assert!(!cases.is_empty(), "no {what} line");
     cases
 }
 
