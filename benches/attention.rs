@@ -162,8 +162,8 @@ use std::sync::Arc;
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use flash_attn::{
-    reference, AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, Layout,
-    PagedVarlen, TensorMut, TensorRef, Varlen, Window,
+    reference, AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, Dtype,
+    FlashAttention, Layout, Out, PagedVarlen, Qkv, TensorMut, TensorRef, Varlen, Window,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -1320,17 +1320,19 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
         let q = TensorRef::new(q.as_view(), q_layout);
         let k = TensorRef::new(k.as_view(), kv_layout);
         let v = TensorRef::new(v.as_view(), kv_layout);
-        let mut out = TensorMut::new(o.as_view_mut(), q_layout);
+        let qkv = Qkv {
+            q: &q,
+            k: &k,
+            v: &v,
+        };
+        let out = Out::new(TensorMut::new(o.as_view_mut(), q_layout));
         match s.kind {
-            Kind::Forward => b.fa.forward(&b.stream, &q, &k, &v, &mut out, None, &opts),
+            Kind::Forward => b.fa.forward(&b.stream, qkv, out, &opts),
             Kind::Decode => b.fa.decode(
                 &b.stream,
-                &q,
-                &k,
-                &v,
+                qkv,
                 &seqlens.as_view(),
-                &mut out,
-                None,
+                out,
                 &opts,
                 workspace.as_mut(),
             ),
@@ -1398,13 +1400,17 @@ fn run_varlen<T: AttnElement>(
         };
         let pool = Layout::contiguous([paged.num_pages, page, s.kv_heads, s.head_dim]);
         let call = |q: &CudaSlice<T>, o: &mut CudaSlice<T>| {
+            let q = TensorRef::new(q.as_view(), q_layout);
+            let k = TensorRef::new(paged.k.as_view(), pool);
+            let v = TensorRef::new(paged.v.as_view(), pool);
             b.fa.forward_varlen_paged(
                 &b.stream,
-                &TensorRef::new(q.as_view(), q_layout),
-                &TensorRef::new(paged.k.as_view(), pool),
-                &TensorRef::new(paged.v.as_view(), pool),
-                &mut TensorMut::new(o.as_view_mut(), q_layout),
-                None,
+                Qkv {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                },
+                Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
                 &seqs,
                 opts,
             )
@@ -1422,13 +1428,17 @@ fn run_varlen<T: AttnElement>(
         return Measured::new(b, ms, check, mem_bytes, free_before);
     }
     let call = |[q, k, v]: &[CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
+        let q = TensorRef::new(q.as_view(), q_layout);
+        let k = TensorRef::new(k.as_view(), kv_layout);
+        let v = TensorRef::new(v.as_view(), kv_layout);
         b.fa.forward_varlen(
             &b.stream,
-            &TensorRef::new(q.as_view(), q_layout),
-            &TensorRef::new(k.as_view(), kv_layout),
-            &TensorRef::new(v.as_view(), kv_layout),
-            &mut TensorMut::new(o.as_view_mut(), q_layout),
-            None,
+            Qkv {
+                q: &q,
+                k: &k,
+                v: &v,
+            },
+            Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
             &seqlens,
             opts,
         )
@@ -1559,13 +1569,15 @@ fn run_paged<T: AttnElement>(
                 max_pages,
             }),
         };
+        let q = TensorRef::new(q.as_view(), q_layout);
         b.fa.decode_kvcache(
             &b.stream,
-            &TensorRef::new(q.as_view(), q_layout),
+            DecodeStep {
+                q: &q,
+                new_kv: None,
+            },
             &mut cache,
-            None,
-            &mut TensorMut::new(o.as_view_mut(), q_layout),
-            None,
+            Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
             &opts,
             workspace.as_mut(),
         )

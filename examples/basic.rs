@@ -5,7 +5,7 @@
 //! driver's cache.
 use cudarc::driver::CudaContext;
 use flash_attn::validate::ForwardShape;
-use flash_attn::{reference, AttnOptions, FlashAttention, Layout, TensorMut, TensorRef};
+use flash_attn::{reference, AttnOptions, FlashAttention, Layout, Out, Qkv, TensorMut, TensorRef};
 use half::f16;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -51,13 +51,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     stream.synchronize()?;
     let first = std::time::Instant::now();
+    let (q_ref, k_ref, v_ref) = (
+        TensorRef::new(q_dev.as_view(), q_layout),
+        TensorRef::new(k_dev.as_view(), kv_layout),
+        TensorRef::new(v_dev.as_view(), kv_layout),
+    );
     fa.forward(
         &stream,
-        &TensorRef::new(q_dev.as_view(), q_layout),
-        &TensorRef::new(k_dev.as_view(), kv_layout),
-        &TensorRef::new(v_dev.as_view(), kv_layout),
-        &mut TensorMut::new(o_dev.as_view_mut(), q_layout),
-        None,
+        Qkv {
+            q: &q_ref,
+            k: &k_ref,
+            v: &v_ref,
+        },
+        Out::new(TensorMut::new(o_dev.as_view_mut(), q_layout)),
         &opts,
     )?;
     stream.synchronize()?;

@@ -26,8 +26,8 @@ use crate::kernels::{cubins_for, ptx_text};
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
     check_decode, check_dtype, check_forward, check_kvcache, check_merge, check_varlen,
-    check_varlen_paged, AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging,
-    TensorInfo, VarlenShape, Window,
+    check_varlen_paged, AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape,
+    Operands, Paging, TensorInfo, VarlenShape, Window,
 };
 
 /// Set to `1`, [`FlashAttention::new`] loads the Turing (`sm_75`) module on
@@ -128,6 +128,59 @@ pub enum LoadedCode {
 
 /// The append kernel's name; it is dtype and head-dim agnostic.
 const APPEND_ENTRY: &str = "flash_append_kv";
+
+/// The tensors an attention call reads. `k` and `v` may be the same tensor
+/// (a fused KV buffer seen through two layouts, or one tensor twice).
+pub struct Qkv<'a, T> {
+    /// [B, Sq, H, D]; [`Layout::packed`] [total_q, H, D] for the varlen calls.
+    pub q: &'a TensorRef<'a, T>,
+    /// [B, Skv, Hkv, D]: the keys, the K cache of [`FlashAttention::decode`],
+    /// packed [total_k, Hkv, D] for [`FlashAttention::forward_varlen`], a page
+    /// pool for [`FlashAttention::forward_varlen_paged`].
+    pub k: &'a TensorRef<'a, T>,
+    /// Like `k`, with V's head dim.
+    pub v: &'a TensorRef<'a, T>,
+}
+
+/// What an attention call writes: O and, when asked for, the f32
+/// log-sum-exp (natural log) of each query row. A call refused by
+/// validation leaves both untouched.
+pub struct Out<'a, T> {
+    /// Q's shape with V's head dim.
+    pub o: TensorMut<'a, T>,
+    /// [B, H, Sq] ([H, total_q] for the varlen calls), or `None`.
+    pub lse: Option<CudaViewMut<'a, f32>>,
+}
+
+impl<'a, T> Out<'a, T> {
+    /// O alone.
+    pub fn new(o: TensorMut<'a, T>) -> Self {
+        Self { o, lse: None }
+    }
+
+    /// O and the log-sum-exp.
+    pub fn with_lse(o: TensorMut<'a, T>, lse: CudaViewMut<'a, f32>) -> Self {
+        Self { o, lse: Some(lse) }
+    }
+}
+
+/// One attention state for [`FlashAttention::merge_states`]: O over some set
+/// of keys, [B, S, H, D], and its f32 log-sum-exp [B, H, S].
+pub struct State<'a, T> {
+    /// The attention output over the state's keys.
+    pub o: &'a TensorRef<'a, T>,
+    /// Its log-sum-exp (natural log; -inf for a row that saw no key).
+    pub lse: &'a CudaView<'a, f32>,
+}
+
+/// The new tokens of a [`FlashAttention::decode_kvcache`] step.
+pub struct DecodeStep<'a, T> {
+    /// Queries [B, Snew, H, D].
+    pub q: &'a TensorRef<'a, T>,
+    /// (K_new, V_new) [B, Snew, Hkv, D], appended to the cache before
+    /// attending; `None` when the cache already holds them.
+    pub new_kv: Option<(&'a TensorRef<'a, T>, &'a TensorRef<'a, T>)>,
+}
 
 /// A KV cache for [`FlashAttention::decode_kvcache`].
 pub struct KvCache<'a, T> {
@@ -252,11 +305,22 @@ struct Bound<'a> {
     _guards: [SyncOnDrop<'a>; 4],
 }
 
+impl Bound<'_> {
+    /// The tensors for validation, with the LSE's length if one is asked for.
+    fn operands(&self, lse_len: Option<usize>) -> Operands {
+        Operands {
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            o: self.o,
+            lse_len,
+        }
+    }
+}
+
 fn bind<'a, T: AttnElement>(
     stream: &'a CudaStream,
-    q: &'a TensorRef<'_, T>,
-    k: &'a TensorRef<'_, T>,
-    v: &'a TensorRef<'_, T>,
+    Qkv { q, k, v }: Qkv<'a, T>,
     o: &'a mut TensorMut<'_, T>,
 ) -> Bound<'a> {
     let (q_ptr, q_sync) = q.data.device_ptr(stream);
@@ -524,23 +588,21 @@ impl FlashAttention {
     /// Attention over full sequences: `o = softmax(scale · q·kᵀ [+ mask]) · v`.
     ///
     /// Q and O are [B, Sq, H, D], K and V [B, Skv, Hkv, D] with any strides
-    /// whose last dimension is contiguous. `lse`, if given, receives the f32
-    /// log-sum-exp [B, H, Sq] (natural log). Nothing is launched, and `o` and
-    /// `lse` stay untouched, when validation fails.
-    #[allow(clippy::too_many_arguments)]
+    /// whose last dimension is contiguous. `out.lse`, if given, receives the f32
+    /// log-sum-exp [B, H, Sq] (natural log). Nothing is launched, and `out.o` and
+    /// `out.lse` stay untouched, when validation fails.
     pub fn forward<T: AttnElement>(
         &self,
         stream: &CudaStream,
-        q: &TensorRef<'_, T>,
-        k: &TensorRef<'_, T>,
-        v: &TensorRef<'_, T>,
-        o: &mut TensorMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        qkv: Qkv<'_, T>,
+        out: Out<'_, T>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
         check_dtype(self.arch, T::DTYPE, &[KernelKind::Forward], "forward")?;
-        let t = bind(stream, q, k, v, o);
-        let shape = check_forward(&t.q, &t.k, &t.v, &t.o, lse.as_ref().map(|l| l.len()), opts)?;
+        let Out { mut o, mut lse } = out;
+        let lse = lse.as_mut();
+        let t = bind(stream, qkv, &mut o);
+        let shape = check_forward(&t.operands(lse.as_ref().map(|l| l.len())), opts)?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         self.launch_forward::<T>(stream, &t, lse_ptr, &shape, None, opts)
     }
@@ -550,7 +612,7 @@ impl FlashAttention {
     /// D], K and V [total_k, Hkv, D], given as [`Layout::packed`] layouts
     /// ([1, total, heads, head_dim], any row and head strides); sequence `b`
     /// owns rows `cu_seqlens_q[b]..cu_seqlens_q[b + 1]` of Q and likewise of
-    /// K/V, each with its own bottom-right-aligned mask. `lse`, if given, is
+    /// K/V, each with its own bottom-right-aligned mask. `out.lse`, if given, is
     /// f32 [H, total_q]. The `cu_seqlens` live on the device: each range is
     /// clamped to the packed tensors, and rows of a sequence past
     /// `max_seqlen_q` are not written.
@@ -558,7 +620,7 @@ impl FlashAttention {
     /// Three prompts of 100, 7 and 2000 tokens in one causal call:
     ///
     /// ```no_run
-    /// use flash_attn::{AttnOptions, FlashAttention, Layout, TensorMut, TensorRef, Varlen};
+    /// use flash_attn::{AttnOptions, FlashAttention, Layout, Out, Qkv, TensorMut, TensorRef, Varlen};
     /// use cudarc::driver::CudaContext;
     /// use half::bf16;
     ///
@@ -572,27 +634,21 @@ impl FlashAttention {
     /// let kv = stream.alloc_zeros::<bf16>(total * hkv * d)?;
     /// let mut o = stream.alloc_zeros::<bf16>(total * h * d)?;
     /// let (q_layout, kv_layout) = (Layout::packed([total, h, d]), Layout::packed([total, hkv, d]));
+    /// let kv_ref = TensorRef::new(kv.as_view(), kv_layout);
     /// fa.forward_varlen(
     ///     &stream,
-    ///     &TensorRef::new(q.as_view(), q_layout),
-    ///     &TensorRef::new(kv.as_view(), kv_layout),
-    ///     &TensorRef::new(kv.as_view(), kv_layout),
-    ///     &mut TensorMut::new(o.as_view_mut(), q_layout),
-    ///     None,
+    ///     Qkv { q: &TensorRef::new(q.as_view(), q_layout), k: &kv_ref, v: &kv_ref },
+    ///     Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
     ///     &Varlen { cu_seqlens_q: &cu.as_view(), cu_seqlens_k: &cu.as_view(), max_seqlen_q: 2000, max_seqlen_k: 2000 },
     ///     &AttnOptions { causal: true, ..Default::default() },
     /// )?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_varlen<T: AttnElement>(
         &self,
         stream: &CudaStream,
-        q: &TensorRef<'_, T>,
-        k: &TensorRef<'_, T>,
-        v: &TensorRef<'_, T>,
-        o: &mut TensorMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        qkv: Qkv<'_, T>,
+        out: Out<'_, T>,
         seqlens: &Varlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
@@ -602,19 +658,15 @@ impl FlashAttention {
             &[KernelKind::Forward],
             "forward_varlen",
         )?;
+        let Out { mut o, mut lse } = out;
+        let lse = lse.as_mut();
         let (cu_q, _cq_sync) = seqlens.cu_seqlens_q.device_ptr(stream);
         let (cu_k, _ck_sync) = seqlens.cu_seqlens_k.device_ptr(stream);
-        let t = bind(stream, q, k, v, o);
+        let t = bind(stream, qkv, &mut o);
         let shape: VarlenShape = check_varlen(
-            &t.q,
-            &t.k,
-            &t.v,
-            &t.o,
-            seqlens.cu_seqlens_q.len(),
-            seqlens.cu_seqlens_k.len(),
-            seqlens.max_seqlen_q,
-            seqlens.max_seqlen_k,
-            lse.as_ref().map(|l| l.len()),
+            &t.operands(lse.as_ref().map(|l| l.len())),
+            (seqlens.cu_seqlens_q.len(), seqlens.cu_seqlens_k.len()),
+            (seqlens.max_seqlen_q, seqlens.max_seqlen_k),
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
@@ -635,18 +687,14 @@ impl FlashAttention {
     /// multiple of 16). Query `i` of sequence `b` (of `n_q` rows) sits at key
     /// position `i + seqlens_k[b] - n_q`: the chunk is the end of the
     /// sequence, as in [`Self::forward_varlen`]'s bottom-right alignment.
-    /// `lse`, if given, is f32 [H, total_q]. Page indices and `seqlens_k` live
+    /// `out.lse`, if given, is f32 [H, total_q]. Page indices and `seqlens_k` live
     /// on the device and are clamped by the kernel (indices to the pool,
     /// lengths to `max_pages x page_size`).
-    #[allow(clippy::too_many_arguments)]
     pub fn forward_varlen_paged<T: AttnElement>(
         &self,
         stream: &CudaStream,
-        q: &TensorRef<'_, T>,
-        k_cache: &TensorRef<'_, T>,
-        v_cache: &TensorRef<'_, T>,
-        o: &mut TensorMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        qkv: Qkv<'_, T>,
+        out: Out<'_, T>,
         seqs: &PagedVarlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
@@ -656,20 +704,18 @@ impl FlashAttention {
             &[KernelKind::Forward],
             "forward_varlen_paged",
         )?;
+        let Out { mut o, mut lse } = out;
+        let lse = lse.as_mut();
         let (cu_q, _cq_sync) = seqs.cu_seqlens_q.device_ptr(stream);
         let (seqlens_k, _sk_sync) = seqs.seqlens_k.device_ptr(stream);
         let (table, _t_sync) = seqs.block_table.table.device_ptr(stream);
-        let t = bind(stream, q, k_cache, v_cache, o);
+        let t = bind(stream, qkv, &mut o);
         let (shape, paging) = check_varlen_paged(
-            &t.q,
-            &t.k,
-            &t.v,
-            &t.o,
+            &t.operands(lse.as_ref().map(|l| l.len())),
             seqs.cu_seqlens_q.len(),
             seqs.seqlens_k.len(),
             (seqs.block_table.table.len(), seqs.block_table.max_pages),
             seqs.max_seqlen_q,
-            lse.as_ref().map(|l| l.len()),
             opts,
         )?;
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
@@ -916,21 +962,20 @@ impl FlashAttention {
     /// `O = e^(lse_a - lse)·O_a + e^(lse_b - lse)·O_b`. O tensors are
     /// [B, S, H, D] (any strides, last dim contiguous, D a multiple of 8 up to
     /// 256), LSEs f32 [B, H, S] as [`Self::forward`] writes them (natural
-    /// log; -inf for a state that saw no key). `o` may alias `o_a` or `o_b`
+    /// log; -inf for a state that saw no key). `out.o` may alias `a.o` or `b.o`
     /// exactly. Computed in f32 from the stored states, so the merged O
     /// carries one extra rounding to `T`.
-    #[allow(clippy::too_many_arguments)]
     pub fn merge_states<T: AttnElement>(
         &self,
         stream: &CudaStream,
-        o_a: &TensorRef<'_, T>,
-        lse_a: &CudaView<'_, f32>,
-        o_b: &TensorRef<'_, T>,
-        lse_b: &CudaView<'_, f32>,
-        o: &mut TensorMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        a: State<'_, T>,
+        b: State<'_, T>,
+        out: Out<'_, T>,
     ) -> Result<(), FlashAttnError> {
         check_dtype(self.arch, T::DTYPE, &[KernelKind::Merge], "merge_states")?;
+        let (State { o: o_a, lse: lse_a }, State { o: o_b, lse: lse_b }) = (a, b);
+        let Out { mut o, mut lse } = out;
+        let lse = lse.as_mut();
         let (a_ptr, _a_sync) = o_a.data.device_ptr(stream);
         let (b_ptr, _b_sync) = o_b.data.device_ptr(stream);
         let (la_ptr, _la_sync) = lse_a.device_ptr(stream);
@@ -1060,16 +1105,12 @@ impl FlashAttention {
     /// CTAs when the batch alone cannot fill the GPU; `workspace` (from
     /// [`Self::decode_workspace`]) holds the partials, or one is allocated.
     /// For a paged cache or appending new K/V first, see [`Self::decode_kvcache`].
-    #[allow(clippy::too_many_arguments)]
     pub fn decode<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,
-        q: &TensorRef<'_, T>,
-        k_cache: &TensorRef<'_, T>,
-        v_cache: &TensorRef<'_, T>,
+        qkv: Qkv<'_, T>,
         cache_seqlens: &CudaView<'_, i32>,
-        o: &mut TensorMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        out: Out<'_, T>,
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
@@ -1079,21 +1120,27 @@ impl FlashAttention {
             &[KernelKind::Decode, KernelKind::Combine],
             "decode",
         )?;
+        let Qkv {
+            q,
+            k: k_cache,
+            v: v_cache,
+        } = qkv;
+        let Out { mut o, mut lse } = out;
+        let lse = lse.as_mut();
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
         let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
         let (seqlens_ptr, _s_sync) = cache_seqlens.device_ptr(stream);
         let o_len = o.data.len();
         let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
-        let shape = check_decode(
-            &info(q.layout, q.data.len(), q_ptr),
-            &info(k_cache.layout, k_cache.data.len(), k_ptr),
-            &info(v_cache.layout, v_cache.data.len(), v_ptr),
-            &info(o.layout, o_len, o_ptr),
-            cache_seqlens.len(),
-            lse.as_ref().map(|l| l.len()),
-            opts,
-        )?;
+        let operands = Operands {
+            q: info(q.layout, q.data.len(), q_ptr),
+            k: info(k_cache.layout, k_cache.data.len(), k_ptr),
+            v: info(v_cache.layout, v_cache.data.len(), v_ptr),
+            o: info(o.layout, o_len, o_ptr),
+            lse_len: lse.as_ref().map(|l| l.len()),
+        };
+        let shape = check_decode(&operands, cache_seqlens.len(), opts)?;
         let call = DecodeCall {
             q: (q_ptr, strides::<T>(&q.layout)),
             k: (k_ptr, strides::<T>(&k_cache.layout)),
@@ -1111,7 +1158,7 @@ impl FlashAttention {
     }
 
     /// [`Self::decode`] with a KV cache that may be paged, optionally after
-    /// appending `new_kv` = (K_new, V_new) [B, Snew, Hkv, D] at positions
+    /// appending `step.new_kv` = (K_new, V_new) [B, Snew, Hkv, D] at positions
     /// `cache.seqlens[b]..+Snew` (which then attend to `seqlens[b] + Snew`
     /// keys). Like FlashAttention's `flash_attn_with_kvcache`, `seqlens` is not
     /// advanced: the caller adds Snew for the next step. Host-side checks cover
@@ -1124,7 +1171,9 @@ impl FlashAttention {
     /// paged cache of 16-token pages, appending the step's K/V first:
     ///
     /// ```no_run
-    /// use flash_attn::{AttnOptions, BlockTable, FlashAttention, KvCache, Layout, TensorMut, TensorRef};
+    /// use flash_attn::{
+    ///     AttnOptions, BlockTable, DecodeStep, FlashAttention, KvCache, Layout, Out, TensorMut, TensorRef,
+    /// };
     /// use cudarc::driver::CudaContext;
     /// use half::f16;
     ///
@@ -1153,27 +1202,23 @@ impl FlashAttention {
     ///     seqlens: seqlens.as_view(),
     ///     block_table: Some(BlockTable { table: table.as_view(), max_pages }),
     /// };
+    /// let (k_new, v_new) = (TensorRef::new(k_new.as_view(), kv_layout), TensorRef::new(v_new.as_view(), kv_layout));
     /// fa.decode_kvcache(
     ///     &stream,
-    ///     &TensorRef::new(q.as_view(), q_layout),
+    ///     DecodeStep { q: &TensorRef::new(q.as_view(), q_layout), new_kv: Some((&k_new, &v_new)) },
     ///     &mut cache,
-    ///     Some((&TensorRef::new(k_new.as_view(), kv_layout), &TensorRef::new(v_new.as_view(), kv_layout))),
-    ///     &mut TensorMut::new(o.as_view_mut(), q_layout),
-    ///     None,
+    ///     Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
     ///     &AttnOptions { causal: true, ..Default::default() },
     ///     None,
     /// )?;
     /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
-    #[allow(clippy::too_many_arguments)]
     pub fn decode_kvcache<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,
-        q: &TensorRef<'_, T>,
+        step: DecodeStep<'_, T>,
         cache: &mut KvCache<'_, T>,
-        new_kv: Option<(&TensorRef<'_, T>, &TensorRef<'_, T>)>,
-        o: &mut TensorMut<'_, T>,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
+        out: Out<'_, T>,
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
@@ -1183,6 +1228,9 @@ impl FlashAttention {
             &[KernelKind::Decode, KernelKind::Combine],
             "decode_kvcache",
         )?;
+        let DecodeStep { q, new_kv } = step;
+        let Out { mut o, mut lse } = out;
+        let lse = lse.as_mut();
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (seqlens_ptr, _s_sync) = cache.seqlens.device_ptr(stream);
         let (k_len, v_len) = (cache.k.data.len(), cache.v.data.len());
@@ -1202,18 +1250,21 @@ impl FlashAttention {
             )),
             _ => None,
         };
+        let operands = Operands {
+            q: info(q.layout, q.data.len(), q_ptr),
+            k: info(cache.k.layout, k_len, k_ptr),
+            v: info(cache.v.layout, v_len, v_ptr),
+            o: info(o.layout, o_len, o_ptr),
+            lse_len: lse.as_ref().map(|l| l.len()),
+        };
         let shape = check_kvcache(
-            &info(q.layout, q.data.len(), q_ptr),
-            &info(cache.k.layout, k_len, k_ptr),
-            &info(cache.v.layout, v_len, v_ptr),
-            &info(o.layout, o_len, o_ptr),
+            &operands,
             cache.seqlens.len(),
             cache
                 .block_table
                 .as_ref()
                 .map(|t| (t.table.len(), t.max_pages)),
             new_infos.as_ref().map(|(k, v)| (k, v)),
-            lse.as_ref().map(|l| l.len()),
             opts,
         )?;
         if let (Some((k_new, v_new)), Some(((kp, _), (vp, _)))) = (new_kv, &new_ptrs) {

@@ -41,8 +41,8 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr};
 use half::{bf16, f16};
 
 use crate::{
-    AlibiSlopes, AttnElement, AttnOptions, BlockTable, FlashAttention, KvCache, Layout,
-    PagedVarlen, TensorMut, TensorRef, Varlen, Window,
+    AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, FlashAttention, KvCache, Layout,
+    Out, PagedVarlen, Qkv, State, TensorMut, TensorRef, Varlen, Window,
 };
 
 /// Options of the entry points candle-flash-attn lacks.
@@ -373,10 +373,17 @@ impl Attn {
             Some(_) => Some(dev.alloc_zeros::<f32>(b * s * h)?),
             None => None,
         };
-        let mut lse_view = lse.as_mut().map(|l| l.as_view_mut());
-        let mut o_mut = TensorMut::new(o.as_view_mut(), o_layout);
+        let out = Out {
+            o: TensorMut::new(o.as_view_mut(), o_layout),
+            lse: lse.as_mut().map(|l| l.as_view_mut()),
+        };
+        let qkv = Qkv {
+            q: &q,
+            k: &k,
+            v: &v,
+        };
         match &self.seqs {
-            Seqs::Dense => fa.forward(&stream, &q, &k, &v, &mut o_mut, lse_view.as_mut(), &opts),
+            Seqs::Dense => fa.forward(&stream, qkv, out, &opts),
             Seqs::Varlen {
                 cu_seqlens_q,
                 cu_seqlens_k,
@@ -394,16 +401,7 @@ impl Attn {
                     max_seqlen_q: *max_seqlen_q,
                     max_seqlen_k: *max_seqlen_k,
                 };
-                fa.forward_varlen(
-                    &stream,
-                    &q,
-                    &k,
-                    &v,
-                    &mut o_mut,
-                    lse_view.as_mut(),
-                    &seqs,
-                    &opts,
-                )
+                fa.forward_varlen(&stream, qkv, out, &seqs, &opts)
             }
             Seqs::Paged {
                 cu_seqlens_q,
@@ -425,16 +423,7 @@ impl Attn {
                     seqlens_k: &lens_k,
                     block_table: &table,
                 };
-                fa.forward_varlen_paged(
-                    &stream,
-                    &q,
-                    &k,
-                    &v,
-                    &mut o_mut,
-                    lse_view.as_mut(),
-                    &seqs,
-                    &opts,
-                )
+                fa.forward_varlen_paged(&stream, qkv, out, &seqs, &opts)
             }
         }
         .map_err(wrap)?;
@@ -1005,18 +994,16 @@ impl KvDecode {
             Some(_) => Some(dev.alloc_zeros::<f32>(b * s * h)?),
             None => None,
         };
-        let mut lse_view = lse.as_mut().map(|l| l.as_view_mut());
-        fa.decode_kvcache(
-            &stream,
-            &q,
-            &mut cache,
-            new_views.as_ref().map(|(k, v)| (k, v)),
-            &mut TensorMut::new(o.as_view_mut(), Layout::contiguous(q_layout.shape)),
-            lse_view.as_mut(),
-            &opts,
-            None,
-        )
-        .map_err(wrap)?;
+        let step = DecodeStep {
+            q: &q,
+            new_kv: new_views.as_ref().map(|(k, v)| (k, v)),
+        };
+        let out = Out {
+            o: TensorMut::new(o.as_view_mut(), Layout::contiguous(q_layout.shape)),
+            lse: lse.as_mut().map(|l| l.as_view_mut()),
+        };
+        fa.decode_kvcache(&stream, step, &mut cache, out, &opts, None)
+            .map_err(wrap)?;
         stash_lse(&self.lse, lse);
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), shape))
     }
@@ -1113,14 +1100,24 @@ impl Merge {
         let mut o = unsafe { dev.alloc::<T>(shape.elem_count())? };
         let [bs, s, h, _] = a_layout.shape;
         let mut lse = dev.alloc_zeros::<f32>(bs * s * h)?;
+        let (o_a, o_b) = (
+            TensorRef::new(a_view, a_layout),
+            TensorRef::new(b_view, b_layout),
+        );
         fa.merge_states(
             &stream,
-            &TensorRef::new(a_view, a_layout),
-            &lse_a,
-            &TensorRef::new(b_view, b_layout),
-            &lse_b,
-            &mut TensorMut::new(o.as_view_mut(), Layout::contiguous(a_layout.shape)),
-            Some(&mut lse.as_view_mut()),
+            State {
+                o: &o_a,
+                lse: &lse_a,
+            },
+            State {
+                o: &o_b,
+                lse: &lse_b,
+            },
+            Out::with_lse(
+                TensorMut::new(o.as_view_mut(), Layout::contiguous(a_layout.shape)),
+                lse.as_view_mut(),
+            ),
         )
         .map_err(wrap)?;
         *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(lse);

@@ -4,7 +4,7 @@
 //! PTX), and launched through `cudarc`'s driver API.
 //!
 //! ```no_run
-//! use flash_attn::{AttnOptions, FlashAttention, Layout, TensorMut, TensorRef};
+//! use flash_attn::{AttnOptions, FlashAttention, Layout, Out, Qkv, TensorMut, TensorRef};
 //! use cudarc::driver::CudaContext;
 //! use half::f16;
 //!
@@ -19,11 +19,12 @@
 //! let mut o = stream.alloc_zeros::<f16>(b * s * h * d)?;
 //! fa.forward(
 //!     &stream,
-//!     &TensorRef::new(q.as_view(), layout),
-//!     &TensorRef::new(k.as_view(), layout),
-//!     &TensorRef::new(v.as_view(), layout),
-//!     &mut TensorMut::new(o.as_view_mut(), layout),
-//!     None,
+//!     Qkv {
+//!         q: &TensorRef::new(q.as_view(), layout),
+//!         k: &TensorRef::new(k.as_view(), layout),
+//!         v: &TensorRef::new(v.as_view(), layout),
+//!     },
+//!     Out::new(TensorMut::new(o.as_view_mut(), layout)),
 //!     &AttnOptions { causal: true, ..Default::default() },
 //! )?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -41,8 +42,8 @@ mod tensor;
 pub mod validate;
 
 pub use attention::{
-    BlockTable, DecodeWorkspace, FlashAttention, KvCache, LoadedCode, ModuleChoice, PagedVarlen,
-    Varlen, FORCE_SM75_ENV,
+    BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, KvCache, LoadedCode, ModuleChoice,
+    Out, PagedVarlen, Qkv, State, Varlen, FORCE_SM75_ENV,
 };
 pub use driver::cuda_device_count;
 pub use error::FlashAttnError;

@@ -566,7 +566,6 @@ fn offsets(name: &str, cu: &[i32], batch: usize, total: usize) -> Vec<usize> {
 /// Panics if a slice is shorter than `shape` requires, if the offsets are not
 /// a non-decreasing list of `batch + 1` non-negative rows within the totals,
 /// or if an extra has the wrong length.
-#[allow(clippy::too_many_arguments)]
 pub fn varlen(
     shape: &VarlenShape,
     cu_seqlens_q: &[i32],

@@ -124,6 +124,21 @@ pub struct TensorInfo {
     pub addr: u64,
 }
 
+/// The tensors of one call as validation sees them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Operands {
+    /// Queries.
+    pub q: TensorInfo,
+    /// Keys: for a decode the K cache, for a paged call the K page pool.
+    pub k: TensorInfo,
+    /// Values, like `k`.
+    pub v: TensorInfo,
+    /// The output.
+    pub o: TensorInfo,
+    /// The f32 LSE buffer's length, when one is asked for.
+    pub lse_len: Option<usize>,
+}
+
 /// A validated forward problem.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct ForwardShape {
@@ -504,17 +519,10 @@ pub fn check_dtype(
 }
 
 /// Validates a forward call: Q/O [B, Sq, H, D], K/V [B, Skv, Hkv, D].
-pub fn check_forward(
-    q: &TensorInfo,
-    k: &TensorInfo,
-    v: &TensorInfo,
-    o: &TensorInfo,
-    lse_len: Option<usize>,
-    opts: &AttnOptions,
-) -> Result<ForwardShape, FlashAttnError> {
+pub fn check_forward(t: &Operands, opts: &AttnOptions) -> Result<ForwardShape, FlashAttnError> {
     refuse("num_splits", opts.num_splits, "forward")?;
     check_hopper_pick(opts)?;
-    check_dense(q, k, v, o, lse_len, opts)
+    check_dense(t, opts)
 }
 
 /// `hopper_rows` and `hopper_keys`, where given, are the rows (64, 128 or
@@ -552,14 +560,14 @@ fn refuse(
 }
 
 /// The checks of [`check_forward`] that decode shares.
-fn check_dense(
-    q: &TensorInfo,
-    k: &TensorInfo,
-    v: &TensorInfo,
-    o: &TensorInfo,
-    lse_len: Option<usize>,
-    opts: &AttnOptions,
-) -> Result<ForwardShape, FlashAttnError> {
+fn check_dense(t: &Operands, opts: &AttnOptions) -> Result<ForwardShape, FlashAttnError> {
+    let Operands {
+        q,
+        k,
+        v,
+        o,
+        lse_len,
+    } = t;
     let [batch, seqlen_q, heads, head_dim] = q.layout.shape;
     check_tensor("q", q)?;
     check_tensor("k", k)?;
@@ -585,7 +593,7 @@ fn check_dense(
             limit: MAX_GRID_YZ,
         });
     }
-    check_lse(lse_len, batch, heads, seqlen_q)?;
+    check_lse(*lse_len, batch, heads, seqlen_q)?;
     check_option_lengths(opts, batch, heads)?;
     Ok(ForwardShape {
         batch,
@@ -634,12 +642,8 @@ pub fn check_v_head_dim(head_dim: usize, v_head_dim: usize) -> Result<(), FlashA
 /// on the device and cannot be checked here; the kernel clamps each to
 /// `[0, Lmax]`.
 pub fn check_decode(
-    q: &TensorInfo,
-    k_cache: &TensorInfo,
-    v_cache: &TensorInfo,
-    o: &TensorInfo,
+    t: &Operands,
     cache_seqlens_len: usize,
-    lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<DecodeShape, FlashAttnError> {
     refuse("hopper_rows", opts.hopper_rows, "decode")?;
@@ -649,7 +653,7 @@ pub fn check_decode(
         "decode",
     )?;
     refuse("hopper_keys", opts.hopper_keys, "decode")?;
-    let shape = check_dense(q, k_cache, v_cache, o, lse_len, opts)?;
+    let shape = check_dense(t, opts)?;
     if shape.v_head_dim != shape.head_dim {
         return Err(FlashAttnError::Unsupported {
             what: "a V head dim other than Q/K's",
@@ -785,19 +789,15 @@ fn logical_cache(
 /// page_size, Hkv, D] with `block_table` = (entries, max_pages) describing an
 /// i32 [B, max_pages] table. Page indices and `cache_seqlens` values live on
 /// the device and are clamped there, not checked here.
-#[allow(clippy::too_many_arguments)]
 pub fn check_kvcache(
-    q: &TensorInfo,
-    k_cache: &TensorInfo,
-    v_cache: &TensorInfo,
-    o: &TensorInfo,
+    t: &Operands,
     cache_seqlens_len: usize,
     block_table: Option<(usize, usize)>,
     new_kv: Option<(&TensorInfo, &TensorInfo)>,
-    lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<KvCacheShape, FlashAttnError> {
-    let batch = q.layout.shape[0];
+    let (k_cache, v_cache) = (&t.k, &t.v);
+    let batch = t.q.layout.shape[0];
     let paging = match block_table {
         None => None,
         Some(table) => Some(check_paging(k_cache, batch, table)?),
@@ -809,15 +809,12 @@ pub fn check_kvcache(
     if paging.is_some() {
         expect_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
     }
-    let decode = check_decode(
-        q,
-        &logical("k_cache", k_cache)?,
-        &logical("v_cache", v_cache)?,
-        o,
-        cache_seqlens_len,
-        lse_len,
-        opts,
-    )?;
+    let cache_view = Operands {
+        k: logical("k_cache", k_cache)?,
+        v: logical("v_cache", v_cache)?,
+        ..*t
+    };
+    let decode = check_decode(&cache_view, cache_seqlens_len, opts)?;
     let seqlen_new = match new_kv {
         None => 0,
         Some((k_new, v_new)) => {
@@ -850,20 +847,14 @@ pub fn check_kvcache(
 /// Validates a varlen call: Q/O [total_q, H, D] and K/V [total_k, Hkv, D]
 /// given as layouts of shape [1, total, heads, head_dim] (see
 /// [`Layout::packed`]), `cu_seqlens_q`/`cu_seqlens_k` of `batch + 1` i32
-/// each, and the host's `max_seqlen_q`/`max_seqlen_k`. The `cu_seqlens`
+/// each (`cu_seqlens_lens`), and the host's `max_seqlen_q`/`max_seqlen_k`
+/// (`max_seqlens`). The `cu_seqlens`
 /// values live on the device: the kernel clamps each sequence to the packed
 /// tensors and to `max_seqlen_q` rows (rows past it are not written).
-#[allow(clippy::too_many_arguments)]
 pub fn check_varlen(
-    q: &TensorInfo,
-    k: &TensorInfo,
-    v: &TensorInfo,
-    o: &TensorInfo,
-    cu_seqlens_q_len: usize,
-    cu_seqlens_k_len: usize,
-    max_seqlen_q: usize,
-    max_seqlen_k: usize,
-    lse_len: Option<usize>,
+    t: &Operands,
+    (cu_seqlens_q_len, cu_seqlens_k_len): (usize, usize),
+    max_seqlens: (usize, usize),
     opts: &AttnOptions,
 ) -> Result<VarlenShape, FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
@@ -874,16 +865,7 @@ pub fn check_varlen(
             got: cu_seqlens_k_len,
         });
     }
-    check_packed(
-        q,
-        k,
-        v,
-        o,
-        batch,
-        (max_seqlen_q, max_seqlen_k),
-        lse_len,
-        opts,
-    )
+    check_packed(t, batch, max_seqlens, opts)
 }
 
 /// Validates packed queries against a paged KV cache (chunked prefill): Q/O
@@ -893,19 +875,15 @@ pub fn check_varlen(
 /// table of `entries` i32 = [batch, max_pages]. The shape's `total_k` and
 /// `max_seqlen_k` are the capacity per sequence, `max_pages x page_size`,
 /// which the kernel clamps each `seqlens_k` entry to.
-#[allow(clippy::too_many_arguments)]
 pub fn check_varlen_paged(
-    q: &TensorInfo,
-    k_cache: &TensorInfo,
-    v_cache: &TensorInfo,
-    o: &TensorInfo,
+    t: &Operands,
     cu_seqlens_q_len: usize,
     seqlens_k_len: usize,
     block_table: (usize, usize),
     max_seqlen_q: usize,
-    lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<(VarlenShape, Paging), FlashAttnError> {
+    let (k_cache, v_cache) = (&t.k, &t.v);
     let batch = varlen_batch(cu_seqlens_q_len)?;
     check_hopper_pick(opts)?;
     if seqlens_k_len != batch {
@@ -916,10 +894,13 @@ pub fn check_varlen_paged(
     }
     let paging = check_paging(k_cache, batch, block_table)?;
     expect_v_shape("v_cache", k_cache.layout.shape, v_cache.layout.shape)?;
-    let k = logical_cache("k_cache", k_cache, 1, paging)?;
-    let v = logical_cache("v_cache", v_cache, 1, paging)?;
-    let capacity = k.layout.shape[1];
-    let shape = check_packed(q, &k, &v, o, batch, (max_seqlen_q, capacity), lse_len, opts)?;
+    let cache_view = Operands {
+        k: logical_cache("k_cache", k_cache, 1, paging)?,
+        v: logical_cache("v_cache", v_cache, 1, paging)?,
+        ..*t
+    };
+    let capacity = cache_view.k.layout.shape[1];
+    let shape = check_packed(&cache_view, batch, (max_seqlen_q, capacity), opts)?;
     Ok((shape, paging))
 }
 
@@ -945,22 +926,24 @@ fn varlen_batch(cu_seqlens_q_len: usize) -> Result<usize, FlashAttnError> {
 /// The rules every packed-query call shares: the tensors as one sequence
 /// each ([1, total, heads, head_dim]), the host's maximum lengths within the
 /// packed rows, the LSE [H, total_q] and the option lengths.
-#[allow(clippy::too_many_arguments)]
 fn check_packed(
-    q: &TensorInfo,
-    k: &TensorInfo,
-    v: &TensorInfo,
-    o: &TensorInfo,
+    t: &Operands,
     batch: usize,
     (max_seqlen_q, max_seqlen_k): (usize, usize),
-    lse_len: Option<usize>,
     opts: &AttnOptions,
 ) -> Result<VarlenShape, FlashAttnError> {
-    for (name, t) in [("q", q), ("k", k), ("v", v), ("o", o)] {
-        expect_dim(name, 0, 1, t.layout.shape[0])?;
+    for (name, x) in [("q", &t.q), ("k", &t.k), ("v", &t.v), ("o", &t.o)] {
+        expect_dim(name, 0, 1, x.layout.shape[0])?;
     }
     refuse("num_splits", opts.num_splits, "varlen forward")?;
-    let shape = check_dense(q, k, v, o, None, opts)?;
+    // The LSE of packed rows is [H, total_q], checked below.
+    let shape = check_dense(
+        &Operands {
+            lse_len: None,
+            ..*t
+        },
+        opts,
+    )?;
     let (total_q, total_k) = (shape.seqlen_q, shape.seqlen_k);
     for (what, value, total) in [
         ("max_seqlen_q", max_seqlen_q, total_q),
@@ -980,7 +963,7 @@ fn check_packed(
             });
         }
     }
-    check_lse(lse_len, 1, shape.heads, total_q)?;
+    check_lse(t.lse_len, 1, shape.heads, total_q)?;
     check_option_lengths(opts, batch, shape.heads)?;
     Ok(VarlenShape {
         batch,

@@ -4,7 +4,7 @@
 //! `Layout::span`.
 use approx::assert_relative_eq;
 use flash_attn::reference::{self, Extras, RefOutput};
-use flash_attn::validate::{check_decode, check_forward, TensorInfo};
+use flash_attn::validate::{check_decode, check_forward, Operands, TensorInfo};
 use flash_attn::{
     AttnOptions, DecodeShape, FlashAttnError, ForwardShape, Layout, VarlenShape, Window,
 };
@@ -1194,20 +1194,22 @@ impl Args {
         }
     }
 
+    fn operands(&self) -> Operands {
+        Operands {
+            q: self.q,
+            k: self.k,
+            v: self.v,
+            o: self.o,
+            lse_len: self.lse_len,
+        }
+    }
+
     fn forward(&self) -> Result<ForwardShape, FlashAttnError> {
-        check_forward(&self.q, &self.k, &self.v, &self.o, self.lse_len, &self.opts)
+        check_forward(&self.operands(), &self.opts)
     }
 
     fn decode(&self, seqlens_len: usize) -> Result<DecodeShape, FlashAttnError> {
-        check_decode(
-            &self.q,
-            &self.k,
-            &self.v,
-            &self.o,
-            seqlens_len,
-            self.lse_len,
-            &self.opts,
-        )
+        check_decode(&self.operands(), seqlens_len, &self.opts)
     }
 
     /// The four tensors by name, for rules that apply to each.
@@ -1291,7 +1293,17 @@ fn packed_qkv_views_validate() {
         softmax_scale: None,
         ..Default::default()
     };
-    let shape = check_forward(&view(0), &view(1), &view(2), &o, Some(b * h * s), &opts).unwrap();
+    let shape = check_forward(
+        &Operands {
+            q: view(0),
+            k: view(1),
+            v: view(2),
+            o,
+            lse_len: Some(b * h * s),
+        },
+        &opts,
+    )
+    .unwrap();
     assert_eq!(
         shape,
         ForwardShape {
@@ -1311,7 +1323,16 @@ fn packed_qkv_views_validate() {
     let mut v = view(2);
     v.len -= 1;
     assert!(matches!(
-        check_forward(&view(0), &view(1), &v, &o, None, &opts),
+        check_forward(
+            &Operands {
+                q: view(0),
+                k: view(1),
+                v,
+                o,
+                lse_len: None
+            },
+            &opts
+        ),
         Err(FlashAttnError::BufferTooSmall { tensor: "v", .. })
     ));
 }
@@ -3083,7 +3104,7 @@ fn unit_dims_ignore_stride_alignment() {
 }
 
 mod kvcache_validation {
-    use flash_attn::validate::{check_forward, check_kvcache, AttnOptions, TensorInfo};
+    use flash_attn::validate::{check_forward, check_kvcache, AttnOptions, Operands, TensorInfo};
     use flash_attn::{FlashAttnError, Layout};
     use flash_attn_kernels::config::MAX_SPLITS;
 
@@ -3130,14 +3151,16 @@ mod kvcache_validation {
         }
         fn check(&self) -> Result<flash_attn::KvCacheShape, FlashAttnError> {
             check_kvcache(
-                &self.q,
-                &self.k,
-                &self.v,
-                &self.o,
+                &Operands {
+                    q: self.q,
+                    k: self.k,
+                    v: self.v,
+                    o: self.o,
+                    lse_len: None,
+                },
                 self.seqlens,
                 self.table,
                 self.new.as_ref().map(|(k, v)| (k, v)),
-                None,
                 &AttnOptions::default(),
             )
         }
@@ -3164,7 +3187,19 @@ mod kvcache_validation {
             ..Default::default()
         };
         let decode = |opts: &AttnOptions| {
-            check_kvcache(&c.q, &c.k, &c.v, &c.o, c.seqlens, c.table, None, None, opts)
+            check_kvcache(
+                &Operands {
+                    q: c.q,
+                    k: c.k,
+                    v: c.v,
+                    o: c.o,
+                    lse_len: None,
+                },
+                c.seqlens,
+                c.table,
+                None,
+                opts,
+            )
         };
         for n in [0, MAX_SPLITS + 1] {
             assert!(
@@ -3177,21 +3212,28 @@ mod kvcache_validation {
         }
         let (q, kv) = (t([B, 5, H, D], 1 << 20), t([B, 5, HKV, D], 2 << 20));
         let o = t([B, 5, H, D], 3 << 20);
+        let dense = Operands {
+            q,
+            k: kv,
+            v: kv,
+            o,
+            lse_len: None,
+        };
         assert!(matches!(
-            check_forward(&q, &kv, &kv, &o, None, &with(2)),
+            check_forward(&dense, &with(2)),
             Err(FlashAttnError::Unsupported {
                 what: "num_splits",
                 entry: "forward"
             })
         ));
-        assert!(check_forward(&q, &kv, &kv, &o, None, &AttnOptions::default()).is_ok());
+        assert!(check_forward(&dense, &AttnOptions::default()).is_ok());
         // hopper_rows: 64, 128 or 192 on the forward, refused by decode.
         let rows = |r| AttnOptions {
             hopper_rows: Some(r),
             ..Default::default()
         };
         for r in [64, 128, 192] {
-            assert!(check_forward(&q, &kv, &kv, &o, None, &rows(r)).is_ok());
+            assert!(check_forward(&dense, &rows(r)).is_ok());
             assert!(matches!(
                 decode(&rows(r)),
                 Err(FlashAttnError::Unsupported {
@@ -3202,7 +3244,7 @@ mod kvcache_validation {
         }
         for r in [0, 32, 127, 256] {
             assert!(matches!(
-                check_forward(&q, &kv, &kv, &o, None, &rows(r)),
+                check_forward(&dense, &rows(r)),
                 Err(FlashAttnError::HopperRows { got }) if got == r
             ));
         }
@@ -3212,7 +3254,7 @@ mod kvcache_validation {
             ..Default::default()
         };
         for n in [64, 80, 112, 128] {
-            assert!(check_forward(&q, &kv, &kv, &o, None, &keys(n)).is_ok());
+            assert!(check_forward(&dense, &keys(n)).is_ok());
             assert!(matches!(
                 decode(&keys(n)),
                 Err(FlashAttnError::Unsupported {
@@ -3223,7 +3265,7 @@ mod kvcache_validation {
         }
         for n in [0, 16, 96, 176, 256] {
             assert!(matches!(
-                check_forward(&q, &kv, &kv, &o, None, &keys(n)),
+                check_forward(&dense, &keys(n)),
                 Err(FlashAttnError::HopperKeys { got }) if got == n
             ));
         }
@@ -3813,7 +3855,9 @@ mod index {
 
 mod varlen_paged_validation {
     use super::kvcache_validation::t;
-    use flash_attn::validate::{check_varlen, check_varlen_paged, AttnOptions, TensorInfo};
+    use flash_attn::validate::{
+        check_varlen, check_varlen_paged, AttnOptions, Operands, TensorInfo,
+    };
     use flash_attn::{FlashAttnError, VarlenShape};
 
     const B: usize = 3;
@@ -3853,15 +3897,17 @@ mod varlen_paged_validation {
         }
         fn check(&self) -> Result<VarlenShape, FlashAttnError> {
             check_varlen_paged(
-                &self.q,
-                &self.k,
-                &self.v,
-                &self.o,
+                &Operands {
+                    q: self.q,
+                    k: self.k,
+                    v: self.v,
+                    o: self.o,
+                    lse_len: self.lse,
+                },
                 self.cu_q,
                 self.seqlens_k,
                 self.table,
                 self.max_q,
-                self.lse,
                 &AttnOptions::default(),
             )
             .map(|(shape, paging)| {
@@ -3885,10 +3931,34 @@ mod varlen_paged_validation {
             ..Default::default()
         };
         let packed = |opts: &AttnOptions| {
-            check_varlen(&c.q, &kv, &kv, &c.o, B + 1, B + 1, 20, 40, None, opts)
+            check_varlen(
+                &Operands {
+                    q: c.q,
+                    k: kv,
+                    v: kv,
+                    o: c.o,
+                    lse_len: None,
+                },
+                (B + 1, B + 1),
+                (20, 40),
+                opts,
+            )
         };
         let paged = |opts: &AttnOptions| {
-            check_varlen_paged(&c.q, &c.k, &c.v, &c.o, B + 1, B, c.table, 20, None, opts)
+            check_varlen_paged(
+                &Operands {
+                    q: c.q,
+                    k: c.k,
+                    v: c.v,
+                    o: c.o,
+                    lse_len: None,
+                },
+                B + 1,
+                B,
+                c.table,
+                20,
+                opts,
+            )
         };
         assert!(packed(&AttnOptions::default()).is_ok());
         for r in [64, 128, 192] {

@@ -20,8 +20,9 @@ use flash_attn::hopper::probes::Probes;
 use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
-    AlibiSlopes, AttnElement, AttnOptions, BlockTable, Dtype, FlashAttention, FlashAttnError,
-    KvCache, Layout, LoadedCode, ModuleChoice, PagedVarlen, TensorMut, TensorRef, Varlen, Window,
+    AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, Dtype, FlashAttention,
+    FlashAttnError, KvCache, Layout, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv, State,
+    TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{
     hopper_line_head_dim, hopper_padded_short, AttnTile, KernelKind, MaskKind, Policies, PtxArch,
@@ -348,18 +349,17 @@ fn run_forward<T: AttnElement>(gpu: &Gpu, c: &FwdCase) -> Result<(), String> {
         ..Default::default()
     };
     {
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .forward(
                 s,
-                &view(0),
-                &view(1),
-                &view(2),
-                &mut TensorMut::new(o.as_view_mut(), o_layout),
-                if c.with_lse {
-                    Some(&mut lse_view)
-                } else {
-                    None
+                Qkv {
+                    q: &view(0),
+                    k: &view(1),
+                    v: &view(2),
+                },
+                Out {
+                    o: TensorMut::new(o.as_view_mut(), o_layout),
+                    lse: c.with_lse.then_some(lse.as_view_mut()),
                 },
                 &opts,
             )
@@ -439,16 +439,16 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
         ..Default::default()
     };
     {
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .decode(
                 s,
-                &TensorRef::new(q.as_view(), q_layout),
-                &TensorRef::new(k.as_view(), cache_layout),
-                &TensorRef::new(v.as_view(), cache_layout),
+                Qkv {
+                    q: &TensorRef::new(q.as_view(), q_layout),
+                    k: &TensorRef::new(k.as_view(), cache_layout),
+                    v: &TensorRef::new(v.as_view(), cache_layout),
+                },
                 &seqlens.as_view(),
-                &mut TensorMut::new(o.as_view_mut(), q_layout),
-                Some(&mut lse_view),
+                Out::with_lse(TensorMut::new(o.as_view_mut(), q_layout), lse.as_view_mut()),
                 &opts,
                 None,
             )
@@ -690,15 +690,15 @@ fn run_kvcache<T: AttnElement>(gpu: &Gpu, c: &KvCase) -> Result<(), String> {
             TensorRef::new(k_new_dev.as_view(), new_layout),
             TensorRef::new(v_new_dev.as_view(), new_layout),
         );
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .decode_kvcache(
                 s,
-                &TensorRef::new(q.as_view(), q_layout),
+                DecodeStep {
+                    q: &TensorRef::new(q.as_view(), q_layout),
+                    new_kv: if sn > 0 { Some((&kn, &vn)) } else { None },
+                },
                 &mut cache,
-                if sn > 0 { Some((&kn, &vn)) } else { None },
-                &mut TensorMut::new(o.as_view_mut(), q_layout),
-                Some(&mut lse_view),
+                Out::with_lse(TensorMut::new(o.as_view_mut(), q_layout), lse.as_view_mut()),
                 &AttnOptions {
                     causal: c.causal,
                     softmax_scale: None,
@@ -866,11 +866,12 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
         );
         fa.decode_kvcache(
             &s,
-            &TensorRef::new(q.as_view(), q_layout),
+            DecodeStep {
+                q: &TensorRef::new(q.as_view(), q_layout),
+                new_kv: Some((&kn, &vn)),
+            },
             &mut cache,
-            Some((&kn, &vn)),
-            &mut TensorMut::new(o.as_view_mut(), q_layout),
-            None,
+            Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
             &AttnOptions {
                 causal: true,
                 softmax_scale: None,
@@ -1107,15 +1108,15 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             hopper_rows: c.hopper_rows,
             ..*opts
         };
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .forward(
                 s,
-                &TensorRef::new(x.q.as_view(), ql),
-                &TensorRef::new(x.k.as_view(), kl),
-                &TensorRef::new(x.v.as_view(), vl),
-                &mut TensorMut::new(o.as_view_mut(), ol),
-                Some(&mut lse_view),
+                Qkv {
+                    q: &TensorRef::new(x.q.as_view(), ql),
+                    k: &TensorRef::new(x.k.as_view(), kl),
+                    v: &TensorRef::new(x.v.as_view(), vl),
+                },
+                Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
                 opts,
             )
             .map_err(|x| x.to_string())?;
@@ -1224,7 +1225,6 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
     let launches = flash_attn::hopper::launches_on_this_thread();
     let want = with_options(&c.policy, &data, |opts, extras| {
         let (cq, ck) = (cuq.as_view(), cuk.as_view());
-        let mut lse_view = lse.as_view_mut();
         let opts = &AttnOptions {
             hopper_rows: c.hopper_rows,
             ..*opts
@@ -1232,11 +1232,12 @@ fn run_varlen<T: AttnElement>(gpu: &Gpu, c: &VarlenCase) -> Result<(), String> {
         gpu.fa
             .forward_varlen(
                 s,
-                &TensorRef::new(x.q.as_view(), ql),
-                &TensorRef::new(x.k.as_view(), kl),
-                &TensorRef::new(x.v.as_view(), vl),
-                &mut TensorMut::new(o.as_view_mut(), ol),
-                Some(&mut lse_view),
+                Qkv {
+                    q: &TensorRef::new(x.q.as_view(), ql),
+                    k: &TensorRef::new(x.k.as_view(), kl),
+                    v: &TensorRef::new(x.v.as_view(), vl),
+                },
+                Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
                 &Varlen {
                     cu_seqlens_q: &cq,
                     cu_seqlens_k: &ck,
@@ -1370,11 +1371,12 @@ fn run_varlen_isolation<T: AttnElement>(
     gpu.fa
         .forward_varlen(
             s,
-            &TensorRef::new(q.as_view(), ql),
-            &TensorRef::new(k.as_view(), kvl),
-            &TensorRef::new(v.as_view(), kvl),
-            &mut TensorMut::new(o.as_view_mut(), ql),
-            Some(&mut lse.as_view_mut()),
+            Qkv {
+                q: &TensorRef::new(q.as_view(), ql),
+                k: &TensorRef::new(k.as_view(), kvl),
+                v: &TensorRef::new(v.as_view(), kvl),
+            },
+            Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut()),
             &Varlen {
                 cu_seqlens_q: &cu_view,
                 cu_seqlens_k: &cu_view,
@@ -1555,15 +1557,15 @@ fn run_varlen_paged<T: AttnElement>(gpu: &Gpu, c: &PagedVarlenCase) -> Result<()
             hopper_rows: c.hopper_rows,
             ..*opts
         };
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .forward_varlen_paged(
                 s,
-                &TensorRef::new(q.as_view(), ql),
-                &TensorRef::new(k_pool.as_view(), pool),
-                &TensorRef::new(v_pool.as_view(), v_pool_layout),
-                &mut TensorMut::new(o.as_view_mut(), ol),
-                Some(&mut lse_view),
+                Qkv {
+                    q: &TensorRef::new(q.as_view(), ql),
+                    k: &TensorRef::new(k_pool.as_view(), pool),
+                    v: &TensorRef::new(v_pool.as_view(), v_pool_layout),
+                },
+                Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
                 &PagedVarlen {
                     cu_seqlens_q: &cq,
                     max_seqlen_q: max_q,
@@ -1703,16 +1705,16 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
             num_splits: c.num_splits,
             ..*opts
         };
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .decode(
                 s,
-                &TensorRef::new(x.q.as_view(), ql),
-                &TensorRef::new(x.k.as_view(), cl),
-                &TensorRef::new(x.v.as_view(), cl),
+                Qkv {
+                    q: &TensorRef::new(x.q.as_view(), ql),
+                    k: &TensorRef::new(x.k.as_view(), cl),
+                    v: &TensorRef::new(x.v.as_view(), cl),
+                },
                 &seqlens.as_view(),
-                &mut TensorMut::new(o.as_view_mut(), ql),
-                Some(&mut lse_view),
+                Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut()),
                 opts,
                 None,
             )
@@ -1799,15 +1801,15 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
         let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
         let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
         {
-            let mut lse_view = lse.as_view_mut();
             gpu.fa
                 .forward(
                     s,
-                    &TensorRef::new(x.q.as_view(), ql),
-                    &TensorRef::new(x.k.slice(lo * hk * d..), part(lo, hi)),
-                    &TensorRef::new(x.v.slice(lo * hk * d..), part(lo, hi)),
-                    &mut TensorMut::new(o.as_view_mut(), ql),
-                    Some(&mut lse_view),
+                    Qkv {
+                        q: &TensorRef::new(x.q.as_view(), ql),
+                        k: &TensorRef::new(x.k.slice(lo * hk * d..), part(lo, hi)),
+                        v: &TensorRef::new(x.v.slice(lo * hk * d..), part(lo, hi)),
+                    },
+                    Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut()),
                     &AttnOptions::default(),
                 )
                 .map_err(|x| x.to_string())?;
@@ -1817,16 +1819,18 @@ fn run_merge<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<(), String>
     let mut o = s.clone_htod(&vec![nan::<T>(); b * sq * h * d]).map_err(e)?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
     {
-        let mut lse_view = lse.as_view_mut();
         gpu.fa
             .merge_states(
                 s,
-                &TensorRef::new(states[0].0.as_view(), ql),
-                &states[0].1.as_view(),
-                &TensorRef::new(states[1].0.as_view(), ql),
-                &states[1].1.as_view(),
-                &mut TensorMut::new(o.as_view_mut(), ql),
-                Some(&mut lse_view),
+                State {
+                    o: &TensorRef::new(states[0].0.as_view(), ql),
+                    lse: &states[0].1.as_view(),
+                },
+                State {
+                    o: &TensorRef::new(states[1].0.as_view(), ql),
+                    lse: &states[1].1.as_view(),
+                },
+                Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut()),
             )
             .map_err(|x| x.to_string())?;
     }
@@ -1934,11 +1938,12 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String>
     gpu.fa
         .forward(
             s,
-            &TensorRef::new(q.as_view(), ql),
-            &TensorRef::new(k.as_view(), l),
-            &TensorRef::new(v.as_view(), l),
-            &mut TensorMut::new(o.as_view_mut(), ql),
-            None,
+            Qkv {
+                q: &TensorRef::new(q.as_view(), ql),
+                k: &TensorRef::new(k.as_view(), l),
+                v: &TensorRef::new(v.as_view(), l),
+            },
+            Out::new(TensorMut::new(o.as_view_mut(), ql)),
             &opts,
         )
         .map_err(|x| x.to_string())?;
@@ -2565,11 +2570,12 @@ fn tile_orders<T: AttnElement>() -> Result<(), String> {
                 let launches = flash_attn::hopper::launches_on_this_thread();
                 fa.forward(
                     &s,
-                    &TensorRef::new(q.as_view(), q_layout),
-                    &TensorRef::new(k.as_view(), kv_layout),
-                    &TensorRef::new(v.as_view(), kv_layout),
-                    &mut TensorMut::new(o.as_view_mut(), o_layout),
-                    None,
+                    Qkv {
+                        q: &TensorRef::new(q.as_view(), q_layout),
+                        k: &TensorRef::new(k.as_view(), kv_layout),
+                        v: &TensorRef::new(v.as_view(), kv_layout),
+                    },
+                    Out::new(TensorMut::new(o.as_view_mut(), o_layout)),
                     &opts,
                 )
                 .map_err(|x| x.to_string())?;
@@ -2794,12 +2800,15 @@ fn merge_f32_refused(gpu: &Gpu) -> Result<(), String> {
     let mut o = s.clone_htod(&poison).map_err(|e| e.to_string())?;
     let r = gpu.fa.merge_states(
         s,
-        &TensorRef::new(oa.as_view(), l),
-        &lse.as_view(),
-        &TensorRef::new(oa.as_view(), l),
-        &lse.as_view(),
-        &mut TensorMut::new(o.as_view_mut(), l),
-        None,
+        State {
+            o: &TensorRef::new(oa.as_view(), l),
+            lse: &lse.as_view(),
+        },
+        State {
+            o: &TensorRef::new(oa.as_view(), l),
+            lse: &lse.as_view(),
+        },
+        Out::new(TensorMut::new(o.as_view_mut(), l)),
     );
     if !matches!(
         r,
@@ -2844,11 +2853,12 @@ fn bf16_refused(gpu: &Gpu) -> Result<(), String> {
     refused(
         gpu.fa.forward(
             s,
-            &TensorRef::new(q.as_view(), ql),
-            &TensorRef::new(q.as_view(), ql),
-            &TensorRef::new(q.as_view(), ql),
-            &mut TensorMut::new(o.as_view_mut(), ql),
-            None,
+            Qkv {
+                q: &TensorRef::new(q.as_view(), ql),
+                k: &TensorRef::new(q.as_view(), ql),
+                v: &TensorRef::new(q.as_view(), ql),
+            },
+            Out::new(TensorMut::new(o.as_view_mut(), ql)),
             &AttnOptions::default(),
         ),
         "forward",
@@ -2863,11 +2873,12 @@ fn bf16_refused(gpu: &Gpu) -> Result<(), String> {
     refused(
         gpu.fa.decode_kvcache(
             s,
-            &TensorRef::new(q.as_view(), ql),
+            DecodeStep {
+                q: &TensorRef::new(q.as_view(), ql),
+                new_kv: Some((&new, &new)),
+            },
             &mut cache,
-            Some((&new, &new)),
-            &mut TensorMut::new(o.as_view_mut(), ql),
-            None,
+            Out::new(TensorMut::new(o.as_view_mut(), ql)),
             &AttnOptions::default(),
             None,
         ),
@@ -3171,11 +3182,12 @@ fn main() {
             let kvl = Layout::contiguous([2, 16, 2, 64]);
             let err = gpu.fa.forward(
                 s,
-                &TensorRef::new(q.as_view(), ql),
-                &TensorRef::new(kv.as_view(), kvl),
-                &TensorRef::new(kv.as_view(), kvl),
-                &mut TensorMut::new(o.as_view_mut(), ql),
-                None,
+                Qkv {
+                    q: &TensorRef::new(q.as_view(), ql),
+                    k: &TensorRef::new(kv.as_view(), kvl),
+                    v: &TensorRef::new(kv.as_view(), kvl),
+                },
+                Out::new(TensorMut::new(o.as_view_mut(), ql)),
                 &AttnOptions::default(),
             );
             if !matches!(
