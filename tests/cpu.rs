@@ -3149,15 +3149,19 @@ mod kvcache_validation {
                 new: Some((t([B, 1, HKV, D], 5 << 20), t([B, 1, HKV, D], 6 << 20))),
             }
         }
+        fn operands(&self) -> Operands {
+            Operands {
+                q: self.q,
+                k: self.k,
+                v: self.v,
+                o: self.o,
+                lse_len: None,
+            }
+        }
+
         fn check(&self) -> Result<flash_attn::KvCacheShape, FlashAttnError> {
             check_kvcache(
-                &Operands {
-                    q: self.q,
-                    k: self.k,
-                    v: self.v,
-                    o: self.o,
-                    lse_len: None,
-                },
+                &self.operands(),
                 self.seqlens,
                 self.table,
                 self.new.as_ref().map(|(k, v)| (k, v)),
@@ -3186,21 +3190,8 @@ mod kvcache_validation {
             num_splits: Some(n),
             ..Default::default()
         };
-        let decode = |opts: &AttnOptions| {
-            check_kvcache(
-                &Operands {
-                    q: c.q,
-                    k: c.k,
-                    v: c.v,
-                    o: c.o,
-                    lse_len: None,
-                },
-                c.seqlens,
-                c.table,
-                None,
-                opts,
-            )
-        };
+        let decode =
+            |opts: &AttnOptions| check_kvcache(&c.operands(), c.seqlens, c.table, None, opts);
         for n in [0, MAX_SPLITS + 1] {
             assert!(
                 matches!(decode(&with(n)), Err(FlashAttnError::NumSplits { got, max: MAX_SPLITS }) if got == n),
@@ -3895,15 +3886,19 @@ mod varlen_paged_validation {
                 lse: Some(H * TOTAL_Q),
             }
         }
+        fn operands(&self) -> Operands {
+            Operands {
+                q: self.q,
+                k: self.k,
+                v: self.v,
+                o: self.o,
+                lse_len: self.lse,
+            }
+        }
+
         fn check(&self) -> Result<VarlenShape, FlashAttnError> {
             check_varlen_paged(
-                &Operands {
-                    q: self.q,
-                    k: self.k,
-                    v: self.v,
-                    o: self.o,
-                    lse_len: self.lse,
-                },
+                &self.operands(),
                 self.cu_q,
                 self.seqlens_k,
                 self.table,
@@ -3933,11 +3928,10 @@ mod varlen_paged_validation {
         let packed = |opts: &AttnOptions| {
             check_varlen(
                 &Operands {
-                    q: c.q,
                     k: kv,
                     v: kv,
-                    o: c.o,
                     lse_len: None,
+                    ..c.operands()
                 },
                 (B + 1, B + 1),
                 (20, 40),
@@ -3947,11 +3941,8 @@ mod varlen_paged_validation {
         let paged = |opts: &AttnOptions| {
             check_varlen_paged(
                 &Operands {
-                    q: c.q,
-                    k: c.k,
-                    v: c.v,
-                    o: c.o,
                     lse_len: None,
+                    ..c.operands()
                 },
                 B + 1,
                 B,
