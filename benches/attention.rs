@@ -1400,15 +1400,12 @@ fn run_varlen<T: AttnElement>(
         };
         let pool = Layout::contiguous([paged.num_pages, page, s.kv_heads, s.head_dim]);
         let call = |q: &CudaSlice<T>, o: &mut CudaSlice<T>| {
-            let q = TensorRef::new(q.as_view(), q_layout);
-            let k = TensorRef::new(paged.k.as_view(), pool);
-            let v = TensorRef::new(paged.v.as_view(), pool);
             b.fa.forward_varlen_paged(
                 &b.stream,
                 Qkv {
-                    q: &q,
-                    k: &k,
-                    v: &v,
+                    q: &TensorRef::new(q.as_view(), q_layout),
+                    k: &TensorRef::new(paged.k.as_view(), pool),
+                    v: &TensorRef::new(paged.v.as_view(), pool),
                 },
                 Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
                 &seqs,
@@ -1428,15 +1425,12 @@ fn run_varlen<T: AttnElement>(
         return Measured::new(b, ms, check, mem_bytes, free_before);
     }
     let call = |[q, k, v]: &[CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
-        let q = TensorRef::new(q.as_view(), q_layout);
-        let k = TensorRef::new(k.as_view(), kv_layout);
-        let v = TensorRef::new(v.as_view(), kv_layout);
         b.fa.forward_varlen(
             &b.stream,
             Qkv {
-                q: &q,
-                k: &k,
-                v: &v,
+                q: &TensorRef::new(q.as_view(), q_layout),
+                k: &TensorRef::new(k.as_view(), kv_layout),
+                v: &TensorRef::new(v.as_view(), kv_layout),
             },
             Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
             &seqlens,
@@ -1569,11 +1563,10 @@ fn run_paged<T: AttnElement>(
                 max_pages,
             }),
         };
-        let q = TensorRef::new(q.as_view(), q_layout);
         b.fa.decode_kvcache(
             &b.stream,
             DecodeStep {
-                q: &q,
+                q: &TensorRef::new(q.as_view(), q_layout),
                 new_kv: None,
             },
             &mut cache,

@@ -51,17 +51,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     stream.synchronize()?;
     let first = std::time::Instant::now();
-    let (q_ref, k_ref, v_ref) = (
-        TensorRef::new(q_dev.as_view(), q_layout),
-        TensorRef::new(k_dev.as_view(), kv_layout),
-        TensorRef::new(v_dev.as_view(), kv_layout),
-    );
     fa.forward(
         &stream,
         Qkv {
-            q: &q_ref,
-            k: &k_ref,
-            v: &v_ref,
+            q: &TensorRef::new(q_dev.as_view(), q_layout),
+            k: &TensorRef::new(k_dev.as_view(), kv_layout),
+            v: &TensorRef::new(v_dev.as_view(), kv_layout),
         },
         Out::new(TensorMut::new(o_dev.as_view_mut(), q_layout)),
         &opts,

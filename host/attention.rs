@@ -142,6 +142,15 @@ pub struct Qkv<'a, T> {
     pub v: &'a TensorRef<'a, T>,
 }
 
+// Clone and Copy by hand here and below: a derive would ask `T: Copy`, and
+// the fields are references.
+impl<T> Clone for Qkv<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for Qkv<'_, T> {}
+
 /// What an attention call writes: O and, when asked for, the f32
 /// log-sum-exp (natural log) of each query row. A call refused by
 /// validation leaves both untouched.
@@ -173,6 +182,13 @@ pub struct State<'a, T> {
     pub lse: &'a CudaView<'a, f32>,
 }
 
+impl<T> Clone for State<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for State<'_, T> {}
+
 /// The new tokens of a [`FlashAttention::decode_kvcache`] step.
 pub struct DecodeStep<'a, T> {
     /// Queries [B, Snew, H, D].
@@ -181,6 +197,13 @@ pub struct DecodeStep<'a, T> {
     /// attending; `None` when the cache already holds them.
     pub new_kv: Option<(&'a TensorRef<'a, T>, &'a TensorRef<'a, T>)>,
 }
+
+impl<T> Clone for DecodeStep<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for DecodeStep<'_, T> {}
 
 /// A KV cache for [`FlashAttention::decode_kvcache`].
 pub struct KvCache<'a, T> {
@@ -256,6 +279,8 @@ struct DecodeCall {
     k: (u64, BshStrides),
     v: (u64, BshStrides),
     o: (u64, BshStrides),
+    /// 0 when no LSE is asked for.
+    lse: u64,
     seqlens: u64,
     block_table: u64,
     cache: KvCacheShape,
@@ -295,45 +320,43 @@ fn info(layout: Layout, len: usize, addr: u64) -> TensorInfo {
     TensorInfo { layout, len, addr }
 }
 
-/// Q, K, V and O of a forward call as the checks and the launch see them,
-/// with the guards that order their buffers on the stream.
-struct Bound<'a> {
-    q: TensorInfo,
-    k: TensorInfo,
-    v: TensorInfo,
-    o: TensorInfo,
-    _guards: [SyncOnDrop<'a>; 4],
+/// A validated tensor's address and strides as a decode launch takes them.
+fn addressed<T: AttnElement>(t: &TensorInfo) -> (u64, BshStrides) {
+    (t.addr, strides::<T>(&t.layout))
 }
 
-impl Bound<'_> {
-    /// The tensors for validation, with the LSE's length if one is asked for.
-    fn operands(&self, lse_len: Option<usize>) -> Operands {
-        Operands {
-            q: self.q,
-            k: self.k,
-            v: self.v,
-            o: self.o,
-            lse_len,
-        }
-    }
+/// The tensors of a call as the checks and the launch see them, with the
+/// guards that order their buffers on the stream.
+struct Bound<'a> {
+    ops: Operands,
+    /// The LSE's device address; 0 (which the kernels read as "not
+    /// requested") when none is asked for.
+    lse: u64,
+    _guards: [SyncOnDrop<'a>; 5],
 }
 
 fn bind<'a, T: AttnElement>(
     stream: &'a CudaStream,
     Qkv { q, k, v }: Qkv<'a, T>,
-    o: &'a mut TensorMut<'_, T>,
+    out: &'a mut Out<'_, T>,
 ) -> Bound<'a> {
     let (q_ptr, q_sync) = q.data.device_ptr(stream);
     let (k_ptr, k_sync) = k.data.device_ptr(stream);
     let (v_ptr, v_sync) = v.data.device_ptr(stream);
-    let (o_len, o_layout) = (o.data.len(), o.layout);
-    let (o_ptr, o_sync) = o.data.device_ptr_mut(stream);
+    let (o_len, o_layout) = (out.o.data.len(), out.o.layout);
+    let (o_ptr, o_sync) = out.o.data.device_ptr_mut(stream);
+    let lse_len = out.lse.as_ref().map(|l| l.len());
+    let (lse, lse_sync) = optional_ptr_mut(out.lse.as_mut(), stream);
     Bound {
-        q: info(q.layout, q.data.len(), q_ptr),
-        k: info(k.layout, k.data.len(), k_ptr),
-        v: info(v.layout, v.data.len(), v_ptr),
-        o: info(o_layout, o_len, o_ptr),
-        _guards: [q_sync, k_sync, v_sync, o_sync],
+        ops: Operands {
+            q: info(q.layout, q.data.len(), q_ptr),
+            k: info(k.layout, k.data.len(), k_ptr),
+            v: info(v.layout, v.data.len(), v_ptr),
+            o: info(o_layout, o_len, o_ptr),
+            lse_len,
+        },
+        lse,
+        _guards: [q_sync, k_sync, v_sync, o_sync, lse_sync],
     }
 }
 
@@ -595,16 +618,13 @@ impl FlashAttention {
         &self,
         stream: &CudaStream,
         qkv: Qkv<'_, T>,
-        out: Out<'_, T>,
+        mut out: Out<'_, T>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
         check_dtype(self.arch, T::DTYPE, &[KernelKind::Forward], "forward")?;
-        let Out { mut o, mut lse } = out;
-        let lse = lse.as_mut();
-        let t = bind(stream, qkv, &mut o);
-        let shape = check_forward(&t.operands(lse.as_ref().map(|l| l.len())), opts)?;
-        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
-        self.launch_forward::<T>(stream, &t, lse_ptr, &shape, None, opts)
+        let t = bind(stream, qkv, &mut out);
+        let shape = check_forward(&t.ops, opts)?;
+        self.launch_forward::<T>(stream, &t, &shape, None, opts)
     }
 
     /// Attention over variable-length sequences packed without padding
@@ -648,7 +668,7 @@ impl FlashAttention {
         &self,
         stream: &CudaStream,
         qkv: Qkv<'_, T>,
-        out: Out<'_, T>,
+        mut out: Out<'_, T>,
         seqlens: &Varlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
@@ -658,18 +678,17 @@ impl FlashAttention {
             &[KernelKind::Forward],
             "forward_varlen",
         )?;
-        let Out { mut o, mut lse } = out;
-        let lse = lse.as_mut();
         let (cu_q, _cq_sync) = seqlens.cu_seqlens_q.device_ptr(stream);
         let (cu_k, _ck_sync) = seqlens.cu_seqlens_k.device_ptr(stream);
-        let t = bind(stream, qkv, &mut o);
+        let t = bind(stream, qkv, &mut out);
         let shape: VarlenShape = check_varlen(
-            &t.operands(lse.as_ref().map(|l| l.len())),
-            (seqlens.cu_seqlens_q.len(), seqlens.cu_seqlens_k.len()),
-            (seqlens.max_seqlen_q, seqlens.max_seqlen_k),
+            &t.ops,
+            seqlens.cu_seqlens_q.len(),
+            seqlens.cu_seqlens_k.len(),
+            seqlens.max_seqlen_q,
+            seqlens.max_seqlen_k,
             opts,
         )?;
-        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let packed = Packed {
             cu_seqlens_q: cu_q,
             cu_seqlens_k: cu_k,
@@ -678,7 +697,7 @@ impl FlashAttention {
             max_seqlen_k: shape.max_seqlen_k,
             paged: None,
         };
-        self.launch_forward::<T>(stream, &t, lse_ptr, &shape.grid(), Some(packed), opts)
+        self.launch_forward::<T>(stream, &t, &shape.grid(), Some(packed), opts)
     }
 
     /// Packed queries against a paged KV cache ([`PagedVarlen`]; chunked
@@ -694,7 +713,7 @@ impl FlashAttention {
         &self,
         stream: &CudaStream,
         qkv: Qkv<'_, T>,
-        out: Out<'_, T>,
+        mut out: Out<'_, T>,
         seqs: &PagedVarlen<'_>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
@@ -704,21 +723,18 @@ impl FlashAttention {
             &[KernelKind::Forward],
             "forward_varlen_paged",
         )?;
-        let Out { mut o, mut lse } = out;
-        let lse = lse.as_mut();
         let (cu_q, _cq_sync) = seqs.cu_seqlens_q.device_ptr(stream);
         let (seqlens_k, _sk_sync) = seqs.seqlens_k.device_ptr(stream);
         let (table, _t_sync) = seqs.block_table.table.device_ptr(stream);
-        let t = bind(stream, qkv, &mut o);
+        let t = bind(stream, qkv, &mut out);
         let (shape, paging) = check_varlen_paged(
-            &t.operands(lse.as_ref().map(|l| l.len())),
+            &t.ops,
             seqs.cu_seqlens_q.len(),
             seqs.seqlens_k.len(),
             (seqs.block_table.table.len(), seqs.block_table.max_pages),
             seqs.max_seqlen_q,
             opts,
         )?;
-        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         // The kernel reads a paged call's key counts where a packed call's
         // cu_seqlens_k go, and clamps them to total_k = the capacity.
         let packed = Packed {
@@ -729,7 +745,7 @@ impl FlashAttention {
             max_seqlen_k: shape.max_seqlen_k,
             paged: Some((table, paging)),
         };
-        self.launch_forward::<T>(stream, &t, lse_ptr, &shape.grid(), Some(packed), opts)
+        self.launch_forward::<T>(stream, &t, &shape.grid(), Some(packed), opts)
     }
 
     /// Launches the forward kernel for a validated problem: dense, or packed
@@ -738,7 +754,6 @@ impl FlashAttention {
         &self,
         stream: &CudaStream,
         t: &Bound,
-        lse: u64,
         shape: &ForwardShape,
         packed: Option<Packed>,
         opts: &AttnOptions,
@@ -762,15 +777,15 @@ impl FlashAttention {
         let packed = packed.unwrap_or_default();
         let (table, paging) = packed.paged.unwrap_or_default();
         let params = AttnParams {
-            q: t.q.addr,
-            k: t.k.addr,
-            v: t.v.addr,
-            o: t.o.addr,
-            lse,
-            q_strides: strides::<T>(&t.q.layout),
-            k_strides: strides::<T>(&t.k.layout),
-            v_strides: strides::<T>(&t.v.layout),
-            o_strides: strides::<T>(&t.o.layout),
+            q: t.ops.q.addr,
+            k: t.ops.k.addr,
+            v: t.ops.v.addr,
+            o: t.ops.o.addr,
+            lse: t.lse,
+            q_strides: strides::<T>(&t.ops.q.layout),
+            k_strides: strides::<T>(&t.ops.k.layout),
+            v_strides: strides::<T>(&t.ops.v.layout),
+            o_strides: strides::<T>(&t.ops.o.layout),
             batch: shape.batch as u32,
             heads: shape.heads as u32,
             kv_heads: shape.kv_heads as u32,
@@ -874,7 +889,12 @@ impl FlashAttention {
         // The dense lines store O with TMA; an O whose layout no tensor map
         // describes takes the `mma.sync` path.
         let o_map = match packed {
-            None => match map(&t.o, (shape.batch, shape.seqlen_q), shape.heads, WGMMA_M) {
+            None => match map(
+                &t.ops.o,
+                (shape.batch, shape.seqlen_q),
+                shape.heads,
+                WGMMA_M,
+            ) {
                 Some(o) => o,
                 None => return Ok(false),
             },
@@ -905,9 +925,9 @@ impl FlashAttention {
             ),
         };
         let maps = (
-            map(&t.q, q_dims, shape.heads, tile.block_m),
-            map(&t.k, kv_dims, shape.kv_heads, kv_box),
-            map(&t.v, kv_dims, shape.kv_heads, kv_box),
+            map(&t.ops.q, q_dims, shape.heads, tile.block_m),
+            map(&t.ops.k, kv_dims, shape.kv_heads, kv_box),
+            map(&t.ops.v, kv_dims, shape.kv_heads, kv_box),
         );
         let (Some(q), Some(k), Some(v)) = maps else {
             return Ok(false);
@@ -970,12 +990,11 @@ impl FlashAttention {
         stream: &CudaStream,
         a: State<'_, T>,
         b: State<'_, T>,
-        out: Out<'_, T>,
+        mut out: Out<'_, T>,
     ) -> Result<(), FlashAttnError> {
         check_dtype(self.arch, T::DTYPE, &[KernelKind::Merge], "merge_states")?;
         let (State { o: o_a, lse: lse_a }, State { o: o_b, lse: lse_b }) = (a, b);
-        let Out { mut o, mut lse } = out;
-        let lse = lse.as_mut();
+        let (o, lse) = (&mut out.o, out.lse.as_mut());
         let (a_ptr, _a_sync) = o_a.data.device_ptr(stream);
         let (b_ptr, _b_sync) = o_b.data.device_ptr(stream);
         let (la_ptr, _la_sync) = lse_a.device_ptr(stream);
@@ -1110,7 +1129,7 @@ impl FlashAttention {
         stream: &Arc<CudaStream>,
         qkv: Qkv<'_, T>,
         cache_seqlens: &CudaView<'_, i32>,
-        out: Out<'_, T>,
+        mut out: Out<'_, T>,
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
@@ -1120,32 +1139,15 @@ impl FlashAttention {
             &[KernelKind::Decode, KernelKind::Combine],
             "decode",
         )?;
-        let Qkv {
-            q,
-            k: k_cache,
-            v: v_cache,
-        } = qkv;
-        let Out { mut o, mut lse } = out;
-        let lse = lse.as_mut();
-        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
-        let (k_ptr, _k_sync) = k_cache.data.device_ptr(stream);
-        let (v_ptr, _v_sync) = v_cache.data.device_ptr(stream);
+        let t = bind(stream, qkv, &mut out);
         let (seqlens_ptr, _s_sync) = cache_seqlens.device_ptr(stream);
-        let o_len = o.data.len();
-        let (o_ptr, _o_sync) = o.data.device_ptr_mut(stream);
-        let operands = Operands {
-            q: info(q.layout, q.data.len(), q_ptr),
-            k: info(k_cache.layout, k_cache.data.len(), k_ptr),
-            v: info(v_cache.layout, v_cache.data.len(), v_ptr),
-            o: info(o.layout, o_len, o_ptr),
-            lse_len: lse.as_ref().map(|l| l.len()),
-        };
-        let shape = check_decode(&operands, cache_seqlens.len(), opts)?;
+        let shape = check_decode(&t.ops, cache_seqlens.len(), opts)?;
         let call = DecodeCall {
-            q: (q_ptr, strides::<T>(&q.layout)),
-            k: (k_ptr, strides::<T>(&k_cache.layout)),
-            v: (v_ptr, strides::<T>(&v_cache.layout)),
-            o: (o_ptr, strides::<T>(&o.layout)),
+            q: addressed::<T>(&t.ops.q),
+            k: addressed::<T>(&t.ops.k),
+            v: addressed::<T>(&t.ops.v),
+            o: addressed::<T>(&t.ops.o),
+            lse: t.lse,
             seqlens: seqlens_ptr,
             block_table: 0,
             cache: KvCacheShape {
@@ -1154,7 +1156,7 @@ impl FlashAttention {
                 seqlen_new: 0,
             },
         };
-        self.run_decode::<T>(stream, &call, lse, opts, workspace)
+        self.run_decode::<T>(stream, &call, opts, workspace)
     }
 
     /// [`Self::decode`] with a KV cache that may be paged, optionally after
@@ -1202,10 +1204,12 @@ impl FlashAttention {
     ///     seqlens: seqlens.as_view(),
     ///     block_table: Some(BlockTable { table: table.as_view(), max_pages }),
     /// };
-    /// let (k_new, v_new) = (TensorRef::new(k_new.as_view(), kv_layout), TensorRef::new(v_new.as_view(), kv_layout));
     /// fa.decode_kvcache(
     ///     &stream,
-    ///     DecodeStep { q: &TensorRef::new(q.as_view(), q_layout), new_kv: Some((&k_new, &v_new)) },
+    ///     DecodeStep {
+    ///         q: &TensorRef::new(q.as_view(), q_layout),
+    ///         new_kv: Some((&TensorRef::new(k_new.as_view(), kv_layout), &TensorRef::new(v_new.as_view(), kv_layout))),
+    ///     },
     ///     &mut cache,
     ///     Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
     ///     &AttnOptions { causal: true, ..Default::default() },
@@ -1218,7 +1222,7 @@ impl FlashAttention {
         stream: &Arc<CudaStream>,
         step: DecodeStep<'_, T>,
         cache: &mut KvCache<'_, T>,
-        out: Out<'_, T>,
+        mut out: Out<'_, T>,
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
@@ -1229,8 +1233,7 @@ impl FlashAttention {
             "decode_kvcache",
         )?;
         let DecodeStep { q, new_kv } = step;
-        let Out { mut o, mut lse } = out;
-        let lse = lse.as_mut();
+        let (o, lse) = (&mut out.o, out.lse.as_mut());
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (seqlens_ptr, _s_sync) = cache.seqlens.device_ptr(stream);
         let (k_len, v_len) = (cache.k.data.len(), cache.v.data.len());
@@ -1305,16 +1308,18 @@ impl FlashAttention {
                 ByValue(params),
             )?;
         }
+        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let call = DecodeCall {
             q: (q_ptr, strides::<T>(&q.layout)),
             k: (k_ptr, strides::<T>(&cache.k.layout)),
             v: (v_ptr, strides::<T>(&cache.v.layout)),
             o: (o_ptr, strides::<T>(&o.layout)),
+            lse: lse_ptr,
             seqlens: seqlens_ptr,
             block_table: table_ptr,
             cache: shape,
         };
-        self.run_decode::<T>(stream, &call, lse, opts, workspace)
+        self.run_decode::<T>(stream, &call, opts, workspace)
     }
 
     /// Launches the split-KV decode kernel, and the combine kernel when the
@@ -1323,7 +1328,6 @@ impl FlashAttention {
         &self,
         stream: &Arc<CudaStream>,
         call: &DecodeCall,
-        lse: Option<&mut CudaViewMut<'_, f32>>,
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
@@ -1358,7 +1362,6 @@ impl FlashAttention {
                 &mut owned
             }
         };
-        let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
@@ -1378,7 +1381,7 @@ impl FlashAttention {
             k: call.k.0,
             v: call.v.0,
             o: call.o.0,
-            lse: lse_ptr,
+            lse: call.lse,
             o_accum: oacc_ptr,
             lse_accum: lacc_ptr,
             cache_seqlens: call.seqlens,
@@ -1419,7 +1422,7 @@ impl FlashAttention {
                 o_accum: oacc_ptr,
                 lse_accum: lacc_ptr,
                 o: call.o.0,
-                lse: lse_ptr,
+                lse: call.lse,
                 o_strides: call.o.1,
                 batch: shape.batch as u32,
                 heads: shape.heads as u32,

@@ -1100,18 +1100,14 @@ impl Merge {
         let mut o = unsafe { dev.alloc::<T>(shape.elem_count())? };
         let [bs, s, h, _] = a_layout.shape;
         let mut lse = dev.alloc_zeros::<f32>(bs * s * h)?;
-        let (o_a, o_b) = (
-            TensorRef::new(a_view, a_layout),
-            TensorRef::new(b_view, b_layout),
-        );
         fa.merge_states(
             &stream,
             State {
-                o: &o_a,
+                o: &TensorRef::new(a_view, a_layout),
                 lse: &lse_a,
             },
             State {
-                o: &o_b,
+                o: &TensorRef::new(b_view, b_layout),
                 lse: &lse_b,
             },
             Out::with_lse(

@@ -847,14 +847,15 @@ pub fn check_kvcache(
 /// Validates a varlen call: Q/O [total_q, H, D] and K/V [total_k, Hkv, D]
 /// given as layouts of shape [1, total, heads, head_dim] (see
 /// [`Layout::packed`]), `cu_seqlens_q`/`cu_seqlens_k` of `batch + 1` i32
-/// each (`cu_seqlens_lens`), and the host's `max_seqlen_q`/`max_seqlen_k`
-/// (`max_seqlens`). The `cu_seqlens`
+/// each, and the host's `max_seqlen_q`/`max_seqlen_k`. The `cu_seqlens`
 /// values live on the device: the kernel clamps each sequence to the packed
 /// tensors and to `max_seqlen_q` rows (rows past it are not written).
 pub fn check_varlen(
     t: &Operands,
-    (cu_seqlens_q_len, cu_seqlens_k_len): (usize, usize),
-    max_seqlens: (usize, usize),
+    cu_seqlens_q_len: usize,
+    cu_seqlens_k_len: usize,
+    max_seqlen_q: usize,
+    max_seqlen_k: usize,
     opts: &AttnOptions,
 ) -> Result<VarlenShape, FlashAttnError> {
     let batch = varlen_batch(cu_seqlens_q_len)?;
@@ -865,7 +866,7 @@ pub fn check_varlen(
             got: cu_seqlens_k_len,
         });
     }
-    check_packed(t, batch, max_seqlens, opts)
+    check_packed(t, batch, (max_seqlen_q, max_seqlen_k), opts)
 }
 
 /// Validates packed queries against a paged KV cache (chunked prefill): Q/O

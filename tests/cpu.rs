@@ -3933,8 +3933,10 @@ mod varlen_paged_validation {
                     lse_len: None,
                     ..c.operands()
                 },
-                (B + 1, B + 1),
-                (20, 40),
+                B + 1,
+                B + 1,
+                20,
+                40,
                 opts,
             )
         };
