@@ -1310,10 +1310,10 @@ impl FlashAttention {
         }
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let call = DecodeCall {
-            q: (q_ptr, strides::<T>(&q.layout)),
-            k: (k_ptr, strides::<T>(&cache.k.layout)),
-            v: (v_ptr, strides::<T>(&cache.v.layout)),
-            o: (o_ptr, strides::<T>(&o.layout)),
+            q: addressed::<T>(&operands.q),
+            k: addressed::<T>(&operands.k),
+            v: addressed::<T>(&operands.v),
+            o: addressed::<T>(&operands.o),
             lse: lse_ptr,
             seqlens: seqlens_ptr,
             block_table: table_ptr,
