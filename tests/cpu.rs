@@ -3697,6 +3697,52 @@ mod index {
         }
     }
 
+    /// A balanced causal grid maps onto itself. In linear block order, a
+    /// grid of at most one wave goes pair by pair with each pair's query
+    /// blocks heaviest first; past one wave it starts its tiles in the
+    /// persistent lines' order ([`dynamic_tile`]) with a tail of at least
+    /// `HOPPER_TAIL_WAVES` waves, whole pairs.
+    #[test]
+    fn balanced_grids_cover_the_grid() {
+        let waves = flash_attn_kernels::config::HOPPER_TAIL_WAVES as u32;
+        for m_blocks in [1u32, 3, 4, 16, 128] {
+            for (heads, batches) in [(1u32, 1u32), (8, 1), (8, 32), (72, 2), (9, 3)] {
+                let dims = [m_blocks, heads, batches];
+                let pairs = heads * batches;
+                let tiles = m_blocks * pairs;
+                let heaviest: Vec<(u32, u32)> = (0..tiles)
+                    .map(|i| (m_blocks - 1 - i % m_blocks, i / m_blocks))
+                    .collect();
+                for wave in [64u32, 132, 264] {
+                    let mut seen = vec![false; tiles as usize];
+                    let mut order = Vec::new();
+                    for z in 0..batches {
+                        for y in 0..heads {
+                            for x in 0..m_blocks {
+                                let [m, h, b] = balanced_tile([x, y, z], dims, wave);
+                                assert!(m < m_blocks && h < heads && b < batches);
+                                let pair = h + heads * b;
+                                let k = (pair * m_blocks + m) as usize;
+                                assert!(!std::mem::replace(&mut seen[k], true));
+                                order.push((m, pair));
+                            }
+                        }
+                    }
+                    if tiles <= wave {
+                        assert_eq!(order, heaviest, "{m_blocks} x {pairs} on {wave}");
+                        continue;
+                    }
+                    let tail = (waves * wave).div_ceil(m_blocks).min(pairs);
+                    let g = TileGrid::new(m_blocks, pairs, 1, false).dynamic(pairs, tail, 1);
+                    let persistent: Vec<(u32, u32)> =
+                        (0..tiles).map(|i| dynamic_tile(i, &g)).collect();
+                    assert_eq!(order, persistent, "{m_blocks} x {pairs} on {wave}");
+                    assert!(tail * m_blocks >= (waves * wave).min(tiles));
+                }
+            }
+        }
+    }
+
     /// The host's divisors of a persistent launch reproduce the divisions
     /// they replace: a work unit's (pair, block), a pair's (batch, head) and
     /// a head's KV head, up to the largest unit a launch below the tile

@@ -3,7 +3,7 @@
 //! (varlen) sequence ranges, the paged-cache lookup and the shared-memory
 //! swizzle. Plain Rust that compiles for the host too, where `tests/cpu.rs`
 //! property-tests it against the reference's definitions.
-use crate::config::SWIZZLE_ROWS;
+use crate::config::{HOPPER_TAIL_WAVES, SWIZZLE_ROWS};
 
 /// Which keys each query row of one sequence sees: query `t` sits at key
 /// position `t + diag` (the bottom-right alignment, `diag = Skv - Sq`) and
@@ -242,6 +242,40 @@ impl TileGrid {
             ..self
         }
     }
+}
+
+/// `[query block, head, batch]` of block `[x, y, z]` in a causal grid of
+/// one CTA per tile, `dims` = (query blocks, heads, batches), where `wave`
+/// CTAs run at once. The block scheduler starts CTAs in the order of their
+/// linear index, each on the first SM free: greedy list scheduling. While
+/// the grid fits in one wave, each (head, batch) pair's query blocks go in
+/// reverse (the heaviest first). Past one wave, that order would start the
+/// last pairs' heaviest tiles in the last wave; the grid then takes
+/// [`dynamic_tile`]'s order, as the persistent lines claim their tiles:
+/// pair by pair, then the last [`HOPPER_TAIL_WAVES`] waves' tiles (whole
+/// pairs) heaviest first across their pairs. A bijection of the grid onto
+/// itself. Before the tail it takes one division; the tail two more.
+#[inline(always)]
+pub fn balanced_tile(block: [u32; 3], dims: [u32; 3], wave: u32) -> [u32; 3] {
+    let [x, y, z] = block;
+    let [m_blocks, heads, batches] = dims;
+    let last = m_blocks - 1;
+    let pairs = heads * batches;
+    if m_blocks * pairs <= wave {
+        return [last - x, y, z];
+    }
+    // The divisors are at least 1 (a launched grid has no empty dim), as
+    // the maxima tell LLVM: no division-by-zero panic is compiled in.
+    let tail = (HOPPER_TAIL_WAVES as u32 * wave).div_ceil(m_blocks.max(1));
+    let first = pairs.saturating_sub(tail);
+    let pair = y + heads * z;
+    if pair < first {
+        return [last - x, y, z];
+    }
+    let (tail, heads) = ((pairs - first).max(1), heads.max(1));
+    let j = x + m_blocks * (pair - first);
+    let pair = first + j % tail;
+    [last - j / tail, pair % heads, pair / heads]
 }
 
 /// Tile `i` of a dynamically scheduled persistent launch ([`TileGrid::dynamic`]):

@@ -86,6 +86,12 @@ fn key_range<L: Seq>(p: &AttnParams, b: u32) -> (u32, u32) {
     index::clamp_range(start, end, p.total_k)
 }
 
+/// The KV head that query head `head` reads.
+#[inline(always)]
+fn kv_head_of(p: &AttnParams, head: u32) -> u32 {
+    head / (p.heads / p.kv_heads.max(1)).max(1)
+}
+
 impl BlockInfo {
     /// `block_m` query rows per CTA, keys in blocks of `block_n`.
     /// `heaviest_first` visits query blocks in reverse: with a causal mask the
@@ -113,6 +119,36 @@ impl BlockInfo {
         Self::of::<M, L>(p, block_m, block_n, false, false, Some(at))
     }
 
+    /// Block (x, y, z) of a causal grid of one CTA per tile over a fixed
+    /// batch, (query block, head, batch) in [`index::balanced_tile`]'s
+    /// order, where `wave` CTAs run at once.
+    #[inline(always)]
+    pub fn balanced<M: Mask, L: Seq>(
+        p: &AttnParams,
+        block_m: usize,
+        block_n: usize,
+        wave: u32,
+    ) -> BlockInfo {
+        let dims = [
+            special::grid_dim_x(),
+            special::grid_dim_y(),
+            special::grid_dim_z(),
+        ];
+        let block = [
+            special::block_idx_x(),
+            special::block_idx_y(),
+            special::block_idx_z(),
+        ];
+        let [m_block, head, batch] = index::balanced_tile(block, dims, wave);
+        let at = TileCoord {
+            m_block,
+            head,
+            batch,
+            kv_head: kv_head_of(p, head),
+        };
+        Self::of::<M, L>(p, block_m, block_n, false, false, Some(at))
+    }
+
     /// The grid's tile, or `at`'s.
     #[inline(always)]
     fn of<M: Mask, L: Seq>(
@@ -127,7 +163,7 @@ impl BlockInfo {
         let bn = block_n as u32;
         let pack = if packed { p.pack.max(1) } else { 1 };
         let splits = p.num_splits.max(1);
-        let group = |head_base: u32| head_base / (p.heads / p.kv_heads.max(1)).max(1);
+        let group = |head_base: u32| kv_head_of(p, head_base);
         let (batch, split, head_base, kv_head, m_block) = match at {
             Some(at) => (at.batch, 0, at.head, at.kv_head, at.m_block),
             None => {
