@@ -584,8 +584,8 @@ impl Policies {
         mask && self.score as u8 >= need.score as u8 && self.seq as u8 >= need.seq as u8
     }
 
-    /// Whether a Hopper forward grid of one CTA per tile (not persistent)
-    /// starts its tiles in [`crate::index::balanced_tile`]'s order: causal
+    /// Whether a forward grid of one CTA per tile (`mma.sync`, or a Hopper
+    /// line that is not persistent) starts its tiles in [`crate::index::balanced_tile`]'s order: causal
     /// masks over a fixed batch, whose query blocks differ in weight.
     pub const fn orders_grid(self) -> bool {
         matches!(self.mask, MaskKind::Causal) && matches!(self.seq, SeqKind::Dense)

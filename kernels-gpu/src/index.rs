@@ -254,7 +254,7 @@ impl TileGrid {
 /// [`dynamic_tile`]'s order, as the persistent lines claim their tiles:
 /// pair by pair, then the last [`HOPPER_TAIL_WAVES`] waves' tiles (whole
 /// pairs) heaviest first across their pairs. A bijection of the grid onto
-/// itself. Before the tail it takes one division; the tail two more.
+/// itself. Only the tail's CTAs divide (three divisions).
 #[inline(always)]
 pub fn balanced_tile(block: [u32; 3], dims: [u32; 3], wave: u32) -> [u32; 3] {
     let [x, y, z] = block;
@@ -264,14 +264,19 @@ pub fn balanced_tile(block: [u32; 3], dims: [u32; 3], wave: u32) -> [u32; 3] {
     if m_blocks * pairs <= wave {
         return [last - x, y, z];
     }
-    // The divisors are at least 1 (a launched grid has no empty dim), as
-    // the maxima tell LLVM: no division-by-zero panic is compiled in.
-    let tail = (HOPPER_TAIL_WAVES as u32 * wave).div_ceil(m_blocks.max(1));
-    let first = pairs.saturating_sub(tail);
+    // The tail is the last `ceil(tail_tiles / m_blocks)` pairs, so a pair
+    // is before it exactly when the pairs after it hold `tail_tiles`: a
+    // test without the division, which the CTAs before the tail (most of
+    // a long grid) would otherwise pay at their start.
+    let tail_tiles = HOPPER_TAIL_WAVES as u32 * wave;
     let pair = y + heads * z;
-    if pair < first {
+    if m_blocks * (pairs - 1 - pair) >= tail_tiles {
         return [last - x, y, z];
     }
+    // The divisors are at least 1 (a launched grid has no empty dim), as
+    // the maxima tell LLVM: no division-by-zero panic is compiled in.
+    let tail = tail_tiles.div_ceil(m_blocks.max(1));
+    let first = pairs.saturating_sub(tail);
     let (tail, heads) = ((pairs - first).max(1), heads.max(1));
     let j = x + m_blocks * (pair - first);
     let pair = first + j % tail;

@@ -66,9 +66,8 @@ pub fn attention<
         assert!(MT == t.m_tiles && QK * MMA_K == D && OT * MMA_N == D && ST * MMA_N == t.block_n);
         assert!(t.kv_stages >= 2, "the ring needs a stage in flight");
     }
-    let heaviest_first = matches!(M::KIND, MaskKind::Causal);
     let lane = Lane::current();
-    let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
+    let info = tile_info::<M, S, L>(p, tile);
     if L::RAGGED && !info.has_rows() {
         // A packed sequence shorter than the grid's max_seqlen_q.
         return;
@@ -147,7 +146,7 @@ pub fn attention<
 
     // The epilogue rebuilds the block info from the CTA coordinates rather than
     // keeping it live through the loop, which would cost registers there.
-    let info = BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first);
+    let info = tile_info::<M, S, L>(p, tile);
     // Likewise the lane: the O staging addresses are then not the Q load's,
     // kept from the prologue.
     let lane = Lane::current();
@@ -160,6 +159,22 @@ pub fn attention<
     };
     unroll::<MT>(|mt| (inv_l[mt], lse[mt]) = w.softmax[mt].finalize(sink.map(|s| [s, s])));
     epilogue::write_output::<T, D, MT, OT>(p, &info, tile, q_tile, lane, &w.o, inv_l, lse);
+}
+
+/// The CTA's tile. A causal grid over a fixed batch would start the last
+/// pairs' heaviest tiles in its last wave; balanced, its tail goes heaviest
+/// first across pairs, as on the Hopper lines (v48). The wave is estimated
+/// from the entry's `min_ctas_per_sm`: where more CTAs fit, the tail spans
+/// fewer real waves, and the order is still a permutation of the grid.
+#[inline(always)]
+fn tile_info<M: Mask, S: Scores, L: Seq>(p: &AttnParams, tile: AttnTile) -> BlockInfo {
+    if const { policies::<M, S, L>().orders_grid() } {
+        let wave = special::sm_ids() * tile.min_ctas_per_sm as u32;
+        BlockInfo::balanced::<M, L>(p, tile.block_m, tile.block_n, wave)
+    } else {
+        let heaviest_first = matches!(M::KIND, MaskKind::Causal);
+        BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first)
+    }
 }
 
 /// One key block: S = Q·K(n)ᵀ, score modifiers, mask (if `masked`), softmax
