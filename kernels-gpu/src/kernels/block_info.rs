@@ -3,8 +3,9 @@
 //! property-tested on the host); this module reads the launch parameters
 //! and device-side lengths it needs.
 use super::paging;
-use super::policy::{Mask, Seq};
+use super::policy::{policies, Mask, Scores, Seq};
 use crate::arch::{global, special};
+use crate::config::MaskKind;
 use crate::index::{self, KeyWindow};
 use crate::params::{AttnParams, BshStrides};
 
@@ -119,16 +120,28 @@ impl BlockInfo {
         Self::of::<M, L>(p, block_m, block_n, false, false, Some(at))
     }
 
-    /// Block (x, y, z) of a causal grid of one CTA per tile over a fixed
-    /// batch, (query block, head, batch) in [`index::balanced_tile`]'s
-    /// order, where `wave` CTAs run at once.
+    /// The tile of a forward CTA in a grid of one CTA per tile, (query
+    /// block, head, batch). A causal grid over a fixed batch would start
+    /// the last pairs' heaviest tiles in its last wave; where the policies
+    /// weigh tiles unevenly so ([`Policies::orders_grid`]) the grid takes
+    /// [`index::balanced_tile`]'s order, whose tail goes heaviest first
+    /// across pairs as the persistent lines claim theirs, a wave being
+    /// `%nsmid` x `ctas_per_sm` CTAs. Otherwise each pair's query blocks,
+    /// heaviest first under a causal mask.
+    ///
+    /// [`Policies::orders_grid`]: crate::config::Policies::orders_grid
     #[inline(always)]
-    pub fn balanced<M: Mask, L: Seq>(
+    pub fn of_grid<M: Mask, S: Scores, L: Seq>(
         p: &AttnParams,
         block_m: usize,
         block_n: usize,
-        wave: u32,
+        ctas_per_sm: usize,
     ) -> BlockInfo {
+        if const { !policies::<M, S, L>().orders_grid() } {
+            let heaviest_first = matches!(M::KIND, MaskKind::Causal);
+            return Self::new::<M, L>(p, block_m, block_n, false, heaviest_first);
+        }
+        let wave = special::sm_ids() * ctas_per_sm as u32;
         let dims = [
             special::grid_dim_x(),
             special::grid_dim_y(),

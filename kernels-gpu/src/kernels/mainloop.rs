@@ -67,7 +67,7 @@ pub fn attention<
         assert!(t.kv_stages >= 2, "the ring needs a stage in flight");
     }
     let lane = Lane::current();
-    let info = tile_info::<M, S, L>(p, tile);
+    let info = grid_tile::<M, S, L>(p, tile);
     if L::RAGGED && !info.has_rows() {
         // A packed sequence shorter than the grid's max_seqlen_q.
         return;
@@ -146,7 +146,7 @@ pub fn attention<
 
     // The epilogue rebuilds the block info from the CTA coordinates rather than
     // keeping it live through the loop, which would cost registers there.
-    let info = tile_info::<M, S, L>(p, tile);
+    let info = grid_tile::<M, S, L>(p, tile);
     // Likewise the lane: the O staging addresses are then not the Q load's,
     // kept from the prologue.
     let lane = Lane::current();
@@ -161,20 +161,12 @@ pub fn attention<
     epilogue::write_output::<T, D, MT, OT>(p, &info, tile, q_tile, lane, &w.o, inv_l, lse);
 }
 
-/// The CTA's tile. A causal grid over a fixed batch would start the last
-/// pairs' heaviest tiles in its last wave; balanced, its tail goes heaviest
-/// first across pairs, as on the Hopper lines (v48). The wave is estimated
-/// from the entry's `min_ctas_per_sm`: where more CTAs fit, the tail spans
+/// The CTA's tile. The wave of the balanced order is estimated from the
+/// entry's `min_ctas_per_sm` (v49): where more CTAs fit, the tail spans
 /// fewer real waves, and the order is still a permutation of the grid.
 #[inline(always)]
-fn tile_info<M: Mask, S: Scores, L: Seq>(p: &AttnParams, tile: AttnTile) -> BlockInfo {
-    if const { policies::<M, S, L>().orders_grid() } {
-        let wave = special::sm_ids() * tile.min_ctas_per_sm as u32;
-        BlockInfo::balanced::<M, L>(p, tile.block_m, tile.block_n, wave)
-    } else {
-        let heaviest_first = matches!(M::KIND, MaskKind::Causal);
-        BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first)
-    }
+fn grid_tile<M: Mask, S: Scores, L: Seq>(p: &AttnParams, tile: AttnTile) -> BlockInfo {
+    BlockInfo::of_grid::<M, S, L>(p, tile.block_m, tile.block_n, tile.min_ctas_per_sm)
 }
 
 /// One key block: S = Q·K(n)ᵀ, score modifiers, mask (if `masked`), softmax

@@ -297,17 +297,9 @@ pub unsafe fn forward<
         return;
     }
 
-    // A causal grid over a fixed batch would start the last pairs' heaviest
-    // tiles in its last wave; balanced, its tail goes heaviest first across
-    // pairs, as the persistent lines claim theirs (D = 256 causal, H200:
-    // 1.01x at 512 keys, 1.04-1.09x at 1k-4k; docs/perf-notes.md, v48).
-    let info = if const { policies::<M, S, L>().orders_grid() } {
-        let wave = special::sm_ids() * tile.ctas_per_sm as u32;
-        BlockInfo::balanced::<M, L>(p, tile.block_m, tile.block_n, wave)
-    } else {
-        let heaviest_first = matches!(M::KIND, MaskKind::Causal);
-        BlockInfo::new::<M, L>(p, tile.block_m, tile.block_n, false, heaviest_first)
-    };
+    // Causal grids in the balanced order: D = 256 causal, H200, 1.01x at
+    // 512 keys, 1.04-1.09x at 1k-4k (docs/perf-notes.md, v48).
+    let info = BlockInfo::of_grid::<M, S, L>(p, tile.block_m, tile.block_n, tile.ctas_per_sm);
     // The grid covers the longest packed sequence; the CTA returns as a
     // whole (`info` is uniform), with no load issued.
     if L::RAGGED && !info.has_rows() {
