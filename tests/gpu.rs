@@ -2135,6 +2135,21 @@ fn fixed_forward_cases() -> Vec<FwdCase> {
                 ..base.clone()
             });
         }
+        // A causal grid of over two waves on every GPU up to 132 SMs (576
+        // tiles of 128 rows, 864 of 64), so that the balanced order's tail
+        // and the pairs before it both run on the `mma.sync` kernels too
+        // (`index::balanced_tile`; the `hopper_*` trials reach them only
+        // on Hopper with FLASH_ATTN_FORCE_SM80=1).
+        v.push(FwdCase {
+            batch: 3,
+            heads: 96,
+            kv_heads: 8,
+            seqlen_q: 129,
+            seqlen_k: 130,
+            head_dim,
+            causal: true,
+            ..base.clone()
+        });
     }
     v
 }
