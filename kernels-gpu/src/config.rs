@@ -585,8 +585,9 @@ impl Policies {
     }
 
     /// Whether a forward grid of one CTA per tile (`mma.sync`, or a Hopper
-    /// line that is not persistent) starts its tiles in [`crate::index::balanced_tile`]'s order: causal
-    /// masks over a fixed batch, whose query blocks differ in weight.
+    /// line that is not persistent) starts its tiles in
+    /// [`crate::index::balanced_tile`]'s order: causal masks over a fixed
+    /// batch, whose query blocks differ in weight.
     pub const fn orders_grid(self) -> bool {
         matches!(self.mask, MaskKind::Causal) && matches!(self.seq, SeqKind::Dense)
     }
