@@ -2388,11 +2388,32 @@ fn v_head_dim_cases<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
-/// ALiBi over key blocks on either side of every row's origin and across
-/// it (`index::OriginSide`): full attention with Sq = Skv, Sq < Skv and
-/// Sq > Skv, a two-sided window and causal, plain and under a softcap, with
-/// [H] and [B, H] slopes, on every Hopper head dim's lines.
+/// [`alibi_side_cases`] on every Hopper head dim's lines.
 fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
+    alibi_side_cases(
+        hopper_head_dims()
+            .into_iter()
+            .flat_map(|d| hopper_rows_of(d).into_iter().map(move |r| (d, r))),
+    )
+}
+
+/// [`alibi_side_cases`] for every head dim and dtype on the lines the
+/// dispatch picks: off Hopper (or with `FLASH_ATTN_FORCE_SM80=1`) the
+/// `mma.sync` kernels, whose only ALiBi cases the random policy trials
+/// drew before.
+fn forward_alibi_side_cases() -> Vec<PolicyFwdCase> {
+    alibi_side_cases(
+        flash_attn::SUPPORTED_HEAD_DIMS
+            .into_iter()
+            .map(|d| (d, None)),
+    )
+}
+
+/// ALiBi over key blocks on either side of every row's origin and across
+/// it (`index::OriginSide`) for each (head dim, Hopper rows) line: full
+/// attention with Sq = Skv, Sq < Skv and Sq > Skv, a two-sided window and
+/// causal, plain and under a softcap, with [H] and [B, H] slopes.
+fn alibi_side_cases(lines: impl Iterator<Item = (usize, Option<usize>)>) -> Vec<PolicyFwdCase> {
     let mut v = Vec::new();
     let windows = [
         (false, Window::default()),
@@ -2405,9 +2426,6 @@ fn hopper_alibi_side_cases() -> Vec<PolicyFwdCase> {
             },
         ),
     ];
-    let lines = hopper_head_dims()
-        .into_iter()
-        .flat_map(|d| hopper_rows_of(d).into_iter().map(move |r| (d, r)));
     for (head_dim, hopper_rows) in lines {
         for (i, &(causal, window)) in windows.iter().enumerate() {
             for (j, &(batch, seqlen_q, seqlen_k)) in
@@ -2973,6 +2991,17 @@ fn main() {
                 policy_fwd_strategy(),
                 run_forward_policy::<$t>
             );
+            let g = gpu.clone();
+            trials.push(Trial::test(
+                concat!("forward_alibi_sides_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    for c in forward_alibi_side_cases() {
+                        run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
+                    }
+                    Ok(())
+                },
+            ));
             random_trial!(
                 "varlen_random_",
                 $name,
