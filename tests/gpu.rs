@@ -2946,6 +2946,20 @@ fn main() {
         }};
     }
 
+    // Every case of a fixed list (the run's error names its case).
+    macro_rules! fixed_trial {
+        ($label:literal, $name:literal, $cases:expr, $run:expr) => {{
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!($label, $name), move || {
+                let gpu = g.as_ref().as_ref().unwrap();
+                for c in $cases {
+                    $run(gpu, &c)?;
+                }
+                Ok(())
+            }));
+        }};
+    }
+
     macro_rules! dtype_trials {
         ($t:ty, $name:literal) => {{
             random_trial!(
@@ -2955,17 +2969,12 @@ fn main() {
                 fwd_strategy(),
                 run_forward::<$t>
             );
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("forward_fixed_shapes_", $name),
-                move || {
-                    let gpu = g.as_ref().as_ref().unwrap();
-                    for c in fixed_forward_cases() {
-                        run_forward::<$t>(gpu, &c)?;
-                    }
-                    Ok(())
-                },
-            ));
+            fixed_trial!(
+                "forward_fixed_shapes_",
+                $name,
+                fixed_forward_cases(),
+                run_forward::<$t>
+            );
             random_trial!(
                 "decode_random_",
                 $name,
@@ -2991,17 +3000,12 @@ fn main() {
                 policy_fwd_strategy(),
                 run_forward_policy::<$t>
             );
-            let g = gpu.clone();
-            trials.push(Trial::test(
-                concat!("forward_alibi_sides_", $name),
-                move || {
-                    let gpu = g.as_ref().as_ref().unwrap();
-                    for c in forward_alibi_side_cases() {
-                        run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
-                    }
-                    Ok(())
-                },
-            ));
+            fixed_trial!(
+                "forward_alibi_sides_",
+                $name,
+                forward_alibi_side_cases(),
+                run_forward_policy::<$t>
+            );
             random_trial!(
                 "varlen_random_",
                 $name,

@@ -19,7 +19,7 @@ use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use crate::arch::{barrier, global, ldmatrix, math, smem};
 use crate::config::{
-    AttnTile, KernelKind, PtxArch, WarpSplit, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
+    AttnTile, KernelKind, PtxArch, WarpSplit, CHUNK_ELEMS, MMA_K, MMA_N, WARP_KEYS,
 };
 use crate::params::AttnParams;
 use crate::unroll::unroll;
