@@ -63,8 +63,10 @@
 //! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
-//! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks),
-//! `policy-gemma2` (Gemma 2 9B's and 27B's prefill, plain and softcap 50),
+//! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks;
+//! plain and softcap also in bf16, whose capped softmax holds its max
+//! fixed), `policy-gemma2` (Gemma 2 9B's and 27B's prefill, plain and
+//! softcap 50, f16 and bf16),
 //! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
 //! mean length, D = 128, and D = 192 causal, MLA prefill's Q·K width;
 //! causal also with K/V in shuffled pools of 16- and 256-token pages,
@@ -661,6 +663,9 @@ fn shapes() -> Vec<Shape> {
         for policy in [Policy::Softcap(50.0), Policy::Alibi, Policy::Sinks(0.5)] {
             v.push(with(plain, policy));
         }
+        // bf16: where the softcap's softmax runs without a row max (v51).
+        let plain = fwd(Dtype::Bf16, 4, 16, 4096, 128, causal, "policy-scores");
+        v.extend([plain, with(plain, Policy::Softcap(50.0))]);
     }
     // Gemma 2's own prefill shapes with its softcap 50: 9B (16 heads over
     // 8 KV heads, D = 256) and 27B (32 over 16, D = 128), causal.
@@ -668,6 +673,11 @@ fn shapes() -> Vec<Shape> {
         let plain = Shape {
             kv_heads,
             ..fwd(Dtype::F16, 2, heads, 4096, head_dim, true, "policy-gemma2")
+        };
+        v.extend([plain, with(plain, Policy::Softcap(50.0))]);
+        let plain = Shape {
+            dtype: Dtype::Bf16,
+            ..plain
         };
         v.extend([plain, with(plain, Policy::Softcap(50.0))]);
     }

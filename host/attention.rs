@@ -437,6 +437,34 @@ fn policy_args<'a>(
     }
 }
 
+/// The largest span K = c · log2(e) of a softcap's logits (log2 units) for
+/// which the forward softmax holds m at 0 instead of a running row max
+/// (`AttnParams::fixed_max`; c up to 51.98, so Gemma 2's 50 and Grok's 30).
+/// Every P = 2^logit then lies in (2^-75, 2^75):
+/// - P is f32 and bf16 at full relative precision: both hold 2^-126 to
+///   2^128 (f16, at most 2^16, cannot: f16 and f32 inputs keep the max);
+/// - the P below 2^-126 that `ex2.approx.ftz` flushes to 0 lose at most
+///   Skv · 2^-126 of a row sum that is above 2^-75, 2^-24 of it for Skv
+///   below 2^27 keys;
+/// - l and O's f32 accumulators stay below Skv · max|V| · 2^75, finite for
+///   Skv · max|V| < 2^53 (a million keys with |V| below 8.6e9; the online
+///   max's bound, P <= 2^8, is Skv · max|V| < 2^120).
+const FIXED_MAX_LOG2_SPAN: f32 = 75.0;
+
+/// Whether a forward call's softmax holds its max fixed: bf16 (P's
+/// exponent range), a softcap whose span is within
+/// [`FIXED_MAX_LOG2_SPAN`], and no ALiBi (whose bias has no lower bound).
+/// Without the row max, a capped key block skips the max, the shuffles and
+/// the lazy rescale (H200, D = 128, B = 4, S = 4k, over the plain row: the
+/// `mma.sync` kernels +0.4 % causal and +7.0 % non-causal, against f16's
+/// +8-12 %; the Hopper lines +22.0 % and +17.6 %, against f16's +23-33 %;
+/// docs/perf-notes.md, v51).
+fn softmax_max_fixed(dtype: Dtype, softcap: Option<f32>, alibi: bool) -> bool {
+    dtype == Dtype::Bf16
+        && !alibi
+        && softcap.is_some_and(|c| c * std::f32::consts::LOG2_E <= FIXED_MAX_LOG2_SPAN)
+}
+
 /// Which code [`FlashAttention::new_with`] loads.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum ModuleChoice {
@@ -802,6 +830,11 @@ impl FlashAttention {
             page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
             head_dim: shape.v_dim() as u32,
+            fixed_max: u32::from(softmax_max_fixed(
+                T::DTYPE,
+                opts.softcap,
+                opts.alibi_slopes.is_some(),
+            )),
             ..policy.params
         };
         let on_hopper = self.launch_hopper_forward::<T>(
@@ -1545,7 +1578,87 @@ pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{choose_splits, SplitProblem};
+    use super::{choose_splits, softmax_max_fixed, SplitProblem, FIXED_MAX_LOG2_SPAN};
+    use flash_attn_kernels::config::Dtype;
+    use half::bf16;
+    use std::f64::consts::LOG2_E;
+
+    #[test]
+    fn fixed_max_only_where_p_stays_in_range() {
+        assert!(softmax_max_fixed(Dtype::Bf16, Some(50.0), false));
+        assert!(softmax_max_fixed(Dtype::Bf16, Some(0.5), false));
+        assert!(!softmax_max_fixed(Dtype::Bf16, Some(52.0), false));
+        assert!(!softmax_max_fixed(Dtype::Bf16, Some(50.0), true));
+        assert!(!softmax_max_fixed(Dtype::Bf16, None, false));
+        assert!(!softmax_max_fixed(Dtype::F16, Some(50.0), false));
+        assert!(!softmax_max_fixed(Dtype::F32, Some(50.0), false));
+    }
+
+    /// One row as the kernels compute it with m held at 0: P = 2^logit in
+    /// f32 (flushed to 0 below 2^-126, as `ex2.approx.ftz`), summed in f32,
+    /// rounded to bf16 for P·V with f32 accumulation. Returns (O, LSE).
+    fn fixed_max_row(logits_log2: &[f64], v: &[f64]) -> (f64, f64) {
+        let (mut l, mut o) = (0f32, 0f32);
+        for (&x, &vj) in logits_log2.iter().zip(v) {
+            let p = (x as f32).exp2();
+            let p = if p < f32::MIN_POSITIVE { 0.0 } else { p };
+            l += p;
+            o += bf16::from_f32(p).to_f32() * bf16::from_f64(vj).to_f32();
+        }
+        (f64::from(o / l), f64::from(l).log2() / LOG2_E)
+    }
+
+    /// The same row in f64 with its own max.
+    fn exact_row(logits_log2: &[f64], v: &[f64]) -> (f64, f64) {
+        let m = logits_log2
+            .iter()
+            .cloned()
+            .fold(f64::NEG_INFINITY, f64::max);
+        let p: Vec<f64> = logits_log2.iter().map(|x| (x - m).exp2()).collect();
+        let l: f64 = p.iter().sum();
+        let o = p.iter().zip(v).map(|(p, v)| p * v).sum::<f64>() / l;
+        (o, (m + l.log2()) / LOG2_E)
+    }
+
+    /// At the largest allowed span, rows whose logits all sit at the
+    /// bottom of the range, at the top, or spread over all of it keep bf16's
+    /// accuracy over 2^14 keys; at twice the span every one breaks (the
+    /// bottom row's P all flush to 0, the others' top P overflow), so the
+    /// bound is what keeps them.
+    #[test]
+    fn fixed_max_rows_keep_bf16_accuracy_within_the_span() {
+        let keys = 1 << 14;
+        let v: Vec<f64> = (0..keys)
+            .map(|j| ((j * 37 % 101) as f64 / 50.0) - 1.0)
+            .collect();
+        let rows = |k: f64| -> Vec<Vec<f64>> {
+            let at = |lo: f64, hi: f64| -> Vec<f64> {
+                (0..keys)
+                    .map(|j| lo + (hi - lo) * ((j * 61 % 97) as f64 / 96.0))
+                    .collect()
+            };
+            vec![at(-k, -k + 3.0), at(k - 3.0, k), at(-k, k)]
+        };
+        let k = f64::from(FIXED_MAX_LOG2_SPAN);
+        for row in rows(k) {
+            let (got, want) = (fixed_max_row(&row, &v), exact_row(&row, &v));
+            // bf16's rounding of P and V: 2^-8 relative per term.
+            assert!((got.0 - want.0).abs() <= 2f64.powi(-7), "{got:?} {want:?}");
+            assert!(
+                (got.1 - want.1).abs() <= 1e-4 * want.1.abs().max(1.0),
+                "{got:?} {want:?}"
+            );
+        }
+        let broken = rows(2.0 * k)
+            .iter()
+            .filter(|row| {
+                let (got, want) = (fixed_max_row(row, &v), exact_row(row, &v));
+                // NaN (a row of flushed P: 0 / 0) counts as broken.
+                (got.0 - want.0).abs().is_nan() || (got.0 - want.0).abs() > 2f64.powi(-7)
+            })
+            .count();
+        assert_eq!(broken, 3);
+    }
 
     /// A decode problem on an H100 (132 SMs, 3 decode CTAs per SM) of
     /// `ctas` CTAs each streaming `keys` keys of D = `d` (f16 K and V).

@@ -1971,6 +1971,127 @@ fn run_rescale<T: AttnElement>(gpu: &Gpu, c: &RescaleCase) -> Result<(), String>
     )
 }
 
+/// A [`run_softcap_range`] case.
+#[derive(Clone, Copy, Debug)]
+struct CapRangeCase {
+    head_dim: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    causal: bool,
+    softcap: f32,
+    /// Sinks of -100 (head 0) and 2 (head 1).
+    sinks: bool,
+}
+
+/// Capped logits at both ends of their range, where a softmax without a row
+/// max (`AttnParams::fixed_max`: bf16, a cap of at most 51.98, no ALiBi)
+/// keeps P at 2^-72 and 2^72 (c = 50): Q rows point along or against one
+/// direction `u` that every key shares (`q = a u`, `k = s u` plus noise,
+/// s in [0.5, 1)), with a gain that puts a·s·scale·q·k / c at ±6 to ±12
+/// for |a| = 1 (tanh saturated, every logit ±c up to 2e-5 c) and at about
+/// ±0.02 to ±0.05 for |a| = 1/256 (logits spread over about a nat, small
+/// enough that `tanh.approx`'s relative error keeps the LSE within its
+/// tolerance). With m
+/// held anywhere but near the middle of the range, the bottom rows' P
+/// flush to 0 or the top rows' overflow; with the fixed max on f16 (P up
+/// to 2^16) or past the span (c = 100: 2^-144), they do too. Sq > Skv
+/// causal rows see no key: with the sink of -100 their LSE is -100, which
+/// the fixed max (2^(sink - 0) flushed) loses unless the sink step treats
+/// them as rows with no key.
+fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), String> {
+    let mut rng = StdRng::seed_from_u64(c.head_dim as u64 + c.seqlen_q as u64);
+    let (b, sq, sk, h, d) = (1, c.seqlen_q, c.seqlen_k, 2, c.head_dim);
+    let u: Vec<f64> = (0..d)
+        .map(|_| if rng.random::<bool>() { 1.0 } else { -1.0 })
+        .collect();
+    let gains = [-1.0, 1.0, -1.0 / 256.0, 1.0 / 256.0];
+    let mut q_host = Vec::with_capacity(sq * h * d);
+    for i in 0..sq {
+        for hi in 0..h {
+            let a = gains[(i + hi) % gains.len()];
+            q_host.extend(u.iter().map(|&x| T::from_f64(a * x)));
+        }
+    }
+    let mut k_host = Vec::with_capacity(sk * d);
+    for j in 0..sk {
+        let s = 0.5 + (j % 8) as f64 / 16.0;
+        k_host.extend(
+            u.iter()
+                .map(|&x| T::from_f64(s * x + rng.random_range(-0.25..0.25))),
+        );
+    }
+    let v_host = random_values::<T>(&mut rng, sk * d);
+    let (ql, kl) = (
+        Layout::contiguous([b, sq, h, d]),
+        Layout::contiguous([b, sk, 1, d]),
+    );
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let sinks_host = [-100.0f32, 2.0];
+    let sinks = s.clone_htod(&sinks_host).map_err(e)?;
+    let (q, k, v) = (
+        s.clone_htod(&q_host).map_err(e)?,
+        s.clone_htod(&k_host).map_err(e)?,
+        s.clone_htod(&v_host).map_err(e)?,
+    );
+    let ol = gapped_layout([b, sq, h, d]);
+    let mut o = poisoned::<T>(gpu, b * ol.strides[0])?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    // q·k = a·s·D (plus noise): this scale takes a·s·12 to the tanh.
+    let softmax_scale = c.softcap * 12.0 / d as f32;
+    let sink_view = sinks.as_view();
+    let opts = AttnOptions {
+        causal: c.causal,
+        softmax_scale: Some(softmax_scale),
+        softcap: Some(c.softcap),
+        sinks: c.sinks.then_some(&sink_view),
+        ..Default::default()
+    };
+    let launches = flash_attn::hopper::launches_on_this_thread();
+    gpu.fa
+        .forward(
+            s,
+            Qkv {
+                q: &TensorRef::new(q.as_view(), ql),
+                k: &TensorRef::new(k.as_view(), kl),
+                v: &TensorRef::new(v.as_view(), kl),
+            },
+            Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
+            &opts,
+        )
+        .map_err(|x| x.to_string())?;
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: 1,
+        head_dim: d,
+        causal: c.causal,
+        softmax_scale,
+        softcap: Some(c.softcap),
+        ..Default::default()
+    };
+    let sinks_f64 = sinks_host.map(f64::from);
+    let extras = reference::Extras {
+        alibi_slopes: None,
+        sinks: c.sinks.then_some(&sinks_f64[..]),
+    };
+    let want = reference::attention_ext(
+        &shape,
+        &to_f64(&q_host),
+        &to_f64(&k_host),
+        &to_f64(&v_host),
+        &extras,
+    );
+    let what = format!("{c:?}");
+    check_forward_path::<T>(gpu, (d, sk, None), launches, &what)?;
+    let o_host = s.clone_dtoh(&o).map_err(e)?;
+    check_output(&o_host, &ol, &want.o, &what)?;
+    check_untouched_outside(&o_host, &ol, &what)?;
+    check_lse(&s.clone_dtoh(&lse).map_err(e)?, &want.lse, &what)
+}
+
 fn head_dims() -> impl Strategy<Value = usize> {
     prop::sample::select(flash_attn::SUPPORTED_HEAD_DIMS.to_vec())
 }
@@ -3031,6 +3152,30 @@ fn main() {
             trials.push(Trial::test(concat!("v_head_dim_", $name), move || {
                 let gpu = g.as_ref().as_ref().unwrap();
                 v_head_dim_cases::<$t>(gpu).map_err(Failed::from)
+            }));
+            let g = gpu.clone();
+            trials.push(Trial::test(concat!("softcap_range_", $name), move || {
+                let gpu = g.as_ref().as_ref().unwrap();
+                for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
+                    for softcap in [50.0, 100.0] {
+                        for (seqlen_q, seqlen_k, causal, sinks) in [
+                            (70, 300, false, false),
+                            (70, 300, true, true),
+                            (300, 70, true, true),
+                        ] {
+                            let c = CapRangeCase {
+                                head_dim,
+                                seqlen_q,
+                                seqlen_k,
+                                causal,
+                                softcap,
+                                sinks,
+                            };
+                            run_softcap_range::<$t>(gpu, &c)?;
+                        }
+                    }
+                }
+                Ok(())
             }));
             let g = gpu.clone();
             trials.push(Trial::test(

@@ -97,6 +97,13 @@ pub struct AttnParams {
     /// times the logit factor c (in `scale_log2`) is c * tanh(scale * q·k /
     /// c). Folding c into `scale_log2` saves a multiply per score. 0 = off.
     pub softcap_pre: f32,
+    /// 1: the forward softmax holds every row's m at
+    /// `softmax::FIXED_MAX` instead of a running row max. Exact only where
+    /// the logits are bounded and P is bf16 (f32's exponent range): the host
+    /// sets it for bf16 softcaps without ALiBi whose cap bounds P
+    /// (`flash_attn`'s `softmax_max_fixed`), and the kernels also require
+    /// `Element::BF16`. 0 = the online max.
+    pub fixed_max: u32,
     /// f32 ALiBi slopes: slope (b, h) at `alibi + (b * alibi_batch_stride + h) * 4`
     /// (`[heads]`: stride 0; `[batch, heads]`: stride heads). 0 = off.
     pub alibi: u64,

@@ -77,7 +77,7 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
         unroll::<QK>(|kk| q[kk] = q_frag(kk));
     }
     let rows = [0, 1].map(|r| lane.group() + 8 * r);
-    let mods = Modifiers::new::<S>(p);
+    let mods = Modifiers::new::<T, S>(p);
     // Rows hold different heads (the packed query heads of the KV head).
     let slopes = if mods.alibi {
         rows.map(|r| Modifiers::slope(p, info.batch, info.head(r)))

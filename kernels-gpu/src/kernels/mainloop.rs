@@ -108,7 +108,7 @@ pub fn attention<
             });
         }
     });
-    let mods = Modifiers::new::<S>(p);
+    let mods = Modifiers::new::<T, S>(p);
     // The CTA's one head: its ALiBi slope is uniform.
     let slope = if mods.alibi {
         Modifiers::slope(p, info.batch, info.head_base)
@@ -252,7 +252,11 @@ fn kv_block<
         });
     }
 
-    unroll::<MT>(|mt| w.softmax[mt].rescale(&s[mt], &mut w.o[mt], p.scale_log2));
+    if mods.fixed_max {
+        unroll::<MT>(|mt| w.softmax[mt].hold_fixed_max());
+    } else {
+        unroll::<MT>(|mt| w.softmax[mt].rescale(&s[mt], &mut w.o[mt], p.scale_log2));
+    }
 
     // O += P·V(n). The P of n-tiles 2kk and 2kk+1 is exactly the A fragment of
     // k-step kk once packed to 16 bits: P never leaves registers, and is

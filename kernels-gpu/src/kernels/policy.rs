@@ -5,6 +5,7 @@
 //! `config::attention_variants`; a policy that is fixed at compile time costs
 //! nothing where it is off, and the `Local`/`Modified`/`Ragged` policies read
 //! their settings from the launch parameters (uniform branches).
+use super::element::Element;
 use crate::arch::{global, math};
 use crate::config::{MaskKind, Policies, ScoreKind, SeqKind};
 use crate::params::AttnParams;
@@ -110,14 +111,19 @@ pub const fn policies<M: Mask, S: Scores, L: Seq>() -> Policies {
 pub struct Modifiers {
     pub softcap: bool,
     pub alibi: bool,
+    /// The softmax holds m at `softmax::FIXED_MAX` (`AttnParams::fixed_max`;
+    /// only where P is bf16, whose exponent range holds every P of a capped
+    /// row, and only in the forward kernels).
+    pub fixed_max: bool,
 }
 
 impl Modifiers {
     #[inline(always)]
-    pub fn new<S: Scores>(p: &AttnParams) -> Modifiers {
+    pub fn new<T: Element, S: Scores>(p: &AttnParams) -> Modifiers {
         Modifiers {
             softcap: S::MODIFIED && p.softcap_pre != 0.0,
             alibi: S::MODIFIED && p.alibi != 0,
+            fixed_max: T::BF16 && S::MODIFIED && p.fixed_max != 0,
         }
     }
 

@@ -24,6 +24,15 @@ const NO_KEY_MAX: f32 = f32::MIN;
 /// f32 row sums.
 const RESCALE_SLACK: f32 = 8.0;
 
+/// m of every row when the logits are bounded (`AttnParams::fixed_max`):
+/// a capped logit lies in (-c, c), i.e. (-K, K) in log2 units with K = c ·
+/// log2(e), so with m = 0 every P = 2^logit lies in (2^-K, 2^K), as far
+/// from f32's (and bf16's) underflow at 2^-126 as from its overflow at
+/// 2^128. The host allows K <= 75 (`flash_attn`'s `softmax_max_fixed`
+/// gives the margins). No row max is then needed to keep P in range, and
+/// O and l are never rescaled.
+pub const FIXED_MAX: f32 = 0.0;
+
 pub struct OnlineSoftmax {
     pub m: [f32; 2],
     pub l: [f32; 2],
@@ -105,6 +114,13 @@ impl OnlineSoftmax {
         }
     }
 
+    /// Holds m at [`FIXED_MAX`] where [`Self::rescale`] would fold S's row
+    /// maxima into it (`AttnParams::fixed_max`).
+    #[inline(always)]
+    pub fn hold_fixed_max(&mut self) {
+        self.m = [FIXED_MAX; 2];
+    }
+
     /// P = exp2(S * scale - m) of one 8-column n-tile of S (after
     /// [`Self::rescale`]), added to l. Called per n-tile right before P is
     /// packed for its MMA, so each n-tile's S registers die there instead of
@@ -167,6 +183,20 @@ impl OnlineSoftmax {
         } else {
             None
         }
+    }
+
+    /// [`Self::advance`] with m held at [`FIXED_MAX`]
+    /// (`AttnParams::fixed_max`): no row max, no vote, and never a factor
+    /// for O.
+    #[inline(always)]
+    pub fn advance_fixed<const ST: usize>(
+        &mut self,
+        s: &mut [[f32; 4]; ST],
+        scale_log2: f32,
+    ) -> Option<[f32; 2]> {
+        self.hold_fixed_max();
+        unroll::<ST>(|j| s[j] = self.exp(&s[j], scale_log2));
+        None
     }
 
     /// [`Self::advance`] for softcapped scores, S still raw: P =
@@ -312,8 +342,12 @@ fn finish(
         let l = row_l(r);
         let (m, l, o_weight) = match sinks {
             Some(sink) => {
-                let m_sink = m[r].max(sink[r]);
-                let o_weight = math::ex2(m[r] - m_sink);
+                // A row that saw no key weighs only the sink, also where m
+                // was held at `FIXED_MAX` rather than left at `NO_KEY_MAX`:
+                // 2^(sink - FIXED_MAX) could underflow.
+                let m_row = if l > 0.0 { m[r] } else { NO_KEY_MAX };
+                let m_sink = m_row.max(sink[r]);
+                let o_weight = math::ex2(m_row - m_sink);
                 (
                     m_sink,
                     math::fma(l, o_weight, math::ex2(sink[r] - m_sink)),

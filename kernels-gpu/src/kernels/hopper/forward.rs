@@ -337,7 +337,7 @@ pub unsafe fn forward<
         }
     } else {
         setmaxnreg::inc::<REGS>();
-        let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
+        let wg = Warpgroup::new::<T, S>(p, tile, sm, k_ring, v_ring);
         if const { HopperTile::of(D, policies::<M, S, L>(), ROWS, LOOP, Some(ST * 8)).serial } {
             consume_serial::<T, M, S, L, D, ST, OT, QK, PK, STAGES, VSTAGES, QB>(
                 p, wg, &info, maps,
@@ -423,7 +423,7 @@ fn persistent<
         }
     } else {
         setmaxnreg::inc::<REGS>();
-        let wg = Warpgroup::new::<S>(p, tile, sm, k_ring, v_ring);
+        let wg = Warpgroup::new::<T, S>(p, tile, sm, k_ring, v_ring);
         // Persistent lines serve dense sequences (`HopperTile::for_head_dim`):
         // the stream's epilogue has no packed rows to guard.
         if !tile.pingpong && !L::RAGGED {
@@ -647,7 +647,7 @@ struct Work<'a> {
 
 impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VSTAGES, QB> {
     #[inline(always)]
-    fn new<S: Scores>(
+    fn new<T: Element, S: Scores>(
         p: &AttnParams,
         tile: HopperTile,
         sm: Smem<QB>,
@@ -663,7 +663,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             sm,
             k_ring,
             v_ring,
-            mods: Modifiers::new::<S>(p),
+            mods: Modifiers::new::<T, S>(p),
             c,
             wg_tid,
             lane,
@@ -956,6 +956,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             && self.tile.head_dim == 256
             && self.mods.softcap
             && !self.mods.alibi
+            && !self.mods.fixed_max
             && !info.block_needs_mask(n, bn)
         {
             return softmax.advance_capped::<ST>(s, p.scale_log2, p.softcap_pre);
@@ -981,6 +982,9 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             // rows' key limits would cost registers through the loop.
             let r0 = special::opaque_u32(self.row0);
             mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
+        }
+        if self.mods.fixed_max {
+            return softmax.advance_fixed::<ST>(s, p.scale_log2);
         }
         // The row max in four chains where it measured faster: the D = 64
         // causal persistent line (H100: 1.04x at 512 keys, 1.02x at 1k,
