@@ -73,7 +73,10 @@ pub struct AttnOptions<'a> {
     /// Sliding window; combined with `causal`, whose right bound of 0 wins.
     pub window: Window,
     /// Logit soft-capping (Gemma 2): score = `c * tanh(scale * q·k / c)`.
-    /// Must be finite and positive.
+    /// Must be finite and positive. A bf16 forward with c <= 51.98 and no
+    /// ALiBi runs its softmax without a row max (the capped logits are
+    /// bounded): O and LSE as with it, for any inputs with Skv · max|V| <
+    /// 2^53.
     pub softcap: Option<f32>,
     /// ALiBi slopes (Bloom, MPT), added after the scale (and softcap).
     pub alibi_slopes: Option<AlibiSlopes<'a>>,
