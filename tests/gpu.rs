@@ -941,6 +941,16 @@ fn random_inputs<T: AttnElement>(
         random_values::<T>(rng, len(k)),
         random_values::<T>(rng, len(v)),
     );
+    upload_inputs(gpu, q_host, k_host, v_host)
+}
+
+/// Q, K and V on the device beside their host copies.
+fn upload_inputs<T: AttnElement>(
+    gpu: &Gpu,
+    q_host: Vec<T>,
+    k_host: Vec<T>,
+    v_host: Vec<T>,
+) -> Result<Inputs<T>, String> {
     let up = |x: &[T]| gpu.stream.clone_htod(x).map_err(|e| e.to_string());
     Ok(Inputs {
         q: up(&q_host)?,
@@ -950,6 +960,30 @@ fn random_inputs<T: AttnElement>(
         k_host,
         v_host,
     })
+}
+
+/// A dense forward of `x` (laid out as `[ql, kl, vl]`) into O (`ol`) and
+/// the LSE.
+fn forward_with_lse<T: AttnElement>(
+    gpu: &Gpu,
+    x: &Inputs<T>,
+    [ql, kl, vl]: [Layout; 3],
+    (o, ol): (&mut CudaSlice<T>, Layout),
+    lse: &mut CudaSlice<f32>,
+    opts: &AttnOptions,
+) -> Result<(), String> {
+    gpu.fa
+        .forward(
+            &gpu.stream,
+            Qkv {
+                q: &TensorRef::new(x.q.as_view(), ql),
+                k: &TensorRef::new(x.k.as_view(), kl),
+                v: &TensorRef::new(x.v.as_view(), vl),
+            },
+            Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
+            opts,
+        )
+        .map_err(|x| x.to_string())
 }
 
 /// A device buffer of `n` NaNs, so unwritten outputs cannot pass.
@@ -1108,18 +1142,7 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
             hopper_rows: c.hopper_rows,
             ..*opts
         };
-        gpu.fa
-            .forward(
-                s,
-                Qkv {
-                    q: &TensorRef::new(x.q.as_view(), ql),
-                    k: &TensorRef::new(x.k.as_view(), kl),
-                    v: &TensorRef::new(x.v.as_view(), vl),
-                },
-                Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
-                opts,
-            )
-            .map_err(|x| x.to_string())?;
+        forward_with_lse(gpu, &x, [ql, kl, vl], (&mut o, ol), &mut lse, opts)?;
         Ok::<_, String>(reference::attention_ext(
             &shape,
             &to_f64(&x.q_host),
@@ -2021,6 +2044,7 @@ fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), 
         );
     }
     let v_host = random_values::<T>(&mut rng, sk * d);
+    let x = upload_inputs(gpu, q_host, k_host, v_host)?;
     let (ql, kl) = (
         Layout::contiguous([b, sq, h, d]),
         Layout::contiguous([b, sk, 1, d]),
@@ -2029,11 +2053,6 @@ fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), 
     let e = |x: cudarc::driver::DriverError| x.to_string();
     let sinks_host = [-100.0f32, 2.0];
     let sinks = s.clone_htod(&sinks_host).map_err(e)?;
-    let (q, k, v) = (
-        s.clone_htod(&q_host).map_err(e)?,
-        s.clone_htod(&k_host).map_err(e)?,
-        s.clone_htod(&v_host).map_err(e)?,
-    );
     let ol = gapped_layout([b, sq, h, d]);
     let mut o = poisoned::<T>(gpu, b * ol.strides[0])?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
@@ -2048,18 +2067,7 @@ fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), 
         ..Default::default()
     };
     let launches = flash_attn::hopper::launches_on_this_thread();
-    gpu.fa
-        .forward(
-            s,
-            Qkv {
-                q: &TensorRef::new(q.as_view(), ql),
-                k: &TensorRef::new(k.as_view(), kl),
-                v: &TensorRef::new(v.as_view(), kl),
-            },
-            Out::with_lse(TensorMut::new(o.as_view_mut(), ol), lse.as_view_mut()),
-            &opts,
-        )
-        .map_err(|x| x.to_string())?;
+    forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ol), &mut lse, &opts)?;
     let shape = ForwardShape {
         batch: b,
         seqlen_q: sq,
@@ -2079,9 +2087,9 @@ fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), 
     };
     let want = reference::attention_ext(
         &shape,
-        &to_f64(&q_host),
-        &to_f64(&k_host),
-        &to_f64(&v_host),
+        &to_f64(&x.q_host),
+        &to_f64(&x.k_host),
+        &to_f64(&x.v_host),
         &extras,
     );
     let what = format!("{c:?}");
