@@ -60,7 +60,7 @@
 //! time per tile splits into a fixed part and a part per key block (a line
 //! through the rows' times).
 //!
-//! The `policy-*` rows (f16, ours only: no PyTorch baseline) time the mask,
+//! The `policy-*` rows (f16 unless said, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
 //! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
 //! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks;
