@@ -2014,13 +2014,12 @@ struct CapRangeCase {
 /// for |a| = 1 (tanh saturated, every logit ±c up to 2e-5 c) and at about
 /// ±0.02 to ±0.05 for |a| = 1/256 (logits spread over about a nat, small
 /// enough that `tanh.approx`'s relative error keeps the LSE within its
-/// tolerance). With m
-/// held anywhere but near the middle of the range, the bottom rows' P
-/// flush to 0 or the top rows' overflow; with the fixed max on f16 (P up
-/// to 2^16) or past the span (c = 100: 2^-144), they do too. Sq > Skv
-/// causal rows see no key: with the sink of -100 their LSE is -100, which
-/// the fixed max (2^(sink - 0) flushed) loses unless the sink step treats
-/// them as rows with no key.
+/// tolerance). With m held anywhere but near the middle of the range, the
+/// bottom rows' P flush to 0 or the top rows' overflow; with the fixed max
+/// on f16 (P up to 2^16) or past the span (c = 100: 2^-144), they do too.
+/// Sq > Skv causal rows see no key: with the sink of -100 their LSE is
+/// -100, which the fixed max (2^(sink - 0) flushed) loses unless the sink
+/// step treats them as rows with no key.
 fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(c.head_dim as u64 + c.seqlen_q as u64);
     let (b, sq, sk, h, d) = (1, c.seqlen_q, c.seqlen_k, 2, c.head_dim);
@@ -2098,6 +2097,32 @@ fn run_softcap_range<T: AttnElement>(gpu: &Gpu, c: &CapRangeCase) -> Result<(), 
     check_output(&o_host, &ol, &want.o, &what)?;
     check_untouched_outside(&o_host, &ol, &what)?;
     check_lse(&s.clone_dtoh(&lse).map_err(e)?, &want.lse, &what)
+}
+
+/// [`run_softcap_range`]'s cases: every head dim, caps inside (50) and past
+/// (100) the fixed max's span, non-causal, causal with sinks, and causal
+/// with sinks where Sq > Skv.
+fn softcap_range_cases() -> Vec<CapRangeCase> {
+    let mut v = Vec::new();
+    for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
+        for softcap in [50.0, 100.0] {
+            for (seqlen_q, seqlen_k, causal, sinks) in [
+                (70, 300, false, false),
+                (70, 300, true, true),
+                (300, 70, true, true),
+            ] {
+                v.push(CapRangeCase {
+                    head_dim,
+                    seqlen_q,
+                    seqlen_k,
+                    causal,
+                    softcap,
+                    sinks,
+                });
+            }
+        }
+    }
+    v
 }
 
 fn head_dims() -> impl Strategy<Value = usize> {
@@ -3161,30 +3186,12 @@ fn main() {
                 let gpu = g.as_ref().as_ref().unwrap();
                 v_head_dim_cases::<$t>(gpu).map_err(Failed::from)
             }));
-            let g = gpu.clone();
-            trials.push(Trial::test(concat!("softcap_range_", $name), move || {
-                let gpu = g.as_ref().as_ref().unwrap();
-                for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
-                    for softcap in [50.0, 100.0] {
-                        for (seqlen_q, seqlen_k, causal, sinks) in [
-                            (70, 300, false, false),
-                            (70, 300, true, true),
-                            (300, 70, true, true),
-                        ] {
-                            let c = CapRangeCase {
-                                head_dim,
-                                seqlen_q,
-                                seqlen_k,
-                                causal,
-                                softcap,
-                                sinks,
-                            };
-                            run_softcap_range::<$t>(gpu, &c)?;
-                        }
-                    }
-                }
-                Ok(())
-            }));
+            fixed_trial!(
+                "softcap_range_",
+                $name,
+                softcap_range_cases(),
+                run_softcap_range::<$t>
+            );
             let g = gpu.clone();
             trials.push(Trial::test(
                 concat!("lazy_rescale_past_slack_", $name),
