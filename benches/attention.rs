@@ -62,8 +62,10 @@
 //!
 //! The `policy-*` rows (f16 unless said, ours only: no PyTorch baseline) time the mask,
 //! score and sequence policies next to the plain kernel on the same shape:
-//! `policy-window` (sliding windows), `policy-gptoss` (gpt-oss-20b's D = 64
-//! layers: 128-key window, sinks), `policy-scores` (softcap, ALiBi, sinks;
+//! `policy-window` (sliding windows), `policy-window-short` (windows of
+//! 128-2048 keys over 8k-token prompts, Gemma 3's local layers among
+//! them), `policy-gptoss` (gpt-oss-20b's D = 64 layers: 128-key window,
+//! sinks), `policy-scores` (softcap, ALiBi, sinks;
 //! plain and softcap also in bf16, whose capped softmax holds its max
 //! fixed), `policy-gemma2` (Gemma 2 9B's and 27B's prefill, plain and
 //! softcap 50, f16 and bf16),
@@ -657,6 +659,35 @@ fn shapes() -> Vec<Shape> {
         with(plain, Policy::Window(Window::left(128))),
         with(plain, Policy::Sinks(0.5)),
     ]);
+    // Short windows over 8k-token prompts: Gemma 3's local layers (1024
+    // keys; 27B: 32 heads over 16 KV heads at D = 128, 12B: 16 over 8 at
+    // D = 256) and a sweep of window widths at D = 64 and 128, where a
+    // tile's few key blocks make its fixed cost count.
+    for (heads, kv_heads, head_dim, windows) in [
+        (32, 16, 128, &[1024][..]),
+        (16, 8, 256, &[1024]),
+        (32, 32, 64, &[128, 512, 2048]),
+        (16, 16, 128, &[128, 512, 2048]),
+    ] {
+        let plain = Shape {
+            kv_heads,
+            ..fwd(
+                Dtype::F16,
+                1,
+                heads,
+                8192,
+                head_dim,
+                true,
+                "policy-window-short",
+            )
+        };
+        v.push(plain);
+        v.extend(
+            windows
+                .iter()
+                .map(|&w| with(plain, Policy::Window(Window::left(w)))),
+        );
+    }
     for causal in [true, false] {
         let plain = fwd(Dtype::F16, 4, 16, 4096, 128, causal, "policy-scores");
         v.push(plain);

@@ -2312,10 +2312,12 @@ mod config {
     /// trials ask for each), so each line's kernel is tested.
     /// The persistent lines: chosen up to `HOPPER_PERSISTENT_MAX_KEYS` keys
     /// where one covers the call, past them only for causal grids of few
-    /// waves of 128-row tiles up to more keys (`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`);
-    /// never for a call without a line (D = 256, modifiers, packed
-    /// sequences) or when other rows or `Some(false)` are asked for;
-    /// `Some(true)` takes one at any length.
+    /// waves of 128-row tiles up to more keys (`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`),
+    /// windows up to `HOPPER_PERSISTENT_MAX_WINDOW_KEYS` wide;
+    /// never for a call without a line (D = 256, modifiers past D = 64,
+    /// packed sequences), for full and causal modified calls unless asked,
+    /// or when other rows or `Some(false)` are asked for; `Some(true)`
+    /// takes one at any length.
     #[test]
     fn hopper_persistent_choice() {
         let need = |mask, score, seq| Policies { mask, score, seq };
@@ -2422,6 +2424,58 @@ mod config {
                 };
                 assert!(persistent(&wave, None, None), "{wave:?}");
             }
+        }
+        // Windows bounded on both sides: their width decides, as a
+        // non-causal row's keys would. D = 64's window line serves every
+        // modifier, D = 128's plain scores only (D = 32 and 96 run on them).
+        for d in [32, 64, 96, 128] {
+            for score in [ScoreKind::Plain, ScoreKind::Modified] {
+                let has_line = score == ScoreKind::Plain || hopper_line_head_dim(d) == Some(64);
+                let window = |keys| HopperCall {
+                    need: need(MaskKind::Local, score, SeqKind::Dense),
+                    window_keys: Some(keys),
+                    ..call(d, MaskKind::Causal, 8192)
+                };
+                let max = HOPPER_PERSISTENT_MAX_WINDOW_KEYS[(d > 64) as usize];
+                assert_eq!(
+                    persistent(&window(max), None, None),
+                    has_line,
+                    "{d} {score:?}"
+                );
+                assert!(!persistent(&window(max + 1), None, None), "{d} {score:?}");
+                let wide = window(4 * max);
+                assert_eq!(
+                    persistent(&wide, None, Some(true)),
+                    has_line,
+                    "{d} {score:?}"
+                );
+                // One-sided: the keys per row decide.
+                let short = HOPPER_PERSISTENT_MAX_KEYS[0];
+                let one_sided = HopperCall {
+                    window_keys: None,
+                    seqlen_q: short,
+                    seqlen_k: short,
+                    heads: 64,
+                    ..window(0)
+                };
+                // D = 32 over few keys stays on `mma.sync` unless rows are asked.
+                let rows = (d == 32).then_some(128);
+                assert_eq!(
+                    persistent(&one_sided, rows, None),
+                    has_line,
+                    "{d} {score:?}"
+                );
+            }
+        }
+        // Full and causal modified calls: D = 64's window line covers
+        // them, but only when asked for.
+        for mask in [MaskKind::Full, MaskKind::Causal] {
+            let c = HopperCall {
+                need: need(mask, ScoreKind::Modified, SeqKind::Dense),
+                ..call(64, mask, 512)
+            };
+            assert!(!persistent(&c, None, None), "{mask:?}");
+            assert!(persistent(&c, None, Some(true)), "{mask:?}");
         }
         for (score, seq) in [
             (ScoreKind::Modified, SeqKind::Dense),

@@ -1100,6 +1100,8 @@ struct PolicyFwdCase {
     seed: u64,
     /// `AttnOptions::hopper_rows`.
     hopper_rows: Option<usize>,
+    /// `AttnOptions::hopper_persistent`.
+    hopper_persistent: Option<bool>,
     /// V's head dim ([`v_dim`]).
     v_head_dim: Option<usize>,
 }
@@ -1140,6 +1142,7 @@ fn run_forward_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyFwdCase) -> Result<()
     let want = with_options(&c.policy, &data, |opts, extras| {
         let opts = &AttnOptions {
             hopper_rows: c.hopper_rows,
+            hopper_persistent: c.hopper_persistent,
             ..*opts
         };
         forward_with_lse(gpu, &x, [ql, kl, vl], (&mut o, ol), &mut lse, opts)?;
@@ -1181,6 +1184,7 @@ fn policy_fwd_strategy() -> impl Strategy<Value = PolicyFwdCase> {
                     policy,
                     seed,
                     hopper_rows: None,
+                    hopper_persistent: None,
                     v_head_dim: None,
                 }
             },
@@ -2468,11 +2472,76 @@ fn hopper_cases(
 /// `policy_fwd_strategy`'s windows, softcaps, ALiBi slopes and sinks at
 /// the head dims the Hopper kernels serve.
 fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
-    (policy_fwd_strategy(), hopper_line()).prop_map(|(c, (head_dim, hopper_rows))| PolicyFwdCase {
-        head_dim,
-        hopper_rows,
-        ..c
-    })
+    (
+        policy_fwd_strategy(),
+        hopper_line(),
+        prop::sample::select(vec![None, None, Some(true)]),
+    )
+        .prop_map(
+            |(c, (head_dim, hopper_rows), hopper_persistent)| PolicyFwdCase {
+                head_dim,
+                hopper_rows,
+                hopper_persistent,
+                ..c
+            },
+        )
+}
+
+/// Windows on the persistent window lines (D = 64 with every modifier,
+/// D = 128 plain; D = 32 and 96 on them padded), on grids of several
+/// tiles per CTA: windows narrower than a key block and wider, one-sided
+/// and two-sided, causal, with Sq = Skv and Sq != Skv either way (rows
+/// that see no key where Sq > Skv), and the softcap, ALiBi and sinks
+/// alone and together. The CPU test `hopper_persistent_choice` checks
+/// that such calls take a persistent line.
+fn hopper_window_persistent_cases() -> Vec<PolicyFwdCase> {
+    let window = |left, right| Window { left, right };
+    let windows = [
+        (true, window(Some(128), Some(0))),
+        (false, window(Some(100), Some(27))),
+        (false, window(Some(300), None)),
+        (true, window(Some(0), Some(0))),
+        (false, window(Some(513), Some(700))),
+    ];
+    let mut v = Vec::new();
+    for head_dim in [32, 64, 96, 128] {
+        let modifiers = if hopper_line_head_dim(head_dim) == Some(64) {
+            4
+        } else {
+            1
+        };
+        for (i, &(causal, window)) in windows.iter().enumerate() {
+            for (j, &(batch, seqlen_q, seqlen_k, heads)) in
+                [(2, 1000, 1000, 24), (1, 700, 1300, 32), (1, 1300, 700, 32)]
+                    .iter()
+                    .enumerate()
+            {
+                let k = (i * 3 + j) % modifiers;
+                v.push(PolicyFwdCase {
+                    batch,
+                    seqlen_q,
+                    seqlen_k,
+                    heads,
+                    kv_heads: heads / 8,
+                    head_dim,
+                    policy: Policy {
+                        causal,
+                        window,
+                        softcap: (k == 1 || k == 3).then_some(20.0),
+                        alibi: (k >= 2).then_some(k == 3),
+                        sinks: k == 2 || k == 3,
+                    },
+                    seed: 71 + (i * 3 + j) as u64,
+                    // D = 32 over few keys would stay on `mma.sync`
+                    // otherwise (`hopper_padded_short`).
+                    hopper_rows: Some(128),
+                    hopper_persistent: Some(true),
+                    v_head_dim: None,
+                });
+            }
+        }
+    }
+    v
 }
 
 /// V with a head dim of its own, each call's V an exact allocation (so
@@ -2507,6 +2576,7 @@ fn v_head_dim_cases<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
                 policy: plain(causal),
                 seed: 7 + d as u64,
                 hopper_rows: None,
+                hopper_persistent: None,
                 v_head_dim: Some(dv),
             },
         )?;
@@ -2604,6 +2674,7 @@ fn alibi_side_cases(lines: impl Iterator<Item = (usize, Option<usize>)>) -> Vec<
                     },
                     seed: 29 + k as u64,
                     hopper_rows,
+                    hopper_persistent: None,
                     v_head_dim: None,
                 });
             }
@@ -3500,6 +3571,18 @@ fn main() {
                     let gpu = g.as_ref().as_ref().unwrap();
                     check_hopper_path(gpu)?;
                     for c in hopper_alibi_side_cases() {
+                        run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
+                    }
+                    Ok(())
+                },
+            ));
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test(
+                concat!("hopper_forward_window_persistent_", $name),
+                move || {
+                    let gpu = g.as_ref().as_ref().unwrap();
+                    check_hopper_path(gpu)?;
+                    for c in hopper_window_persistent_cases() {
                         run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
                     }
                     Ok(())

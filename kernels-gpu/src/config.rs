@@ -1344,7 +1344,9 @@ impl HopperTile {
 ///   full and causal lines give each tile two consumers that take
 ///   alternate key blocks ([`HopperTile::split_keys`]). A line ending in `persistent`
 ///   ([`HopperTile::persistent`]; `_persistent` in its name: plain full and
-///   causal at D = 64 and 128) is taken before the others where
+///   causal at D = 64 and 128, windows: `local modified` at D = 64, `local
+///   plain` at D = 128, whose `local modified` spills with the persistent
+///   producer's registers) is taken before the others where
 ///   [`hopper_persistent`] says so. A line ending in `n64` takes 64-key
 ///   blocks, fewer than its head dim's (`_n64` in its name: plain causal at
 ///   D = 256), and is taken only where [`hopper_keys`] says so. A head dim
@@ -1366,6 +1368,8 @@ macro_rules! hopper_entries {
             fwd f16 64 causal plain dense 128 persistent;
             fwd f16 128 full plain dense 128 persistent;
             fwd f16 128 causal plain dense 128 persistent;
+            fwd f16 64 local modified dense 128 persistent;
+            fwd f16 128 local plain dense 128 persistent;
             fwd f16 64 full plain dense 192;
             fwd f16 64 causal plain dense 192;
             fwd f16 64 causal modified dense 192;
@@ -1419,6 +1423,8 @@ macro_rules! hopper_entries {
             fwd bf16 64 causal plain dense 128 persistent;
             fwd bf16 128 full plain dense 128 persistent;
             fwd bf16 128 causal plain dense 128 persistent;
+            fwd bf16 64 local modified dense 128 persistent;
+            fwd bf16 128 local plain dense 128 persistent;
             fwd bf16 64 full plain dense 192;
             fwd bf16 64 causal plain dense 192;
             fwd bf16 64 causal modified dense 192;
@@ -1646,6 +1652,15 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
 /// on D = 64's sweep rows, at 16k 0.94x.
 pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 4096];
 
+/// Keys per row (a window's width: `left + right + 1`) up to which a
+/// call with a window bounded on both sides takes its persistent line
+/// where one covers it: on the D = 64 lines (`.0`) and the D = 128 lines
+/// (`.1`). H200, 8k-token causal prompts, against the 64-row (D = 64, up
+/// to 1k keys) and 128-row lines (docs/perf-notes.md v52): D = 64 at 129,
+/// 513 and 2049 keys 1.24-1.26x, 1.11x, 1.10x; D = 128 at 129 and 513
+/// keys 1.30x and 1.10x, at 1025 0.99x, at 2049 0.88x.
+pub const HOPPER_PERSISTENT_MAX_WINDOW_KEYS: [usize; 2] = [2049, 513];
+
 /// Causal calls of at most this many waves of 128-row tiles (`.0`) take
 /// the persistent line up to `.1` keys per row, past
 /// [`HOPPER_PERSISTENT_MAX_KEYS`]: the tiles of a few-wave causal grid
@@ -1683,8 +1698,11 @@ pub const HOPPER_PERSISTENT_ROWS: usize = 2 * WGMMA_M;
 /// covers it), in place of the lines [`hopper_rows`] chooses among: short
 /// rows, whose CTAs' fixed cost the loop hides
 /// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_SHORT_QUERIES_D64`]),
-/// and causal grids of few waves ([`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`]),
-/// in a grid of more 128-row tiles than SMs. With at most one tile per
+/// narrow windows ([`HOPPER_PERSISTENT_MAX_WINDOW_KEYS`]; a one-sided
+/// window by its rows' keys, as a non-causal call), and causal grids of
+/// few waves ([`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`]), in a grid of more
+/// 128-row tiles than SMs; never a full or causal call with score
+/// modifiers, which only the window line would cover. With at most one tile per
 /// SM there is no next tile to hide anything under, and the other lines
 /// are faster (H100, D = 64, 8-16 heads of 512-1k rows: 1.10-1.41x; D =
 /// 128, 16 heads of 1k rows: 1.02-1.03x; docs/perf-notes.md v25).
@@ -1692,6 +1710,22 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
     let tiles = call.batch * call.heads * call.seqlen_q.div_ceil(HOPPER_PERSISTENT_ROWS);
     if tiles <= call.num_sms {
         return false;
+    }
+    match (call.need.mask, call.need.score, call.window_keys) {
+        // A window bounded on both sides: its rows see at most its width.
+        (MaskKind::Local, _, Some(w)) => {
+            let max = match hopper_line_head_dim(call.head_dim) {
+                Some(64) => HOPPER_PERSISTENT_MAX_WINDOW_KEYS[0],
+                _ => HOPPER_PERSISTENT_MAX_WINDOW_KEYS[1],
+            };
+            return w <= max || call.seqlen_k <= max;
+        }
+        (MaskKind::Local, _, None) => {}
+        // Full and causal modified calls have no persistent line of their
+        // own, and the window line is slower for them (H200, gpt-oss's
+        // causal sinks at 4k: 0.963x; docs/perf-notes.md v52).
+        (_, ScoreKind::Modified, _) => return false,
+        _ => {}
     }
     let causal = matches!(call.need.mask, MaskKind::Causal);
     let (waves, few_waves_keys) = HOPPER_PERSISTENT_CAUSAL_FEW_WAVES;
