@@ -3518,6 +3518,20 @@ fn main() {
             }));
         }};
     }
+    // Every case of a fixed list on the Hopper path (the error names its case).
+    macro_rules! hopper_fixed_trial {
+        ($name:expr, $cases:expr, $run:expr) => {{
+            let g = gpu.clone();
+            hopper_trials.push(Trial::test($name, move || {
+                let gpu = g.as_ref().as_ref().unwrap();
+                check_hopper_path(gpu)?;
+                for c in $cases() {
+                    $run(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
+                }
+                Ok(())
+            }));
+        }};
+    }
     macro_rules! hopper_forward_trials {
         ($t:ty, $name:literal) => {{
             hopper_random_trial!(
@@ -3564,47 +3578,27 @@ fn main() {
                     Ok(())
                 },
             ));
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_forward_alibi_sides_", $name),
-                move || {
-                    let gpu = g.as_ref().as_ref().unwrap();
-                    check_hopper_path(gpu)?;
-                    for c in hopper_alibi_side_cases() {
-                        run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
-                    }
-                    Ok(())
-                },
-            ));
-            let g = gpu.clone();
-            hopper_trials.push(Trial::test(
-                concat!("hopper_forward_window_persistent_", $name),
-                move || {
-                    let gpu = g.as_ref().as_ref().unwrap();
-                    check_hopper_path(gpu)?;
-                    for c in hopper_window_persistent_cases() {
-                        run_forward_policy::<$t>(gpu, &c).map_err(|e| format!("{c:?}: {e}"))?;
-                    }
-                    Ok(())
-                },
-            ));
+            let policy_fixed: [(&str, fn() -> Vec<PolicyFwdCase>); 2] = [
+                ("alibi_sides", hopper_alibi_side_cases),
+                ("window_persistent", hopper_window_persistent_cases),
+            ];
+            for (kind, cases) in policy_fixed {
+                hopper_fixed_trial!(
+                    format!("hopper_forward_{kind}_{}", $name),
+                    cases,
+                    run_forward_policy::<$t>
+                );
+            }
             hopper_trials.push(Trial::test(
                 concat!("hopper_forward_tile_orders_", $name),
                 move || tile_orders::<$t>().map_err(Failed::from),
             ));
             for (kind, cases) in fixed {
-                let g = gpu.clone();
-                hopper_trials.push(Trial::test(
+                hopper_fixed_trial!(
                     format!("hopper_forward_{kind}_{}", $name),
-                    move || {
-                        let gpu = g.as_ref().as_ref().unwrap();
-                        check_hopper_path(gpu)?;
-                        for c in cases() {
-                            run_forward::<$t>(gpu, &c)?;
-                        }
-                        Ok(())
-                    },
-                ));
+                    cases,
+                    run_forward::<$t>
+                );
             }
         }};
     }
