@@ -2313,7 +2313,8 @@ mod config {
     /// The persistent lines: chosen up to `HOPPER_PERSISTENT_MAX_KEYS` keys
     /// where one covers the call, past them only for causal grids of few
     /// waves of 128-row tiles up to more keys (`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`),
-    /// windows up to `HOPPER_PERSISTENT_MAX_WINDOW_KEYS` wide;
+    /// windows bounded on both sides up to `HOPPER_PERSISTENT_MAX_WINDOW_KEYS`
+    /// wide;
     /// never for a call without a line (D = 256, modifiers past D = 64,
     /// packed sequences), for full and causal modified calls unless asked,
     /// or when other rows or `Some(false)` are asked for; `Some(true)`
@@ -2444,24 +2445,31 @@ mod config {
                 );
                 assert!(!persistent(&window(max + 1), None, None), "{d} {score:?}");
                 let wide = window(4 * max);
+                assert!(!persistent(&wide, None, None), "{d} {score:?}");
                 assert_eq!(
                     persistent(&wide, None, Some(true)),
                     has_line,
                     "{d} {score:?}"
                 );
-                // One-sided: the keys per row decide.
-                let short = HOPPER_PERSISTENT_MAX_KEYS[0];
-                let one_sided = HopperCall {
-                    window_keys: None,
-                    seqlen_q: short,
-                    seqlen_k: short,
-                    heads: 64,
-                    ..window(0)
-                };
                 // D = 32 over few keys stays on `mma.sync` unless rows are asked.
                 let rows = (d == 32).then_some(128);
+                // A wide window over rows of fewer keys than the limit.
+                let few_keys = HopperCall {
+                    seqlen_q: max,
+                    seqlen_k: max,
+                    ..wide
+                };
+                assert_eq!(persistent(&few_keys, rows, None), has_line, "{d} {score:?}");
+                // One-sided windows stay off the window lines unless asked.
+                let one_sided = HopperCall {
+                    window_keys: None,
+                    seqlen_q: 512,
+                    seqlen_k: 512,
+                    ..wide
+                };
+                assert!(!persistent(&one_sided, rows, None), "{d} {score:?}");
                 assert_eq!(
-                    persistent(&one_sided, rows, None),
+                    persistent(&one_sided, rows, Some(true)),
                     has_line,
                     "{d} {score:?}"
                 );

@@ -1657,8 +1657,8 @@ pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 4096];
 /// where one covers it: on the D = 64 lines (`.0`) and the D = 128 lines
 /// (`.1`). H200, 8k-token causal prompts, against the 64-row (D = 64, up
 /// to 1k keys) and 128-row lines (docs/perf-notes.md v52): D = 64 at 129,
-/// 513 and 2049 keys 1.24-1.26x, 1.11x, 1.10x; D = 128 at 129 and 513
-/// keys 1.30x and 1.10x, at 1025 0.99x, at 2049 0.88x.
+/// 513 and 2049 keys 1.25x, 1.11x, 1.10x; D = 128 at 129 and 513 keys
+/// 1.31x and 1.10x, at 1025 0.99x, at 2049 0.87x.
 pub const HOPPER_PERSISTENT_MAX_WINDOW_KEYS: [usize; 2] = [2049, 513];
 
 /// Causal calls of at most this many waves of 128-row tiles (`.0`) take
@@ -1698,8 +1698,8 @@ pub const HOPPER_PERSISTENT_ROWS: usize = 2 * WGMMA_M;
 /// covers it), in place of the lines [`hopper_rows`] chooses among: short
 /// rows, whose CTAs' fixed cost the loop hides
 /// ([`HOPPER_PERSISTENT_MAX_KEYS`], [`HOPPER_PERSISTENT_SHORT_QUERIES_D64`]),
-/// narrow windows ([`HOPPER_PERSISTENT_MAX_WINDOW_KEYS`]; a one-sided
-/// window by its rows' keys, as a non-causal call), and causal grids of
+/// windows bounded on both sides up to [`HOPPER_PERSISTENT_MAX_WINDOW_KEYS`]
+/// keys per row (one-sided ones were not timed there), and causal grids of
 /// few waves ([`HOPPER_PERSISTENT_CAUSAL_FEW_WAVES`]), in a grid of more
 /// 128-row tiles than SMs; never a full or causal call with score
 /// modifiers, which only the window line would cover. With at most one tile per
@@ -1720,7 +1720,8 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
             };
             return w <= max || call.seqlen_k <= max;
         }
-        (MaskKind::Local, _, None) => {}
+        // Not measured on the window lines: they stay off them.
+        (MaskKind::Local, _, None) => return false,
         // Full and causal modified calls have no persistent line of their
         // own, and the window line is slower for them (H200, gpt-oss's
         // causal sinks at 4k: 0.963x; docs/perf-notes.md v52).
