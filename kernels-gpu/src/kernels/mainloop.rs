@@ -233,6 +233,24 @@ fn kv_block<
         });
     });
     let key0 = (n * bn + 2 * lane.pair()) as i32;
+    // A capped block with no mask and no bias takes its row max from the raw
+    // scores and caps each score right before its exponential
+    // (`OnlineSoftmax::rescale_capped`).
+    if S::MODIFIED && mods.softcap && !mods.alibi && !mods.fixed_max && !masked {
+        unroll::<MT>(|mt| {
+            w.softmax[mt].rescale_capped(&s[mt], &mut w.o[mt], p.scale_log2, p.softcap_pre)
+        });
+        p_times_v::<T, D, MT, QK, OT, ST>(
+            frag,
+            tile,
+            w,
+            &s,
+            slot,
+            p.scale_log2,
+            Some(p.softcap_pre),
+        );
+        return;
+    }
     if S::MODIFIED && (mods.softcap || mods.alibi) {
         let row0 = special::opaque_u32(lane.acc_row(tile, 0, 0));
         unroll::<MT>(|mt| {
@@ -258,15 +276,42 @@ fn kv_block<
         unroll::<MT>(|mt| w.softmax[mt].rescale(&s[mt], &mut w.o[mt], p.scale_log2));
     }
 
-    // O += P·V(n). The P of n-tiles 2kk and 2kk+1 is exactly the A fragment of
-    // k-step kk once packed to 16 bits: P never leaves registers, and is
-    // computed k-step by k-step so that S dies as P is consumed.
+    p_times_v::<T, D, MT, QK, OT, ST>(frag, tile, w, &s, slot, p.scale_log2, None);
+}
+
+/// O += P·V(n). The P of n-tiles 2kk and 2kk+1 is exactly the A fragment of
+/// k-step kk once packed to 16 bits: P never leaves registers, and is
+/// computed k-step by k-step so that S dies as P is consumed. With
+/// `cap_pre`, S is raw and each score is capped on the way
+/// (`OnlineSoftmax::p_fragment_capped`).
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn p_times_v<
+    T: Element,
+    const D: usize,
+    const MT: usize,
+    const QK: usize,
+    const OT: usize,
+    const ST: usize,
+>(
+    frag: FragAddr<D>,
+    tile: AttnTile,
+    w: &mut WarpState<MT, QK, OT>,
+    s: &[[[f32; 4]; ST]; MT],
+    slot: u32,
+    scale_log2: f32,
+    cap_pre: Option<f32>,
+) {
     unroll::<ST>(|j| {
         if j % 2 == 0 {
             let kk = j / 2;
             let mut a = [[0u32; 4]; MT];
             unroll::<MT>(|mt| {
-                a[mt] = w.softmax[mt].p_fragment::<T>(&s[mt][j], &s[mt][j + 1], p.scale_log2);
+                let (lo, hi) = (&s[mt][j], &s[mt][j + 1]);
+                a[mt] = match cap_pre {
+                    Some(pre) => w.softmax[mt].p_fragment_capped::<T>(lo, hi, scale_log2, pre),
+                    None => w.softmax[mt].p_fragment::<T>(lo, hi, scale_log2),
+                };
             });
             unroll::<OT>(|d| {
                 if d % 2 == 0 {

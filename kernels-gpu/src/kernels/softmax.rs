@@ -92,13 +92,43 @@ impl OnlineSoftmax {
         o: &mut [[f32; 4]; OT],
         scale_log2: f32,
     ) {
+        // scale_log2 > 0, so the max of the scaled scores is the scaled max.
+        self.rescale_by(s, o, |mx| mx * scale_log2);
+    }
+
+    /// [`Self::rescale`] for softcapped scores, S still raw (the logit of
+    /// a score x is tanh(x · pre) · scale): tanh is increasing and pre > 0
+    /// (`Modifiers`), so the max of the capped scores is the cap of the raw
+    /// max, and the max chain needs S alone, not the tanh ops. Only for a
+    /// block with no mask (a masked score is -inf after the cap, not -1).
+    /// P then comes from [`Self::p_fragment_capped`].
+    #[inline(always)]
+    pub fn rescale_capped<const ST: usize, const OT: usize>(
+        &mut self,
+        s: &[[f32; 4]; ST],
+        o: &mut [[f32; 4]; OT],
+        scale_log2: f32,
+        pre: f32,
+    ) {
+        self.rescale_by(s, o, |mx| math::tanh(mx * pre) * scale_log2);
+    }
+
+    /// [`Self::rescale`] where `logit` maps a raw score to its logit (log2
+    /// units) and is increasing, so that it maps the raw row max to the
+    /// row's max logit.
+    #[inline(always)]
+    fn rescale_by<const ST: usize, const OT: usize>(
+        &mut self,
+        s: &[[f32; 4]; ST],
+        o: &mut [[f32; 4]; OT],
+        logit: impl Fn(f32) -> f32,
+    ) {
         let mut m_new = [0.0; 2];
         let mut grows = false;
         unroll::<2>(|r| {
             let mut mx = f32::NEG_INFINITY;
             unroll::<ST>(|j| mx = mx.max(s[j][2 * r]).max(s[j][2 * r + 1]));
-            // scale_log2 > 0, so the max of the scaled scores is the scaled max.
-            m_new[r] = self.m[r].max(quad_max(mx) * scale_log2);
+            m_new[r] = self.m[r].max(logit(quad_max(mx)));
             grows |= m_new[r] - self.m[r] > RESCALE_SLACK;
         });
         if vote::any(grows) {
@@ -146,6 +176,22 @@ impl OnlineSoftmax {
     ) -> [u32; 4] {
         let (lo, hi) = (self.exp(lo, scale_log2), self.exp(hi, scale_log2));
         pack_fragment::<T>(&lo, &hi)
+    }
+
+    /// [`Self::p_fragment`] of raw scores whose row max went through
+    /// [`Self::rescale_capped`]: each score is capped right before its
+    /// exponential, so the tanh and ex2 ops of an n-tile pair alternate
+    /// on the MUFU instead of all tanh ops waiting for the max chain.
+    #[inline(always)]
+    pub fn p_fragment_capped<T: Element>(
+        &mut self,
+        lo: &[f32; 4],
+        hi: &[f32; 4],
+        scale_log2: f32,
+        pre: f32,
+    ) -> [u32; 4] {
+        let cap = |s: &[f32; 4]| s.map(|x| math::tanh(x * pre));
+        self.p_fragment::<T>(&cap(lo), &cap(hi), scale_log2)
     }
 
     /// The online-softmax step of a key block whose O += P·V cannot be
