@@ -3452,6 +3452,25 @@ mod index {
             && w.right.is_none_or(|r| j + sq <= i + sk + r)
     }
 
+    /// Every range a row can have (empty ones included, `hi < lo`), every
+    /// lane start and column offset of a small block: the one-compare test
+    /// of the two-sided mask agrees with the two signed ones.
+    #[test]
+    fn key_span_cuts_outside_its_range() {
+        for lo in 0..40 {
+            for hi in -1..40 {
+                for key0 in 0..20 {
+                    let span = KeySpan::new(lo, hi, key0);
+                    for offset in 0..24 {
+                        let key = key0 + offset;
+                        let outside = key < lo || key > hi;
+                        assert_eq!(span.cuts(offset), outside, "lo={lo} hi={hi} key={key}");
+                    }
+                }
+            }
+        }
+    }
+
     proptest! {
         #[test]
         fn key_window_is_the_specified_mask(
@@ -3517,6 +3536,31 @@ mod index {
                         for t in t0..=t1 {
                             for j in n * bn..(n + 1) * bn {
                                 prop_assert!(keys.sees(t, j), "t={} j={} block {}", t, j, n);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+
+        #[test]
+        fn mask_edges_name_every_cut(
+            sq in 1usize..70, sk in 1usize..300, left in bound(), right in bound(),
+            bn in prop::sample::select(vec![16u32, 32, 64]), bm in prop::sample::select(vec![16u32, 64]),
+        ) {
+            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
+            for t0 in (0..sq as u32).step_by(bm as usize) {
+                let t1 = (t0 + bm - 1).min(sq as u32 - 1);
+                for n in 0..(sk as u32).div_ceil(bn) {
+                    let edges = mask_edges(&keys, t0, t1, n, bn);
+                    prop_assert_eq!(block_needs_mask(&keys, t0, t1, n, bn), edges.left || edges.right);
+                    for t in t0..=t1 {
+                        for j in n * bn..(n + 1) * bn {
+                            let j = j as i32;
+                            if j < keys.first(t) {
+                                prop_assert!(edges.left, "t={} j={} block {}: left cut", t, j, n);
+                            } else if j > keys.last(t) {
+                                prop_assert!(edges.right, "t={} j={} block {}: right cut", t, j, n);
                             }
                         }
                     }

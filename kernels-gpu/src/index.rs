@@ -93,12 +93,65 @@ pub fn key_blocks(
 /// blocks pay for the element-wise mask.
 #[inline(always)]
 pub fn block_needs_mask(keys: &KeyWindow, t_first: u32, t_last: u32, n: u32, block_n: u32) -> bool {
+    let edges = mask_edges(keys, t_first, t_last, n, block_n);
+    edges.right || edges.left
+}
+
+/// Which ends of the visible key ranges of tokens `t_first..=t_last` cut
+/// key block `n`: a window's block usually has one cut (its left end, or
+/// the diagonal), and testing only that end halves the mask's work.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MaskEdges {
+    /// Some token's first visible key lies past the block's first key.
+    pub left: bool,
+    /// Some token's last visible key (or the sequence's end) lies before
+    /// the block's last key.
+    pub right: bool,
+}
+
+/// A row's visible keys `lo..=hi` as seen from a lane's first key `key0`:
+/// whether the key at `key0 + offset` is cut takes one unsigned compare,
+/// `offset - (lo - key0) > hi - lo` (a key left of `lo` wraps to a large
+/// value). A row that sees nothing (`hi < lo`) starts at `i32::MIN`, so
+/// that every offset lies past its empty span. Offsets and keys are below
+/// 2^31, as `KeyWindow`'s are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeySpan {
+    first: i32,
+    span: u32,
+}
+
+impl KeySpan {
+    /// The span of `lo..=hi` from `key0`.
+    #[inline(always)]
+    pub fn new(lo: i32, hi: i32, key0: i32) -> KeySpan {
+        let empty = hi < lo;
+        KeySpan {
+            first: if empty { i32::MIN } else { lo }.wrapping_sub(key0),
+            span: if empty { 0 } else { (hi - lo) as u32 },
+        }
+    }
+
+    /// Whether key `key0 + offset` lies outside `lo..=hi`.
+    #[inline(always)]
+    pub fn cuts(self, offset: i32) -> bool {
+        offset.wrapping_sub(self.first) as u32 > self.span
+    }
+}
+
+/// The [`MaskEdges`] of key block `n` for tokens `t_first..=t_last`. Both
+/// ends of a row's range grow with the token, so `t_first` has the
+/// earliest right end and `t_last` the latest left end.
+#[inline(always)]
+pub fn mask_edges(keys: &KeyWindow, t_first: u32, t_last: u32, n: u32, block_n: u32) -> MaskEdges {
     let start = (n * block_n) as i32;
     let end = start + block_n as i32;
     let past_end = end > keys.seqlen_k as i32;
     let right_cut = keys.right >= 0 && end - 1 > keys.last(t_first);
-    let left_cut = keys.left >= 0 && start < keys.first(t_last);
-    past_end || right_cut || left_cut
+    MaskEdges {
+        left: keys.left >= 0 && start < keys.first(t_last),
+        right: past_end || right_cut,
+    }
 }
 
 /// Where a key block lies relative to the ALiBi origins of a range of rows

@@ -352,6 +352,19 @@ impl BlockInfo {
         )
     }
 
+    /// Which ends of the rows' key ranges cut key block `n`
+    /// (`index::mask_edges`).
+    #[inline(always)]
+    pub fn mask_edges(&self, n: u32, block_n: u32) -> index::MaskEdges {
+        index::mask_edges(
+            &self.keys,
+            self.token_unchecked(0),
+            self.last_token,
+            n,
+            block_n,
+        )
+    }
+
     /// Where key block `n` lies relative to the ALiBi origins of the CTA's
     /// rows (`index::origin_side`).
     #[inline(always)]

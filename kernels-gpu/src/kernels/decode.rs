@@ -108,7 +108,8 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
             mods.apply(p, &mut s, key0, rows.map(|r| info.key_pos(r)), slopes);
         }
         if info.block_needs_mask(n, tile.block_n as u32) {
-            mask::apply_rows::<M, SLICE_TILES>(&mut s, key0, &info, rows);
+            let edges = info.mask_edges(n, tile.block_n as u32);
+            mask::apply_rows::<M, SLICE_TILES>(&mut s, key0, &info, rows, edges);
         }
         softmax.rescale(&s, &mut o, p.scale_log2);
         // O += P·V_slice: the slice is exactly one k-step, P its A fragment.

@@ -264,9 +264,10 @@ fn kv_block<
         // otherwise hoist all 2 x MT limits out of the loop, live through
         // every key block.
         let row0 = special::opaque_u32(lane.acc_row(tile, 0, 0));
+        let edges = info.mask_edges(n, bn);
         unroll::<MT>(|mt| {
             let rows = [0, 1].map(|r| row0 + (mt * MMA_M + 8 * r) as u32);
-            mask::apply_rows::<M, ST>(&mut s[mt], key0, info, rows);
+            mask::apply_rows::<M, ST>(&mut s[mt], key0, info, rows, edges);
         });
     }
 

@@ -981,7 +981,8 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             // Rebuilt per block (see the sm_80 mainloop): kept live, the
             // rows' key limits would cost registers through the loop.
             let r0 = special::opaque_u32(self.row0);
-            mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8]);
+            let edges = info.mask_edges(n, bn);
+            mask::apply_rows::<M, ST>(s, key0, info, [r0, r0 + 8], edges);
         }
         if self.mods.fixed_max {
             return softmax.advance_fixed::<ST>(s, p.scale_log2);
