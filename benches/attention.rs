@@ -661,12 +661,15 @@ fn shapes() -> Vec<Shape> {
     ]);
     // Short windows over 8k-token prompts: Gemma 3's local layers (1024
     // keys; 27B: 32 heads over 16 KV heads at D = 128, 12B: 16 over 8 at
-    // D = 256) and a sweep of window widths at D = 64 and 128, where a
-    // tile's few key blocks make its fixed cost count.
+    // D = 256) and a sweep of window widths at D = 32, 64, 96 (Phi-3's
+    // head dim) and 128, where a tile's few key blocks make its fixed cost
+    // count.
     for (heads, kv_heads, head_dim, windows) in [
         (32, 16, 128, &[1024][..]),
         (16, 8, 256, &[1024]),
+        (32, 32, 32, &[128, 512, 2048]),
         (32, 32, 64, &[128, 512, 2048]),
+        (32, 32, 96, &[128, 512, 2048]),
         (16, 16, 128, &[128, 512, 2048]),
     ] {
         let plain = Shape {

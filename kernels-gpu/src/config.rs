@@ -1658,7 +1658,9 @@ pub const HOPPER_PERSISTENT_MAX_KEYS: [usize; 2] = [1024, 4096];
 /// (`.1`). H200, 8k-token causal prompts, against the 64-row (D = 64, up
 /// to 1k keys) and 128-row lines (docs/perf-notes.md v52): D = 64 at 129,
 /// 513 and 2049 keys 1.25x, 1.11x, 1.10x; D = 128 at 129 and 513 keys
-/// 1.31x and 1.10x, at 1025 0.99x, at 2049 0.87x.
+/// 1.31x and 1.10x, at 1025 0.99x, at 2049 0.87x. D = 32 and 96 on those
+/// lines (v53): at 129, 513 and 2049 keys 1.25x, 1.13x, 1.09x (D = 32) and
+/// 1.32x, 1.11x, 0.96x (D = 96, forced at 2049).
 pub const HOPPER_PERSISTENT_MAX_WINDOW_KEYS: [usize; 2] = [2049, 513];
 
 /// Causal calls of at most this many waves of 128-row tiles (`.0`) take
