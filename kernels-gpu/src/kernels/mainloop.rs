@@ -235,8 +235,10 @@ fn kv_block<
     let key0 = (n * bn + 2 * lane.pair()) as i32;
     // A capped block with no mask and no bias takes its row max from the raw
     // scores and caps each score right before its exponential
-    // (`OnlineSoftmax::rescale_capped`).
-    if S::MODIFIED && mods.softcap && !mods.alibi && !mods.fixed_max && !masked {
+    // (`OnlineSoftmax::rescale_capped`). Not in the window entries: their
+    // mask variants beside a second P·V loop spilled on sm_90 (ptxas 13.0,
+    // D = 128; docs/perf-notes.md, v53).
+    if S::MODIFIED && !M::LEFT && mods.softcap && !mods.alibi && !mods.fixed_max && !masked {
         unroll::<MT>(|mt| {
             w.softmax[mt].rescale_capped(&s[mt], &mut w.o[mt], p.scale_log2, p.softcap_pre)
         });
@@ -267,7 +269,11 @@ fn kv_block<
         let edges = info.mask_edges(n, bn);
         unroll::<MT>(|mt| {
             let rows = [0, 1].map(|r| row0 + (mt * MMA_M + 8 * r) as u32);
-            mask::apply_rows::<M, ST>(&mut s[mt], key0, info, rows, edges);
+            if T::BYTES == 4 {
+                mask::apply_rows_both::<M, ST>(&mut s[mt], key0, info, rows);
+            } else {
+                mask::apply_rows::<M, ST>(&mut s[mt], key0, info, rows, edges);
+            }
         });
     }
 

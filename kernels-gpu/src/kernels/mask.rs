@@ -27,6 +27,32 @@ pub fn apply_rows<M: Mask, const ST: usize>(
     }
 }
 
+/// [`apply_rows`] without telling the ends apart: each element is tested
+/// against both by two signed compares, as before v53. The f32 `mma.sync`
+/// entries keep it: with the end variants their D = 128 window entry spilled
+/// on sm_90 (ptxas 13.0; docs/perf-notes.md, v53).
+#[inline(always)]
+pub fn apply_rows_both<M: Mask, const ST: usize>(
+    s: &mut [[f32; 4]; ST],
+    key0: i32,
+    info: &BlockInfo,
+    rows: [u32; 2],
+) {
+    let last = rows.map(|r| info.key_limit(r) - key0);
+    let first = if M::LEFT {
+        rows.map(|r| info.key_floor(r) - key0)
+    } else {
+        [0; 2]
+    };
+    unroll::<ST>(|j| {
+        unroll::<4>(|e| {
+            if offset(j, e) > last[e / 2] || (M::LEFT && offset(j, e) < first[e / 2]) {
+                s[j][e] = f32::NEG_INFINITY;
+            }
+        });
+    });
+}
+
 /// The compile-time column offset (from `key0`) of element `e` of n-tile
 /// `j` in the accumulator layout.
 #[inline(always)]
