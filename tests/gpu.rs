@@ -2572,6 +2572,71 @@ fn hopper_window_persistent_cases() -> Vec<PolicyFwdCase> {
     v
 }
 
+/// The softcap on every Hopper line that runs modified scores, each head
+/// dim's own lines with their rows and persistence forced (the random
+/// policy cases reach only some of them): rows and keys that are not tile
+/// multiples, GQA, full and causal, the softcap alone and with ALiBi and
+/// sinks.
+fn hopper_softcap_line_cases() -> Vec<PolicyFwdCase> {
+    let mut v = Vec::new();
+    for head_dim in hopper_head_dims() {
+        if hopper_line_head_dim(head_dim) != Some(head_dim) {
+            continue;
+        }
+        for causal in [false, true] {
+            let need = Policies {
+                mask: if causal {
+                    MaskKind::Causal
+                } else {
+                    MaskKind::Full
+                },
+                score: ScoreKind::Modified,
+                seq: SeqKind::Dense,
+            };
+            let mut lines: Vec<(usize, bool)> = HOPPER_ENTRIES
+                .iter()
+                .filter(|e| {
+                    e.kind == KernelKind::WgmmaForward
+                        && e.head_dim == head_dim
+                        && e.policies.covers(need)
+                })
+                .map(|e| (e.rows, e.persistent))
+                .collect();
+            lines.sort();
+            lines.dedup();
+            for (rows, persistent) in lines {
+                for (k, &(batch, seqlen_q, seqlen_k, heads, kv_heads)) in
+                    [(1, 300, 333, 4, 2), (2, 190, 1000, 2, 1)]
+                        .iter()
+                        .enumerate()
+                {
+                    v.push(PolicyFwdCase {
+                        batch,
+                        seqlen_q,
+                        seqlen_k,
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        policy: Policy {
+                            causal,
+                            window: Window::default(),
+                            softcap: Some(20.0),
+                            alibi: (k == 1).then_some(false),
+                            sinks: k == 1,
+                        },
+                        seed: 83 + (head_dim + rows + k) as u64,
+                        hopper_rows: Some(rows),
+                        hopper_persistent: Some(persistent),
+                        v_head_dim: None,
+                    });
+                }
+            }
+        }
+    }
+    assert!(!v.is_empty(), "no modified Hopper line");
+    v
+}
+
 /// V with a head dim of its own, each call's V an exact allocation (so
 /// that memcheck sees a load of V's missing columns in its last row):
 /// DeepSeek's MLA prefill (192 / 128, causal and not), the smallest V
@@ -3610,6 +3675,7 @@ fn main() {
                 run_forward_policy::<$t>,
                 ("alibi_sides", hopper_alibi_side_cases),
                 ("window_persistent", hopper_window_persistent_cases),
+                ("softcap_lines", hopper_softcap_line_cases),
             );
             hopper_trials.push(Trial::test(
                 concat!("hopper_forward_tile_orders_", $name),

@@ -67,7 +67,7 @@ const fn offset(j: usize, e: usize) -> i32 {
 /// run-time value per row against compile-time offsets, so the mask adds
 /// almost no live registers.
 #[inline(always)]
-pub fn apply<const ST: usize>(s: &mut [[f32; 4]; ST], key0: i32, hi: [i32; 2]) {
+fn apply<const ST: usize>(s: &mut [[f32; 4]; ST], key0: i32, hi: [i32; 2]) {
     let last = hi.map(|h| h - key0);
     unroll::<ST>(|j| {
         unroll::<4>(|e| {
