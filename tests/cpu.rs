@@ -3471,6 +3471,43 @@ mod index {
         }
     }
 
+    /// A token, length or window bound anywhere below 2^31, often at an end.
+    fn any_31() -> impl Strategy<Value = u32> {
+        prop_oneof![
+            Just(0u32),
+            Just(1),
+            Just((1 << 31) - 2),
+            Just((1 << 31) - 1),
+            0u32..1 << 31,
+            0u32..300,
+        ]
+    }
+
+    /// A window bound as the kernels take it: -1 (unbounded) or below 2^31.
+    fn any_bound() -> impl Strategy<Value = i32> {
+        prop_oneof![Just(-1i32), any_31().prop_map(|b| b as i32)]
+    }
+
+    proptest! {
+        /// `KeyWindow::first` / `last` against their definition (`t + Skv -
+        /// Sq -+ bound`, clamped) over every length, bound and token below
+        /// 2^31, ends included (tokens past the sequence too: a tile's tail
+        /// rows ask), where `key_window_is_the_specified_mask` takes small
+        /// ones. A `last` below -1 would pass that test (no key is that far
+        /// left) and wrap `key_blocks`' block count.
+        #[test]
+        fn key_window_bounds_over_the_whole_range(
+            sq in any_31(), sk in any_31(), left in any_bound(), right in any_bound(), t in any_31(),
+        ) {
+            let keys = KeyWindow::new(sq, sk, left, right);
+            let at = t as i64 + sk as i64 - sq as i64;
+            let last = if right < 0 { sk as i64 - 1 } else { (at + right as i64).clamp(-1, sk as i64 - 1) };
+            let first = if left < 0 { 0 } else { (at - left as i64).clamp(0, sk as i64) };
+            prop_assert_eq!(keys.last(t) as i64, last);
+            prop_assert_eq!(keys.first(t) as i64, first);
+        }
+    }
+
     proptest! {
         #[test]
         fn key_window_is_the_specified_mask(
