@@ -2366,7 +2366,7 @@ fn hopper_head_dims() -> Vec<usize> {
 fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
     let mut rows: Vec<usize> = [false, true]
         .into_iter()
-        .flat_map(|causal| hopper_lines_of(head_dim, causal))
+        .flat_map(|causal| hopper_lines_of(head_dim, causal, ScoreKind::Plain))
         .map(|(r, _, _)| r)
         .collect();
     rows.sort();
@@ -2375,10 +2375,10 @@ fn hopper_rows_of(head_dim: usize) -> Vec<Option<usize>> {
 }
 
 /// Every (rows, persistent, keys per block) of the Hopper lines that serve
-/// a plain dense call of a head dim, full or causal, sorted: the plain fixed
-/// cases run each (a line that covers only causal calls, such as D = 256's
-/// 64-key one, would run its full cases on another line twice).
-fn hopper_lines_of(head_dim: usize, causal: bool) -> Vec<(usize, bool, usize)> {
+/// a dense call of a head dim with `score`, full or causal, sorted: the
+/// fixed cases run each (a line that covers only causal calls, such as D =
+/// 256's 64-key one, would run its full cases on another line twice).
+fn hopper_lines_of(head_dim: usize, causal: bool, score: ScoreKind) -> Vec<(usize, bool, usize)> {
     let line_d = hopper_line_head_dim(head_dim);
     let need = Policies {
         mask: if causal {
@@ -2386,7 +2386,8 @@ fn hopper_lines_of(head_dim: usize, causal: bool) -> Vec<(usize, bool, usize)> {
         } else {
             MaskKind::Full
         },
-        ..Policies::PLAIN
+        score,
+        seq: SeqKind::Dense,
     };
     let mut lines: Vec<(usize, bool, usize)> = HOPPER_ENTRIES
         .iter()
@@ -2445,7 +2446,7 @@ fn hopper_cases(
     let mut v = Vec::new();
     for causal in [false, true] {
         for head_dim in hopper_head_dims() {
-            for (rows, persistent, keys) in hopper_lines_of(head_dim, causal) {
+            for (rows, persistent, keys) in hopper_lines_of(head_dim, causal, ScoreKind::Plain) {
                 for &(batch, seqlen_q, seqlen_k, heads, kv_heads) in shapes {
                     v.push(FwdCase {
                         batch,
@@ -2584,25 +2585,12 @@ fn hopper_softcap_line_cases() -> Vec<PolicyFwdCase> {
             continue;
         }
         for causal in [false, true] {
-            let need = Policies {
-                mask: if causal {
-                    MaskKind::Causal
-                } else {
-                    MaskKind::Full
-                },
-                score: ScoreKind::Modified,
-                seq: SeqKind::Dense,
-            };
-            let mut lines: Vec<(usize, bool)> = HOPPER_ENTRIES
-                .iter()
-                .filter(|e| {
-                    e.kind == KernelKind::WgmmaForward
-                        && e.head_dim == head_dim
-                        && e.policies.covers(need)
-                })
-                .map(|e| (e.rows, e.persistent))
-                .collect();
-            lines.sort();
+            // The cases cannot force the keys per block.
+            let mut lines: Vec<(usize, bool)> =
+                hopper_lines_of(head_dim, causal, ScoreKind::Modified)
+                    .into_iter()
+                    .map(|(rows, persistent, _)| (rows, persistent))
+                    .collect();
             lines.dedup();
             for (rows, persistent) in lines {
                 for (k, &(batch, seqlen_q, seqlen_k, heads, kv_heads)) in
