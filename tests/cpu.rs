@@ -3490,7 +3490,8 @@ mod index {
 
     proptest! {
         /// `KeyWindow::first` / `last` against their definition (`t + Skv -
-        /// Sq -+ bound`, clamped) over every length, bound and token below
+        /// Sq - left` and `t + Skv - Sq + right`, clamped to the keys) over
+        /// every length, bound and token below
         /// 2^31, ends included (tokens past the sequence too: a tile's tail
         /// rows ask), where `key_window_is_the_specified_mask` takes small
         /// ones. A `last` below -1 would pass that test (no key is that far
