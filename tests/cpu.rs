@@ -1925,10 +1925,14 @@ mod config {
             );
             assert!(p % 8 == 0 && c % 8 == 0 && c <= 256, "{t:?}");
             assert!(!t.pingpong || t.consumers == 2, "{t:?}");
+            // Whole 64-column groups in shared memory; D = 96's second
+            // one half used by its `wgmma`s.
             assert!(
-                t.block_n % 16 == 0 && t.block_n <= 256 && t.head_dim % 64 == 0,
+                t.block_n % 16 == 0 && t.block_n <= 256 && t.head_dim % 32 == 0,
                 "{t:?}"
             );
+            assert_eq!(t.smem_cols() % 64, 0, "{t:?}");
+            assert!(t.smem_cols() - t.head_dim < 64, "{t:?}");
             // Q buffers (three or four in a persistent CTA), then the K/V
             // stages.
             let qb = match (t.persistent, t.pingpong) {
@@ -2017,7 +2021,7 @@ mod config {
         for (d, line_d) in [
             (32, 64),
             (64, 64),
-            (96, 128),
+            (96, 96),
             (128, 128),
             (192, 192),
             (256, 256),
@@ -2065,9 +2069,9 @@ mod config {
                 ] {
                     let c = call(dtype, d, need);
                     // The 64-row lines: every D = 64 line, plain full and
-                    // causal at D = 128 and 256.
+                    // causal at D = 96, 128 and 256.
                     let narrow = line_d == 64
-                        || (line_d == 128 || line_d == 256)
+                        || matches!(line_d, 96 | 128 | 256)
                             && line.score == plain
                             && matches!(line.mask, MaskKind::Full | MaskKind::Causal);
                     for rows in [None, Some(64), Some(128), Some(192)] {
@@ -2428,7 +2432,7 @@ mod config {
         }
         // Windows bounded on both sides: their width decides, as a
         // non-causal row's keys would. D = 64's window line serves every
-        // modifier, D = 128's plain scores only (D = 32 and 96 run on them).
+        // modifier, D = 96's and 128's plain scores only (D = 32 runs on D = 64's).
         for d in [32, 64, 96, 128] {
             for score in [ScoreKind::Plain, ScoreKind::Modified] {
                 let has_line = score == ScoreKind::Plain || hopper_line_head_dim(d) == Some(64);

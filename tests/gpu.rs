@@ -2489,14 +2489,14 @@ fn hopper_policy_strategy() -> impl Strategy<Value = PolicyFwdCase> {
 }
 
 /// Windows on the persistent window lines (D = 64 with every modifier,
-/// D = 128 plain), on grids of more tiles than an H100/H200 has SMs:
+/// D = 96 and 128 plain), on grids of more tiles than an H100/H200 has SMs:
 /// windows narrower than a key block and wider, one-sided
 /// and two-sided, causal, with Sq = Skv and Sq != Skv either way (rows
 /// that see no key where Sq > Skv), and the softcap, ALiBi and sinks
 /// alone and together. Each case's call is checked to reach a persistent
-/// line, so that the line is what the reference checks. (D = 32 and 96,
-/// which run on these lines padded, passed them too on the H200 in
-/// session 38; left out for the suite's time.)
+/// line, so that the line is what the reference checks. (D = 32, which
+/// runs on D = 64's lines padded, passed them too on the H200 in session
+/// 38; left out for the suite's time.)
 fn hopper_window_persistent_cases() -> Vec<PolicyFwdCase> {
     let window = |left, right| Window { left, right };
     let windows = [
@@ -2507,7 +2507,7 @@ fn hopper_window_persistent_cases() -> Vec<PolicyFwdCase> {
         (false, window(Some(513), Some(700))),
     ];
     let mut v = Vec::new();
-    for head_dim in [64, 128] {
+    for head_dim in [64, 96, 128] {
         let modifiers = if head_dim == 64 { 4 } else { 1 };
         for (i, &(causal, window)) in windows.iter().enumerate() {
             for (j, &(batch, seqlen_q, seqlen_k, heads)) in
@@ -2628,7 +2628,8 @@ fn hopper_softcap_line_cases() -> Vec<PolicyFwdCase> {
 /// V with a head dim of its own, each call's V an exact allocation (so
 /// that memcheck sees a load of V's missing columns in its last row):
 /// DeepSeek's MLA prefill (192 / 128, causal and not), the smallest V
-/// (8 columns), a Hopper line's padded head dim (96 / 40); varlen and
+/// (8 columns), D = 96, whose second 64-column group is half used
+/// (96 / 40), a head dim padded on its Hopper line (32 / 24); varlen and
 /// chunked prefill with seeds that draw V's head dim ([`v_dim`]).
 fn v_head_dim_cases<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
     let plain = |causal| Policy {
@@ -2644,6 +2645,7 @@ fn v_head_dim_cases<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
         (128, 8, true, 1),
         (64, 32, false, 2),
         (96, 40, true, 4),
+        (32, 24, true, 2),
     ] {
         run_forward_policy::<T>(
             gpu,

@@ -1049,11 +1049,13 @@ impl HopperTile {
     pub const Q_FULL: usize = 0;
 
     /// The tile of a head dimension with `rows` query rows per CTA; `None`
-    /// when the Hopper path has none (SW128 tiles hold whole 64-column
-    /// groups, so D is a multiple of 64; smaller head dims run on the next
-    /// tile, [`hopper_line_head_dim`]). Per consumer thread, S takes
-    /// block_n / 2 f32 registers, P block_n / 4 and O D / 2: D = 64 and 128
-    /// take 128-key blocks (O 32-64, S 64, P 32); D = 192 takes 112 keys
+    /// when the Hopper path has none (smaller head dims run on the next
+    /// tile, [`hopper_line_head_dim`]). SW128 tiles hold whole 64-column
+    /// groups ([`Self::smem_cols`]), so D = 96 takes D = 128's shared memory
+    /// but only its own `wgmma` work: six k-steps of Q·Kᵀ where the D = 128
+    /// tile runs eight, and an O of n = 96. Per consumer thread, S takes
+    /// block_n / 2 f32 registers, P block_n / 4 and O D / 2: D = 64, 96 and
+    /// 128 take 128-key blocks (O 32-64, S 64, P 32); D = 192 takes 112 keys
     /// (O 96, S 56, P 28; with 128 keys two K and V stages would not fit in
     /// shared memory) and D = 256 80 keys as FlashAttention-3 does (O 128,
     /// S 40, P 20): Q plus two K and V stages then fill 217 and 225 of 227
@@ -1062,9 +1064,10 @@ impl HopperTile {
     /// D = 64, whose S, P and O fit the 160 registers three consumers leave
     /// each, so a CTA's fixed cost (prologue, the first K block's latency,
     /// epilogue) and its K/V traffic spread over 1.5x the rows; 64 (one
-    /// consumer with 232 registers, two CTAs per SM) for D = 64 and 128, so
-    /// that on short rows one CTA's fixed cost runs under the other's GEMMs
-    /// (D = 128 then takes 64-key blocks: two CTAs fit 2 x 82 KiB); at
+    /// consumer with 232 registers, two CTAs per SM) for D = 64, 96 and 128,
+    /// so that on short rows one CTA's fixed cost runs under the other's
+    /// GEMMs (D = 96 and 128 then take 64-key blocks: two CTAs fit 2 x 82
+    /// KiB); at
     /// D = 256, 64 rows are a [`Self::split_keys`] tile of two consumers
     /// and 64-key blocks, one CTA per SM.
     ///
@@ -1084,8 +1087,8 @@ impl HopperTile {
             (256, 64) => 64,
             // Two CTAs of Q plus two K and V stages of 128 keys would take
             // 2 x 145 KiB.
-            (128, 64) => 64,
-            (64 | 128, _) => 128,
+            (96 | 128, 64) => 64,
+            (64 | 96 | 128, _) => 128,
             (192, _) => 112,
             (256, _) => 80,
             _ => return None,
@@ -1102,7 +1105,7 @@ impl HopperTile {
             (MaskKind::Local, ScoreKind::Modified)
         );
         match (rows, head_dim) {
-            (128, _) | (192, 64) | (64, 64 | 128) => {}
+            (128, _) | (192, 64) | (64, 64 | 96 | 128) => {}
             (64, 256) if !persistent => {}
             _ => return None,
         }
@@ -1129,7 +1132,7 @@ impl HopperTile {
         // cost the long-row lines 1-3 %.
         let stages = match (head_dim, rows, policies.seq) {
             _ if serial => Self::SERIAL_K_HALVES,
-            (128, 128, SeqKind::Ragged) => 3,
+            (96 | 128, 128, SeqKind::Ragged) => 3,
             (64, _, _) if persistent => 4,
             _ => 2,
         };
@@ -1155,7 +1158,7 @@ impl HopperTile {
             pingpong: match head_dim {
                 _ if consumers != 2 || split_keys => false,
                 64 => false,
-                128 => true,
+                96 | 128 => true,
                 _ => !local_modified,
             },
             ctas_per_sm: if consumers == 1 { 2 } else { 1 },
@@ -1207,13 +1210,24 @@ impl HopperTile {
         let left = 65536 / self.ctas_per_sm - WARPGROUP_THREADS * self.producer_regs() as usize;
         (left / (self.consumers * WARPGROUP_THREADS)) as u32 & !7
     }
+    /// Columns of a row in shared memory: the head dim in whole 64-column
+    /// SW128 groups, as TMA writes them (D = 96: a second group of which
+    /// TMA zero-fills the last 32 columns, which no `wgmma` reads).
+    pub const fn smem_cols(self) -> usize {
+        // Plain arithmetic: with `next_multiple_of` or `div_ceil` the PTX
+        // of 18-22 entries whose tiles it does not change changed
+        // (docs/perf-notes.md v56).
+        #[allow(clippy::manual_div_ceil)]
+        let cols = (self.head_dim + SW128_ROW_ELEMS - 1) / SW128_ROW_ELEMS * SW128_ROW_ELEMS;
+        cols
+    }
     /// Bytes of the Q tile.
     pub const fn q_bytes(self) -> usize {
-        self.block_m * self.head_dim * ELEM_BYTES
+        self.block_m * self.smem_cols() * ELEM_BYTES
     }
     /// Bytes of one K or V tile.
     pub const fn kv_bytes(self) -> usize {
-        self.block_n * self.head_dim * ELEM_BYTES
+        self.block_n * self.smem_cols() * ELEM_BYTES
     }
     /// Stages of a serial tile's K ring, each half a block (two of its four
     /// 64-column groups, half of S's k-steps), so that a stage frees, and
@@ -1340,12 +1354,13 @@ impl HopperTile {
 ///   per page). D = 64 has 192-row lines besides the
 ///   128-row ones (not `local modified`, which spills with 192); 64-row
 ///   lines (one consumer, two CTAs per SM) serve every D = 64 call and
-///   plain full and causal calls at D = 128; at D = 256 the 64-row plain
+///   plain full and causal calls at D = 96 and 128 (D = 96's lines are
+///   D = 128's, line for line); at D = 256 the 64-row plain
 ///   full and causal lines give each tile two consumers that take
 ///   alternate key blocks ([`HopperTile::split_keys`]). A line ending in `persistent`
 ///   ([`HopperTile::persistent`]; `_persistent` in its name: plain full and
-///   causal at D = 64 and 128, windows: `local modified` at D = 64, `local
-///   plain` at D = 128, whose `local modified` spills with the persistent
+///   causal at D = 64, 96 and 128, windows: `local modified` at D = 64,
+///   `local plain` at D = 96 and 128, whose `local modified` spills with the persistent
 ///   producer's registers) is taken before the others where
 ///   [`hopper_persistent`] says so. A line ending in `n64` takes 64-key
 ///   blocks, fewer than its head dim's (`_n64` in its name: plain causal at
@@ -1367,9 +1382,12 @@ macro_rules! hopper_entries {
             fwd f16 64 full plain dense 128 persistent;
             fwd f16 64 causal plain dense 128 persistent;
             fwd f16 128 full plain dense 128 persistent;
+            fwd f16 96 full plain dense 128 persistent;
             fwd f16 128 causal plain dense 128 persistent;
+            fwd f16 96 causal plain dense 128 persistent;
             fwd f16 64 local modified dense 128 persistent;
             fwd f16 128 local plain dense 128 persistent;
+            fwd f16 96 local plain dense 128 persistent;
             fwd f16 64 full plain dense 192;
             fwd f16 64 causal plain dense 192;
             fwd f16 64 causal modified dense 192;
@@ -1382,11 +1400,17 @@ macro_rules! hopper_entries {
             fwd f16 64 causal modified dense 64;
             fwd f16 64 local modified dense 64;
             fwd f16 128 full plain dense 128;
+            fwd f16 96 full plain dense 128;
             fwd f16 128 causal plain dense 128;
+            fwd f16 96 causal plain dense 128;
             fwd f16 128 causal modified dense 128;
+            fwd f16 96 causal modified dense 128;
             fwd f16 128 local modified dense 128;
+            fwd f16 96 local modified dense 128;
             fwd f16 128 full plain dense 64;
+            fwd f16 96 full plain dense 64;
             fwd f16 128 causal plain dense 64;
+            fwd f16 96 causal plain dense 64;
             fwd f16 192 full plain dense 128;
             fwd f16 192 causal plain dense 128;
             fwd f16 192 causal modified dense 128;
@@ -1403,8 +1427,11 @@ macro_rules! hopper_entries {
             fwd f16 64 causal plain packed 128;
             fwd f16 64 local modified packed 128;
             fwd f16 128 full plain packed 128;
+            fwd f16 96 full plain packed 128;
             fwd f16 128 causal plain packed 128;
+            fwd f16 96 causal plain packed 128;
             fwd f16 128 local modified packed 128;
+            fwd f16 96 local modified packed 128;
             fwd f16 192 full plain packed 128;
             fwd f16 192 causal plain packed 128;
             fwd f16 192 local modified packed 128;
@@ -1414,7 +1441,9 @@ macro_rules! hopper_entries {
             fwd f16 64 causal plain ragged 128;
             fwd f16 64 local modified ragged 128;
             fwd f16 128 causal plain ragged 128;
+            fwd f16 96 causal plain ragged 128;
             fwd f16 128 local modified ragged 128;
+            fwd f16 96 local modified ragged 128;
             fwd f16 192 causal plain ragged 128;
             fwd f16 192 local modified ragged 128;
             fwd f16 256 causal plain ragged 128;
@@ -1422,9 +1451,12 @@ macro_rules! hopper_entries {
             fwd bf16 64 full plain dense 128 persistent;
             fwd bf16 64 causal plain dense 128 persistent;
             fwd bf16 128 full plain dense 128 persistent;
+            fwd bf16 96 full plain dense 128 persistent;
             fwd bf16 128 causal plain dense 128 persistent;
+            fwd bf16 96 causal plain dense 128 persistent;
             fwd bf16 64 local modified dense 128 persistent;
             fwd bf16 128 local plain dense 128 persistent;
+            fwd bf16 96 local plain dense 128 persistent;
             fwd bf16 64 full plain dense 192;
             fwd bf16 64 causal plain dense 192;
             fwd bf16 64 causal modified dense 192;
@@ -1437,11 +1469,17 @@ macro_rules! hopper_entries {
             fwd bf16 64 causal modified dense 64;
             fwd bf16 64 local modified dense 64;
             fwd bf16 128 full plain dense 128;
+            fwd bf16 96 full plain dense 128;
             fwd bf16 128 causal plain dense 128;
+            fwd bf16 96 causal plain dense 128;
             fwd bf16 128 causal modified dense 128;
+            fwd bf16 96 causal modified dense 128;
             fwd bf16 128 local modified dense 128;
+            fwd bf16 96 local modified dense 128;
             fwd bf16 128 full plain dense 64;
+            fwd bf16 96 full plain dense 64;
             fwd bf16 128 causal plain dense 64;
+            fwd bf16 96 causal plain dense 64;
             fwd bf16 192 full plain dense 128;
             fwd bf16 192 causal plain dense 128;
             fwd bf16 192 causal modified dense 128;
@@ -1458,8 +1496,11 @@ macro_rules! hopper_entries {
             fwd bf16 64 causal plain packed 128;
             fwd bf16 64 local modified packed 128;
             fwd bf16 128 full plain packed 128;
+            fwd bf16 96 full plain packed 128;
             fwd bf16 128 causal plain packed 128;
+            fwd bf16 96 causal plain packed 128;
             fwd bf16 128 local modified packed 128;
+            fwd bf16 96 local modified packed 128;
             fwd bf16 192 full plain packed 128;
             fwd bf16 192 causal plain packed 128;
             fwd bf16 192 local modified packed 128;
@@ -1469,7 +1510,9 @@ macro_rules! hopper_entries {
             fwd bf16 64 causal plain ragged 128;
             fwd bf16 64 local modified ragged 128;
             fwd bf16 128 causal plain ragged 128;
+            fwd bf16 96 causal plain ragged 128;
             fwd bf16 128 local modified ragged 128;
+            fwd bf16 96 local modified ragged 128;
             fwd bf16 192 causal plain ragged 128;
             fwd bf16 192 local modified ragged 128;
             fwd bf16 256 causal plain ragged 128;
@@ -1618,7 +1661,7 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
     let causal = matches!(call.need.mask, MaskKind::Causal);
     let narrow_max = match hopper_line_head_dim(call.head_dim) {
         Some(64) => HOPPER_NARROW_MAX_KEYS_D64,
-        Some(128) => HOPPER_NARROW_MAX_KEYS_D128,
+        Some(96 | 128) => HOPPER_NARROW_MAX_KEYS_D128,
         _ => [0, 0],
     };
     // A window bounded on both sides: every row sees about as many keys as
@@ -1641,8 +1684,8 @@ pub const fn hopper_rows(call: &HopperCall) -> usize {
 }
 
 /// Keys per query row up to which a call whose line has a persistent twin
-/// (`HopperTile::persistent`: D = 64 and 128, plain full and causal; D =
-/// 32 and 96 on them padded) takes it, non-causal and causal. H100, over
+/// (`HopperTile::persistent`: D = 64, 96 and 128, plain full and causal;
+/// D = 32 on D = 64's, padded) takes it, non-causal and causal. H100, over
 /// the lines `hopper_rows` picks (docs/perf-notes.md v23): at 512 keys
 /// 1.10-1.14x non-causal, 1.04-1.11x causal; at 1k 1.02-1.04x and
 /// 1.03-1.06x; non-causal at 2k 0.90-0.94x (D = 64), 1.01-1.02x (D = 128;
@@ -1746,7 +1789,7 @@ pub const fn hopper_persistent(call: &HopperCall) -> bool {
 /// tile with zero columns: the TMA boxes read the columns past the tensors'
 /// head dim as zeros, which add nothing to Q·Kᵀ and give O columns the
 /// epilogue does not store (`AttnParams::head_dim`). So D = 32 runs on the
-/// D = 64 lines and D = 96 on the D = 128 lines, at 2x and 4/3x the FLOPs.
+/// D = 64 lines, at 2x the FLOPs.
 /// `None` past the widest line.
 pub const fn hopper_line_head_dim(head_dim: usize) -> Option<usize> {
     let mut best: Option<usize> = None;

@@ -188,6 +188,7 @@ macro_rules! wgmma_shapes {
 wgmma_shapes! {
     64 => 8: ss_f16_n64 ss_bf16_n64 rs_f16_n64 rs_bf16_n64 [0 1 2 3 4 5 6 7];
     80 => 10: ss_f16_n80 ss_bf16_n80 rs_f16_n80 rs_bf16_n80 [0 1 2 3 4 5 6 7 8 9];
+    96 => 12: ss_f16_n96 ss_bf16_n96 rs_f16_n96 rs_bf16_n96 [0 1 2 3 4 5 6 7 8 9 10 11];
     112 => 14: ss_f16_n112 ss_bf16_n112 rs_f16_n112 rs_bf16_n112
         [0 1 2 3 4 5 6 7 8 9 10 11 12 13];
     128 => 16: ss_f16_n128 ss_bf16_n128 rs_f16_n128 rs_bf16_n128

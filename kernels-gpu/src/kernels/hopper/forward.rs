@@ -483,7 +483,7 @@ fn produce<L: Seq, const D: usize, const STAGES: u32, const VSTAGES: u32, const 
         map(core::mem::offset_of!(HopperFwdMaps, k)),
         map(core::mem::offset_of!(HopperFwdMaps, v)),
     );
-    let groups = (D / SW128_ROW_ELEMS) as u32;
+    let groups = const { D.div_ceil(SW128_ROW_ELEMS) as u32 };
     // One box per 64-column group: `rows` rows of 128 bytes at `dst`, the
     // groups `stride` rows apart.
     let load = |dst: u32, stride: usize, map: u64, row: u32, head: u32, batch: u32, bar: u32| {
@@ -1191,7 +1191,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
             barrier::sync_named(EPILOGUE_BARRIER + c, WARPGROUP_THREADS as u32);
             if wg_tid == 0 {
                 let o_map = maps + core::mem::offset_of!(HopperFwdMaps, o) as u64;
-                let groups = (D / SW128_ROW_ELEMS) as u32;
+                let groups = const { D.div_ceil(SW128_ROW_ELEMS) as u32 };
                 let row = info.q_start + info.m0 + self.tile.first_row(c);
                 let own = if split {
                     c * groups / 2..(c + 1) * groups / 2
@@ -1571,7 +1571,7 @@ fn produce_serial<const D: usize, const STAGES: u32, const VSTAGES: u32, const Q
         map(core::mem::offset_of!(HopperFwdMaps, k)),
         map(core::mem::offset_of!(HopperFwdMaps, v)),
     );
-    let groups = (D / SW128_ROW_ELEMS) as u32;
+    let groups = const { D.div_ceil(SW128_ROW_ELEMS) as u32 };
     // `count` boxes of 64 columns from group `first` on, `rows` rows of
     // 128 bytes each at `dst`, the groups `rows` rows apart.
     let load =
@@ -1741,7 +1741,7 @@ fn zero_rows_past<const D: usize>(v_tile: u32, rows: u32, first: u32, consumers:
     let threads = consumers * WARPGROUP_THREADS as u32;
     let tid = special::thread_idx_x() - WARPGROUP_THREADS as u32;
     let per_group = (rows - first) * CHUNKS_PER_ROW;
-    let groups = (D / SW128_ROW_ELEMS) as u32;
+    let groups = const { D.div_ceil(SW128_ROW_ELEMS) as u32 };
     let mut idx = tid;
     while idx < per_group * groups {
         let (group, chunk) = (idx / per_group, idx % per_group);
