@@ -37,8 +37,8 @@
 //! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
 //!
 //! The `model` rows are issue 11's prefill shapes: one 8k-token prompt,
-//! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128 and SmolLM
-//! (9/3) at D=64, f16 and bf16.
+//! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128, SmolLM
+//! (9/3) at D=64 and Phi-3-mini (32/32) at D=96, f16 and bf16.
 //!
 //! The `seed-*` rows are the shapes of the seed reports (shared/seeds): L4,
 //! RTX 3060 and A100 tables in f16, and the T4 report's SmolLM-135M (9
@@ -495,8 +495,8 @@ fn shapes() -> Vec<Shape> {
             }
         }
     }
-    // The other compiled head dims (D = 32 and 96 run on the Hopper lines of
-    // 64 and 128 with zero columns; D = 192 has its own), as the sweep.
+    // The other compiled head dims (D = 32 runs on the Hopper lines of 64
+    // with zero columns; D = 192 has its own), as the sweep.
     for head_dim in [32, 192] {
         for causal in [false, true] {
             for seqlen in [1024, 2048, 4096, 16384] {
@@ -513,9 +513,10 @@ fn shapes() -> Vec<Shape> {
         }
     }
     // Model prefill (issue 11): Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4)
-    // at D=128, SmolLM (9/3) at D=64; one 8k-token prompt, causal.
+    // at D=128, SmolLM (9/3) at D=64, Phi-3-mini (32/32) at D=96; one
+    // 8k-token prompt, causal.
     for dtype in [Dtype::F16, Dtype::Bf16] {
-        for (heads, kv_heads, head_dim) in [(32, 8, 128), (28, 4, 128), (9, 3, 64)] {
+        for (heads, kv_heads, head_dim) in [(32, 8, 128), (28, 4, 128), (9, 3, 64), (32, 32, 96)] {
             v.push(Shape {
                 kv_heads,
                 ..fwd(dtype, 1, heads, 8192, head_dim, true, "model")

@@ -1984,8 +1984,8 @@ mod config {
     /// (the plain lines for plain calls, `causal modified` for causal
     /// modifiers, `local modified` for every other dense call) with the
     /// rows asked for where the head dim has them; D = 32 on the D = 64
-    /// lines and D = 96 on the D = 128 ones (the smallest line head dim at
-    /// least as large); packed sequences, against contiguous or paged K/V,
+    /// lines (the smallest line head dim at least as large), D = 96 on its
+    /// own; packed sequences, against contiguous or paged K/V,
     /// on their own 128-row lines; none for f32 or a head dim past the
     /// widest line, so those stay on sm_90.
     #[test]
