@@ -11,9 +11,10 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    combine_rows_per_cta, find_entry, find_hopper_entry, AttnTile, Dtype, Entry, HopperCall,
-    HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind, APPEND_THREADS,
-    CHUNK_ELEMS, COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    combine_groups, combine_shape, find_entry, find_hopper_entry, AttnTile, Dtype, Entry,
+    HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind,
+    APPEND_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS,
+    WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
@@ -66,7 +67,8 @@ const SATURATING_CTAS_PER_SM: f64 = 1.5;
 /// Bytes per µs one decode CTA streams while HBM is not the limit.
 const CTA_BYTES_PER_US: f64 = 20_000.0;
 /// The combine kernel's launch gap, and the memory latency each row pays per
-/// group of [`COMBINE_SPLIT_GROUP`] splits it reads.
+/// round of chunks of [`COMBINE_SPLIT_GROUP`] splits (a round: one chunk for
+/// each of the row's thread groups, `config::combine_shape`).
 const COMBINE_LAUNCH_US: f64 = 1.0;
 const COMBINE_GROUP_US: f64 = 2.0;
 const MAX_GRID_YZ: usize = 65_535;
@@ -1124,6 +1126,15 @@ impl FlashAttention {
                 num_sms: self.num_sms,
                 ctas_per_sm,
                 max_splits,
+                combine_groups: combine_groups(shape.head_dim),
+                // Fitted (H200, v57): where one KV head's rows take several
+                // row tiles, their CTAs read the same K/V and the deeper ring
+                // did not pay (Qwen 28/4 with 4 new tokens: 0.82-0.91x).
+                solo_ring_gain: if rows <= tile.block_m {
+                    (tile.kv_stages - 1) as f64 / (tile.busy_stages - 1) as f64
+                } else {
+                    1.0
+                },
             }),
         };
         let stages = if ctas * splits <= self.num_sms {
@@ -1451,6 +1462,7 @@ impl FlashAttention {
             ByValue(params),
         )?;
         if splits > 1 {
+            let shape_c = combine_shape(shape.head_dim, splits);
             let combine = CombineParams {
                 o_accum: oacc_ptr,
                 lse_accum: lacc_ptr,
@@ -1462,13 +1474,10 @@ impl FlashAttention {
                 seqlen_q: shape.seqlen_q as u32,
                 num_splits: splits as u32,
                 sinks: policy.params.sinks,
+                split_groups: shape_c.split_groups as u32,
             };
             let rows = shape.batch * shape.heads * shape.seqlen_q;
-            let grid = (
-                rows.div_ceil(combine_rows_per_cta(shape.head_dim)) as u32,
-                1,
-                1,
-            );
+            let grid = (rows.div_ceil(shape_c.rows_per_cta) as u32, 1, 1);
             self.launch(
                 stream,
                 self.kernel(
@@ -1537,6 +1546,14 @@ pub(crate) struct SplitProblem {
     /// Decode CTAs one SM holds at once.
     pub ctas_per_sm: usize,
     pub max_splits: usize,
+    /// Row-wide thread groups of a combine CTA (`config::combine_groups`).
+    pub combine_groups: usize,
+    /// How much faster a CTA streams with the ring of a grid of at most one
+    /// CTA per SM than with the ring of a fuller one: its blocks in flight,
+    /// `(kv_stages - 1) / (busy_stages - 1)`. Without it the model split
+    /// GQA 32/8 at B = 1 in 32 where 16 (one CTA per SM) was 1.06-1.09x
+    /// faster, and MHA at B = 1 in 8 where 4 was 1.02-1.11x faster (H200, v57).
+    pub solo_ring_gain: f64,
 }
 
 impl SplitProblem {
@@ -1545,10 +1562,19 @@ impl SplitProblem {
     fn predicted_us(&self, s: usize) -> f64 {
         let saturating = (SATURATING_CTAS_PER_SM * self.num_sms as f64)
             .min((self.num_sms * self.ctas_per_sm) as f64);
-        let streams = ((self.ctas * s) as f64).min(saturating);
+        let ctas = self.ctas * s;
+        let gain = if ctas <= self.num_sms {
+            self.solo_ring_gain
+        } else {
+            1.0
+        };
+        let streams = (ctas as f64 * gain).min(saturating);
         let stream_us = (self.bytes_per_cta * self.ctas) as f64 / (streams * CTA_BYTES_PER_US);
         let combine_us = if s > 1 {
-            COMBINE_LAUNCH_US + COMBINE_GROUP_US * s.div_ceil(COMBINE_SPLIT_GROUP) as f64
+            let rounds = s
+                .div_ceil(COMBINE_SPLIT_GROUP)
+                .div_ceil(self.combine_groups.max(1));
+            COMBINE_LAUNCH_US + COMBINE_GROUP_US * rounds as f64
         } else {
             0.0
         };
@@ -1579,7 +1605,7 @@ pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
 #[cfg(test)]
 mod tests {
     use super::{choose_splits, softmax_max_fixed, SplitProblem, FIXED_MAX_LOG2_SPAN};
-    use flash_attn_kernels::config::Dtype;
+    use flash_attn_kernels::config::{combine_groups, Dtype};
     use half::bf16;
     use std::f64::consts::LOG2_E;
 
@@ -1660,9 +1686,10 @@ mod tests {
         assert_eq!(broken, 3);
     }
 
-    /// A decode problem on an H100 (132 SMs, 3 decode CTAs per SM) of
-    /// `ctas` CTAs each streaming `keys` keys of D = `d` (f16 K and V).
-    fn h100(ctas: usize, keys: usize, d: usize) -> SplitProblem {
+    /// A decode problem on an H100 or H200 (132 SMs; the sm_90 decode tiles'
+    /// CTAs per SM) of `ctas` CTAs, one row tile per KV head, each streaming
+    /// `keys` keys of D = `d` (f16 K and V).
+    fn sm90(ctas: usize, keys: usize, d: usize) -> SplitProblem {
         let block_n = if d >= 192 { 32 } else { 64 };
         let key_blocks = keys.div_ceil(block_n);
         SplitProblem {
@@ -1670,39 +1697,44 @@ mod tests {
             bytes_per_cta: keys * 2 * d * 2,
             key_blocks,
             num_sms: 132,
-            ctas_per_sm: 3,
+            ctas_per_sm: match d {
+                32 => 4,
+                128 => 2,
+                _ => 3,
+            },
             max_splits: (key_blocks / 2).clamp(1, 128),
+            combine_groups: combine_groups(d),
+            solo_ring_gain: if matches!(d, 96 | 128) { 2.0 } else { 1.0 },
         }
     }
 
     #[test]
     fn short_caches_are_not_split() {
-        assert_eq!(choose_splits(&h100(8, 256, 128)), 1);
-        assert_eq!(choose_splits(&h100(3, 256, 64)), 1);
+        assert_eq!(choose_splits(&sm90(8, 256, 128)), 1);
+        assert_eq!(choose_splits(&sm90(3, 256, 64)), 1);
     }
 
     #[test]
     fn full_grids_are_not_split() {
-        assert_eq!(choose_splits(&h100(256, 65536, 128)), 1);
-        assert_eq!(choose_splits(&h100(1024, 4096, 128)), 1);
+        assert_eq!(choose_splits(&sm90(256, 65536, 128)), 1);
+        assert_eq!(choose_splits(&sm90(1024, 4096, 128)), 1);
     }
 
     #[test]
     fn small_batches_split_towards_the_measured_best() {
-        // H100, graph-timed sweep of 1-64 splits (v11): GQA 32/8 B=1 L=4k
-        // was fastest at 16 splits, SmolLM 9/3 B=1 L=16k at 32, MHA B=1 L=4k
-        // at 8.
-        let s = choose_splits(&h100(8, 4096, 128));
-        assert!((12..=20).contains(&s), "{s}");
-        let s = choose_splits(&h100(3, 16384, 64));
-        assert!((24..=40).contains(&s), "{s}");
-        let s = choose_splits(&h100(32, 4096, 128));
-        assert!((6..=10).contains(&s), "{s}");
+        // H200, graph-timed sweep of 1-128 splits (v57): GQA 32/8 B=1 was
+        // fastest at 16 splits for L=4k-64k, MHA 32/32 B=1 at 4, SmolLM
+        // 9/3 B=1 L=16k at 64 (32 and 128 within 6 %).
+        assert_eq!(choose_splits(&sm90(8, 4096, 128)), 16);
+        assert_eq!(choose_splits(&sm90(8, 16384, 128)), 16);
+        assert_eq!(choose_splits(&sm90(32, 4096, 128)), 4);
+        let s = choose_splits(&sm90(3, 16384, 64));
+        assert!((32..=128).contains(&s), "{s}");
     }
 
     #[test]
     fn splits_respect_the_cap() {
-        let mut p = h100(1, 1 << 20, 128);
+        let mut p = sm90(1, 1 << 20, 128);
         p.max_splits = 5;
         assert!(choose_splits(&p) <= 5);
         p.max_splits = 0;

@@ -2866,22 +2866,53 @@ mod config {
             assert_eq!(t.k_smem_offset() % CHUNK_BYTES, 0);
             assert_eq!(t.v_smem_offset() % CHUNK_BYTES, 0);
 
-            // Whole rows per combine CTA; the threads past them idle.
+            // Whole row-wide groups per combine CTA; the threads past them idle.
             let per_row = hd / COMBINE_ELEMS_PER_THREAD;
-            assert!(
-                combine_rows_per_cta(hd) * per_row <= COMBINE_THREADS,
-                "hd{hd}"
-            );
-            assert!(
-                (combine_rows_per_cta(hd) + 1) * per_row > COMBINE_THREADS,
-                "hd{hd}"
-            );
+            let groups = combine_groups(hd);
+            assert!(groups * per_row <= COMBINE_THREADS, "hd{hd}");
+            assert!((groups + 1) * per_row > COMBINE_THREADS, "hd{hd}");
             assert_eq!(hd % COMBINE_ELEMS_PER_THREAD, 0);
+            // Each group's O row and (max, sum), 16-byte aligned rows.
+            assert_eq!(combine_smem_bytes(hd), groups * (hd + 2) * 4);
+            assert_eq!(hd * 4 % 16, 0);
         }
         assert!(!AttnTile::supports(80));
         assert!(!AttnTile::supports(0));
         for arch in PtxArch::ATTENTION {
             assert!(AttnTile::for_kernel(KernelKind::Decode, 80, arch).is_none());
+        }
+    }
+
+    #[test]
+    fn combine_groups_cover_every_split_once() {
+        for hd in SUPPORTED_HEAD_DIMS {
+            let groups = combine_groups(hd);
+            for splits in 1..=MAX_SPLITS {
+                let c = combine_shape(hd, splits);
+                let chunks = splits.div_ceil(COMBINE_SPLIT_GROUP);
+                let what = format!("hd{hd} splits={splits} {c:?}");
+                assert!(c.split_groups >= 1 && c.rows_per_cta >= 1, "{what}");
+                assert!(c.split_groups * c.rows_per_cta <= groups, "{what}");
+                // No group without a chunk, and no more rounds than the CTA needs.
+                assert!(c.split_groups <= chunks, "{what}");
+                assert_eq!(
+                    chunks.div_ceil(c.split_groups),
+                    chunks.div_ceil(groups),
+                    "{what}"
+                );
+                // The kernel's walk: group g takes splits g·8.., then every
+                // split_groups-th chunk after it.
+                let mut seen = vec![0; splits];
+                for g in 0..c.split_groups {
+                    let mut s0 = g * COMBINE_SPLIT_GROUP;
+                    while s0 < splits {
+                        let chunk = s0..(s0 + COMBINE_SPLIT_GROUP).min(splits);
+                        seen[chunk].iter_mut().for_each(|n| *n += 1);
+                        s0 += c.split_groups * COMBINE_SPLIT_GROUP;
+                    }
+                }
+                assert!(seen.iter().all(|&n| n == 1), "{what}");
+            }
         }
     }
 
@@ -2932,7 +2963,8 @@ mod config {
             match e.kind {
                 KernelKind::Combine => {
                     assert_eq!(e.threads(a), COMBINE_THREADS);
-                    assert_eq!(e.smem_bytes(a), 0);
+                    assert_eq!(e.smem_bytes(a), combine_smem_bytes(e.head_dim));
+                    assert!(e.smem_bytes(a) <= 48 * 1024, "no opt-in needed");
                 }
                 KernelKind::Append => {
                     assert_eq!(e.threads(a), APPEND_THREADS);

@@ -2129,6 +2129,41 @@ fn softcap_range_cases() -> Vec<CapRangeCase> {
     v
 }
 
+/// Forced split counts that give the combine one chunk of splits per row
+/// (several rows per CTA), a few chunks (groups of a row meeting in shared
+/// memory) and more chunks than a CTA has groups (a group merging several),
+/// over rows that do not fill the last CTA and a sequence whose later splits
+/// see no key.
+fn combine_group_cases() -> Vec<PolicyDecodeCase> {
+    let mut v = Vec::new();
+    for &head_dim in &flash_attn::SUPPORTED_HEAD_DIMS {
+        for num_splits in [3, 11, 40, 128] {
+            for sinks in [false, true] {
+                let cache_len = 16384 + 77;
+                v.push(PolicyDecodeCase {
+                    batch: 2,
+                    seqlen_q: 3,
+                    cache_len,
+                    heads: 6,
+                    kv_heads: 2,
+                    head_dim,
+                    seqlens: vec![cache_len as i32, 1000],
+                    policy: Policy {
+                        causal: true,
+                        window: Window::default(),
+                        softcap: None,
+                        alibi: None,
+                        sinks,
+                    },
+                    num_splits: Some(num_splits),
+                    seed: 40 + num_splits as u64,
+                });
+            }
+        }
+    }
+    v
+}
+
 fn head_dims() -> impl Strategy<Value = usize> {
     prop::sample::select(flash_attn::SUPPORTED_HEAD_DIMS.to_vec())
 }
@@ -3333,6 +3368,12 @@ fn main() {
                 $name,
                 case_count(),
                 policy_decode_strategy(),
+                run_decode_policy::<$t>
+            );
+            fixed_trial!(
+                "decode_combine_groups_",
+                $name,
+                combine_group_cases(),
                 run_decode_policy::<$t>
             );
             let g = gpu.clone();

@@ -440,8 +440,9 @@ impl AttnTile {
     }
 }
 
-/// Threads of one split-KV combine CTA.
-pub const COMBINE_THREADS: usize = 128;
+/// Threads of one split-KV combine CTA: eight row-wide groups at D = 128,
+/// so 64 splits take one memory latency (`combine_shape`).
+pub const COMBINE_THREADS: usize = 256;
 /// Output elements each combine thread owns (one 8-byte store of f16/bf16).
 pub const COMBINE_ELEMS_PER_THREAD: usize = 4;
 /// Splits whose partials a combine thread loads together. One at a time, the
@@ -456,10 +457,47 @@ pub const APPEND_THREADS: usize = 128;
 /// Pages of a paged KV cache hold a multiple of this many tokens.
 pub const PAGE_SIZE_MULTIPLE: usize = 16;
 
-/// Query rows one combine CTA finishes for a head dimension; the threads
-/// past the last whole row (D = 96, 192) idle.
-pub const fn combine_rows_per_cta(head_dim: usize) -> usize {
+/// Thread groups of one combine CTA, each one row wide (a thread per
+/// [`COMBINE_ELEMS_PER_THREAD`] columns); the threads past the last whole
+/// group (D = 96, 192) idle.
+pub const fn combine_groups(head_dim: usize) -> usize {
     COMBINE_THREADS / (head_dim / COMBINE_ELEMS_PER_THREAD)
+}
+
+/// How a combine launch spreads its CTAs' groups over rows and splits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CombineShape {
+    /// Groups that share one row, each merging every `split_groups`-th
+    /// chunk of [`COMBINE_SPLIT_GROUP`] splits; their partial states meet in
+    /// shared memory.
+    pub split_groups: usize,
+    /// Rows one CTA finishes.
+    pub rows_per_cta: usize,
+}
+
+/// A row's chunks of splits go to as many groups as there are chunks, up to
+/// the CTA's: the chunks a group merges one after the other each cost a
+/// memory latency (about 2 µs on H100, v11), so a row of 32 splits at
+/// D = 128 waits one latency instead of four, and with few splits a CTA
+/// finishes several rows.
+pub const fn combine_shape(head_dim: usize, splits: usize) -> CombineShape {
+    let groups = combine_groups(head_dim);
+    let chunks = if splits == 0 {
+        1
+    } else {
+        splits.div_ceil(COMBINE_SPLIT_GROUP)
+    };
+    let split_groups = if chunks < groups { chunks } else { groups };
+    CombineShape {
+        split_groups,
+        rows_per_cta: groups / split_groups,
+    }
+}
+
+/// Dynamic shared memory of a combine CTA: each group's partial O row
+/// (f32) and its (max, sum).
+pub const fn combine_smem_bytes(head_dim: usize) -> usize {
+    combine_groups(head_dim) * (head_dim + 2) * 4
 }
 /// Threads of one merge-states CTA (one per 16-byte chunk of a row).
 pub const MERGE_THREADS: usize = 128;
@@ -639,7 +677,8 @@ impl Entry {
     /// Dynamic shared memory per CTA.
     pub const fn smem_bytes(&self, arch: PtxArch) -> usize {
         match self.kind {
-            KernelKind::Combine | KernelKind::Append | KernelKind::Merge => 0,
+            KernelKind::Combine => combine_smem_bytes(self.head_dim),
+            KernelKind::Append | KernelKind::Merge => 0,
             KernelKind::Probe => PtxArch::Sm90a.max_smem_bytes(),
             KernelKind::WgmmaForward => self.hopper_tile().smem_bytes(),
             _ => self.tile(arch).smem_bytes(),

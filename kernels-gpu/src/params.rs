@@ -203,8 +203,9 @@ pub struct AppendParams {
     pub num_pages: u32,
 }
 
-/// Parameters of the split-KV combine kernel. One thread group per (b, h, token)
-/// row of O merges `num_splits` partial rows from [`AttnParams::o_accum`].
+/// Parameters of the split-KV combine kernel. `split_groups` thread groups
+/// per (b, h, token) row of O merge `num_splits` partial rows from
+/// [`AttnParams::o_accum`] (`config::combine_shape`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct CombineParams {
@@ -228,6 +229,9 @@ pub struct CombineParams {
     pub num_splits: u32,
     /// As in [`AttnParams::sinks`]: added once here, not in the partials.
     pub sinks: u64,
+    /// Groups of a CTA that share one row (`config::CombineShape`); the
+    /// kernel clamps it to `[1, config::combine_groups(D)]`.
+    pub split_groups: u32,
 }
 
 /// Parameters of the merge-states kernel: (O, LSE) = merge((O_a, LSE_a),
