@@ -1605,7 +1605,7 @@ pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
 #[cfg(test)]
 mod tests {
     use super::{choose_splits, softmax_max_fixed, SplitProblem, FIXED_MAX_LOG2_SPAN};
-    use flash_attn_kernels::config::{combine_groups, Dtype};
+    use flash_attn_kernels::config::{combine_groups, AttnTile, Dtype, KernelKind, PtxArch};
     use half::bf16;
     use std::f64::consts::LOG2_E;
 
@@ -1690,8 +1690,8 @@ mod tests {
     /// CTAs per SM) of `ctas` CTAs, one row tile per KV head, each streaming
     /// `keys` keys of D = `d` (f16 K and V).
     fn sm90(ctas: usize, keys: usize, d: usize) -> SplitProblem {
-        let block_n = if d >= 192 { 32 } else { 64 };
-        let key_blocks = keys.div_ceil(block_n);
+        let tile = AttnTile::of(KernelKind::Decode, d, PtxArch::Sm90);
+        let key_blocks = keys.div_ceil(tile.block_n);
         SplitProblem {
             ctas,
             bytes_per_cta: keys * 2 * d * 2,
@@ -1704,7 +1704,7 @@ mod tests {
             },
             max_splits: (key_blocks / 2).clamp(1, 128),
             combine_groups: combine_groups(d),
-            solo_ring_gain: if matches!(d, 96 | 128) { 2.0 } else { 1.0 },
+            solo_ring_gain: (tile.kv_stages - 1) as f64 / (tile.busy_stages - 1) as f64,
         }
     }
 
