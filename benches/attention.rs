@@ -144,7 +144,9 @@
 //! that many keys per block where the head dim has such a line, instead of
 //! the heuristic's choice), `--tile-order dynamic|static` (persistent Hopper
 //! lines claim their tiles from a counter, the default, or walk the static
-//! order, to compare both),
+//! order, to compare both), `--combine-launch programmatic|plain` (the
+//! split decode's combine kernel as a programmatic dependent launch, the
+//! default on Hopper and newer, or a plain one, to compare both),
 //! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
@@ -1987,6 +1989,14 @@ fn main() {
             std::process::exit(2);
         }
     };
+    let programmatic_combine = match value_of("--combine-launch").as_deref() {
+        None | Some("programmatic") => true,
+        Some("plain") => false,
+        Some(other) => {
+            eprintln!("--combine-launch wants programmatic or plain, not {other:?}");
+            std::process::exit(2);
+        }
+    };
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -2050,6 +2060,7 @@ fn main() {
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     fa.set_hopper_forward(hopper_forward);
     fa.set_static_tile_order(static_tiles);
+    fa.set_programmatic_combine(programmatic_combine);
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
@@ -2070,7 +2081,7 @@ fn main() {
         }
     };
     println!(
-        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}",
+        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}, {} combine launch",
         ctx.name().unwrap_or_default(),
         fa.compute_capability().0,
         fa.compute_capability().1,
@@ -2081,6 +2092,11 @@ fn main() {
             "the Hopper kernels where they cover the row (wgmma + TMA)"
         } else {
             "the mma.sync kernels"
+        },
+        if fa.programmatic_combine() {
+            "programmatic"
+        } else {
+            "plain"
         }
     );
     if let Some(dir) = std::path::Path::new(&json_path).parent() {

@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
     DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, SyncOnDrop,
@@ -111,12 +111,19 @@ pub struct FlashAttention {
     /// Whether persistent Hopper launches walk the static tile order
     /// instead of claiming tiles from a counter.
     static_tiles: AtomicBool,
+    /// Whether the split-KV combine is a programmatic dependent launch.
+    programmatic_combine: AtomicBool,
 }
 
 /// How a decode launch is split and buffered.
 struct DecodePlan {
     splits: usize,
     stages: usize,
+    /// Whether the combine may be a programmatic dependent launch: not where
+    /// one KV head's rows take several row tiles, whose CTAs read the same
+    /// K/V; there it measured 0.935-0.965x on short split rows (Qwen 28/4
+    /// with 4 new tokens, H200, v58), as the solo ring did in v57.
+    programmatic_combine: bool,
 }
 
 /// The code [`FlashAttention`] loaded.
@@ -569,6 +576,7 @@ impl FlashAttention {
             hopper_forward: AtomicBool::new(hopper.is_some()),
             hopper,
             static_tiles: AtomicBool::new(false),
+            programmatic_combine: AtomicBool::new(arch == PtxArch::Sm90),
         })
     }
 
@@ -596,6 +604,25 @@ impl FlashAttention {
     #[doc(hidden)]
     pub fn set_static_tile_order(&self, on: bool) {
         self.static_tiles.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether the split-KV decode's combine kernel is launched as a
+    /// programmatic dependent of the decode kernel (the default on the
+    /// `sm_90` module, Hopper and newer): it is scheduled once every decode
+    /// CTA is past its key blocks and waits in the kernel
+    /// (`griddepcontrol.wait`) for the partials, so the launch gap between
+    /// the two overlaps the decode's tail. Calls whose KV heads' query rows
+    /// take several row tiles launch it plainly either way.
+    pub fn programmatic_combine(&self) -> bool {
+        self.programmatic_combine.load(Ordering::Relaxed)
+    }
+
+    /// Switches the programmatic combine launch off (plain launches, to
+    /// compare both in one process) or back on, for the decode calls issued
+    /// after it; below the `sm_90` module it stays off (no `griddepcontrol`).
+    pub fn set_programmatic_combine(&self, on: bool) {
+        self.programmatic_combine
+            .store(on && self.arch == PtxArch::Sm90, Ordering::Relaxed);
     }
 
     /// The CUDA context the kernels were loaded into.
@@ -1142,7 +1169,11 @@ impl FlashAttention {
         } else {
             tile.busy_stages
         };
-        DecodePlan { splits, stages }
+        DecodePlan {
+            splits,
+            stages,
+            programmatic_combine: self.programmatic_combine() && rows <= tile.block_m,
+        }
     }
 
     /// Scratch for decoding `shape` with element type `T`; reusable for any
@@ -1478,17 +1509,17 @@ impl FlashAttention {
             };
             let rows = shape.batch * shape.heads * shape.seqlen_q;
             let grid = (rows.div_ceil(shape_c.rows_per_cta) as u32, 1, 1);
-            self.launch(
-                stream,
-                self.kernel(
-                    KernelKind::Combine,
-                    T::DTYPE,
-                    shape.head_dim,
-                    Policies::PLAIN,
-                ),
-                grid,
-                ByValue(combine),
-            )?;
+            let kernel = self.kernel(
+                KernelKind::Combine,
+                T::DTYPE,
+                shape.head_dim,
+                Policies::PLAIN,
+            );
+            if plan.programmatic_combine {
+                launch_programmatic(stream, kernel, grid, ByValue(combine))?;
+            } else {
+                self.launch(stream, kernel, grid, ByValue(combine))?;
+            }
         }
         Ok(())
     }
@@ -1532,6 +1563,53 @@ impl FlashAttention {
         unsafe { builder.launch(cfg) }?;
         Ok(())
     }
+}
+
+/// Launches `kernel` (one by-value parameter of type `P`) as a programmatic
+/// dependent of the stream's previous grid (`cuLaunchKernelEx` with
+/// `PROGRAMMATIC_STREAM_SERIALIZATION`): its CTAs may be scheduled once every
+/// CTA of that grid has run `griddepcontrol.launch_dependents`, and the
+/// kernel must run `griddepcontrol.wait` before it reads that grid's output.
+/// Stream capture keeps the dependency as a programmatic graph edge.
+fn launch_programmatic<P: Copy>(
+    stream: &CudaStream,
+    kernel: &Kernel,
+    grid: (u32, u32, u32),
+    params: ByValue<P>,
+) -> Result<(), FlashAttnError> {
+    stream.context().bind_to_thread()?;
+    let mut attr = sys::CUlaunchAttribute {
+        id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+        pad: [0; 4],
+        value: sys::CUlaunchAttributeValue { pad: [0; 64] },
+    };
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: grid.0,
+        gridDimY: grid.1,
+        gridDimZ: grid.2,
+        blockDimX: kernel.threads() as u32,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: kernel.smem_bytes() as u32,
+        hStream: stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut args = [&params.0 as *const P as *mut std::ffi::c_void];
+    // SAFETY: the entry takes exactly one by-value parameter of type `P`,
+    // which `args` points at and the driver copies before returning;
+    // validation bounded every address the kernel derives from it.
+    unsafe {
+        sys::cuLaunchKernelEx(
+            &config,
+            kernel.function.cu_function(),
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    }
+    .result()?;
+    Ok(())
 }
 
 /// What the split-KV choice needs to know of a decode problem.

@@ -919,6 +919,97 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
     Ok(())
 }
 
+/// Split decode steps issued back to back on one stream with one workspace,
+/// each with its own inputs and checked only after the last: every combine
+/// must read its own step's partials, also when it is a programmatic
+/// dependent launch whose CTAs start while the decode grid still runs (the
+/// `sm_90` module's default). Run with that launch and with plain ones.
+fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let ctx = CudaContext::new(0).map_err(e)?;
+    let s = ctx.new_stream().map_err(e)?;
+    let fa = FlashAttention::new(&ctx).map_err(|x| x.to_string())?;
+    let (b, h, hk, d, l) = (2, 8, 2, 128, 3000);
+    let seqlens_host = vec![3000, 2100];
+    let shape = DecodeShape {
+        batch: b,
+        seqlen_q: 1,
+        cache_len: l,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: true,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
+    };
+    if fa.decode_splits::<T>(&shape) < 2 {
+        return Err("the chained steps should exercise split-KV and the combine kernel".into());
+    }
+    let mut workspace = fa
+        .decode_workspace::<T>(&s, &shape)
+        .map_err(|x| x.to_string())?;
+    let seqlens = s.clone_htod(&seqlens_host).map_err(e)?;
+    let (q_layout, cache_layout) = (
+        Layout::contiguous([b, 1, h, d]),
+        Layout::contiguous([b, l, hk, d]),
+    );
+    let opts = AttnOptions {
+        causal: true,
+        softmax_scale: None,
+        ..Default::default()
+    };
+    let mut rng = StdRng::seed_from_u64(29);
+    for programmatic in [true, false] {
+        fa.set_programmatic_combine(programmatic);
+        let mut steps = Vec::new();
+        for _ in 0..4 {
+            let q_host = random_values::<T>(&mut rng, b * h * d);
+            let k_host = random_values::<T>(&mut rng, b * l * hk * d);
+            let v_host = random_values::<T>(&mut rng, b * l * hk * d);
+            let (q, k, v) = (
+                s.clone_htod(&q_host).map_err(e)?,
+                s.clone_htod(&k_host).map_err(e)?,
+                s.clone_htod(&v_host).map_err(e)?,
+            );
+            let mut o = s.clone_htod(&vec![nan::<T>(); b * h * d]).map_err(e)?;
+            fa.decode(
+                &s,
+                Qkv {
+                    q: &TensorRef::new(q.as_view(), q_layout),
+                    k: &TensorRef::new(k.as_view(), cache_layout),
+                    v: &TensorRef::new(v.as_view(), cache_layout),
+                },
+                &seqlens.as_view(),
+                Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
+                &opts,
+                Some(&mut workspace),
+            )
+            .map_err(|x| x.to_string())?;
+            steps.push((q_host, k_host, v_host, o));
+        }
+        s.synchronize().map_err(e)?;
+        for (i, (q_host, k_host, v_host, o)) in steps.iter().enumerate() {
+            let want = reference::decode(
+                &shape,
+                &to_f64(q_host),
+                &to_f64(k_host),
+                &to_f64(v_host),
+                &seqlens_host,
+            );
+            check_output(
+                &s.clone_dtoh(o).map_err(e)?,
+                &q_layout,
+                &want.o,
+                &format!(
+                    "step {i}, programmatic combine {}",
+                    fa.programmatic_combine()
+                ),
+            )?;
+        }
+    }
+    Ok(())
+}
+
 /// Random Q, K and V (`nq`, `nkv`, `nkv` elements) on the host and the device.
 struct Inputs<T> {
     q_host: Vec<T>,
@@ -3335,6 +3426,10 @@ fn main() {
             trials.push(Trial::test(
                 concat!("kvcache_graph_replay_", $name),
                 move || graph_replay::<$t>().map_err(Failed::from),
+            ));
+            trials.push(Trial::test(
+                concat!("decode_chained_steps_", $name),
+                move || chained_decode_steps::<$t>().map_err(Failed::from),
             ));
             random_trial!(
                 "forward_policies_random_",

@@ -12,6 +12,7 @@ pub mod cp_async;
 #[cfg(target_feature = "sm_90a")]
 pub mod fence;
 pub mod global;
+pub mod griddep;
 pub mod ldmatrix;
 pub mod math;
 #[cfg(target_feature = "sm_90a")]

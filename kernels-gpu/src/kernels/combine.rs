@@ -2,7 +2,7 @@
 //! lse = log Σ_s exp(lse_s) (+ exp(sink_h) with sinks, which carry no
 //! value), for every (b, h, token) row.
 use super::element::Element;
-use crate::arch::{barrier, global, math, smem, special};
+use crate::arch::{barrier, global, griddep, math, smem, special};
 use crate::config::{combine_groups, COMBINE_ELEMS_PER_THREAD, COMBINE_SPLIT_GROUP};
 use crate::params::CombineParams;
 use crate::unroll::unroll;
@@ -60,6 +60,10 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     let active = row_in_cta < rows_per_cta && row < rows;
     let col = ((tid % threads_per_row) as usize * COMBINE_ELEMS_PER_THREAD) as u64;
     let splits = p.num_splits as u64;
+    // On sm_90 the host launches this grid as a programmatic dependent of
+    // the decode grid, whose CTAs let it start at once: its CTAs are then
+    // resident before the partials land, and only wait here.
+    griddep::wait();
 
     // Group g of the row merges chunks g, g + split_groups, ... of
     // COMBINE_SPLIT_GROUP splits. A chunk's loads are all issued before any

@@ -125,6 +125,13 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
         i += 1;
     }
 
+    // The combine grid (a programmatic dependent launch on sm_90) may be
+    // scheduled once every decode CTA is past its key blocks: it waits for
+    // this grid's completion itself, and by then most SMs have room for it.
+    // Only where the instruction exists: the empty call alone reordered the
+    // sm_75 / sm_80 modules' blocks.
+    #[cfg(target_feature = "sm_90")]
+    crate::arch::griddep::launch_dependents();
     // Sinks join the final normalisation only; split partials leave them to
     // the combine kernel, which adds each row's once.
     let sinks = S::MODIFIED && p.sinks != 0 && p.num_splits <= 1;
