@@ -60,9 +60,9 @@ pub fn combine<T: Element, const D: usize>(p: &CombineParams) {
     let active = row_in_cta < rows_per_cta && row < rows;
     let col = ((tid % threads_per_row) as usize * COMBINE_ELEMS_PER_THREAD) as u64;
     let splits = p.num_splits as u64;
-    // On sm_90 the host launches this grid as a programmatic dependent of
-    // the decode grid, whose CTAs let it start at once: its CTAs are then
-    // resident before the partials land, and only wait here.
+    // On sm_90 the host may launch this grid as a programmatic dependent of
+    // the decode grid, scheduled at that grid's tail (`decode`): its CTAs
+    // then wait here for the decode grid's partials.
     griddep::wait();
 
     // Group g of the row merges chunks g, g + split_groups, ... of
