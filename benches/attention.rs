@@ -1929,6 +1929,16 @@ fn main() {
             .and_then(|i| args.get(i + 1))
             .cloned()
     };
+    // A flag of two words: true for `default` (also when absent), false for `other`.
+    let either = |flag: &str, default: &str, other: &str| match value_of(flag).as_deref() {
+        None => true,
+        Some(w) if w == default => true,
+        Some(w) if w == other => false,
+        Some(w) => {
+            eprintln!("{flag} wants {default} or {other}, not {w:?}");
+            std::process::exit(2);
+        }
+    };
     if args.iter().any(|a| a == "--self-test") {
         self_test();
         return;
@@ -1973,30 +1983,9 @@ fn main() {
             std::process::exit(2);
         }
     });
-    let hopper_forward = match value_of("--forward-path").as_deref() {
-        None | Some("auto") => true,
-        Some("sm80") => false,
-        Some(other) => {
-            eprintln!("--forward-path wants auto or sm80, not {other:?}");
-            std::process::exit(2);
-        }
-    };
-    let static_tiles = match value_of("--tile-order").as_deref() {
-        None | Some("dynamic") => false,
-        Some("static") => true,
-        Some(other) => {
-            eprintln!("--tile-order wants dynamic or static, not {other:?}");
-            std::process::exit(2);
-        }
-    };
-    let programmatic_combine = match value_of("--combine-launch").as_deref() {
-        None | Some("programmatic") => true,
-        Some("plain") => false,
-        Some(other) => {
-            eprintln!("--combine-launch wants programmatic or plain, not {other:?}");
-            std::process::exit(2);
-        }
-    };
+    let hopper_forward = either("--forward-path", "auto", "sm80");
+    let static_tiles = !either("--tile-order", "dynamic", "static");
+    let programmatic_combine = either("--combine-launch", "programmatic", "plain");
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
