@@ -72,7 +72,11 @@
 //! `policy-varlen` (packed sequences of random lengths vs a fixed batch at the
 //! mean length, D = 128, and D = 192 causal, MLA prefill's Q·K width;
 //! causal also with K/V in shuffled pools of 16- and 256-token pages,
-//! `forward_varlen_paged`) and `policy-decode` (windowed and soft-capped decode). Their
+//! `forward_varlen_paged`), `policy-decode` (windowed and soft-capped decode)
+//! and `policy-append` (decode steps that append their new tokens' K/V to the
+//! cache first, `decode_kvcache` with `new_kv`, timed with graphs as the
+//! `decode-graph` rows; the cache already holds those tokens, so the step's
+//! output is the plain row's). Their
 //! FLOPs count only the visible (query, key) pairs, exactly, per sequence; the
 //! last column compares each with its plain row (time full/window, overhead in
 //! %, or varlen/fixed TFLOP/s). Their JSON lines carry `"policy"` (`"none"`
@@ -114,10 +118,10 @@
 //!   ones), for decode rows the `DecodeWorkspace` as `decode_workspace`
 //!   allocates it (f32 partial O and LSE of splits × B × H × Sq rows, also
 //!   when splits = 1) and the cache lengths, the varlen rows' cu_seqlens, the
-//!   paged rows' block table, and the ALiBi slopes or sink logits of those
-//!   rows. No LSE: the bench asks for none (a caller asking for it adds
-//!   B × H × Sq × 4 bytes). The CUDA context and the loaded module are not
-//!   counted.
+//!   paged rows' block table, the append rows' new K/V, and the ALiBi
+//!   slopes or sink logits of those rows. No LSE: the bench asks for none
+//!   (a caller asking for it adds B × H × Sq × 4 bytes). The CUDA context
+//!   and the loaded module are not counted.
 //! - `used_MB` (`"mem_used_delta_bytes"`): measured, not computed: the device
 //!   memory in use (`cuMemGetInfo`, after a context synchronize) after the
 //!   row's check call, minus the same before the row allocated anything. It
@@ -144,9 +148,10 @@
 //! that many keys per block where the head dim has such a line, instead of
 //! the heuristic's choice), `--tile-order dynamic|static` (persistent Hopper
 //! lines claim their tiles from a counter, the default, or walk the static
-//! order, to compare both), `--combine-launch programmatic|plain` (the
-//! split decode's combine kernel as a programmatic dependent launch, the
-//! default on Hopper and newer, or a plain one, to compare both),
+//! order, to compare both), `--decode-launch programmatic|plain` (a
+//! decode step's later kernels, the decode after an append and the split
+//! decode's combine, as programmatic dependent launches, the default on
+//! Hopper and newer, or plain ones, to compare both),
 //! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
@@ -210,6 +215,18 @@ const DECODE_GRAPH_CACHES: [usize; 5] = [256, 1024, 4096, 16384, 65536];
 /// Cells whose K/V cache exceeds this are left out (caches this big have one
 /// copy, not rotated): MHA at B=32, L=64k (34 GB).
 const DECODE_GRAPH_MAX_BYTES: f64 = 20e9;
+/// Decode steps with and without appending the new tokens first, timed with
+/// CUDA graphs: (batch, heads, KV heads, head dim, new tokens, cache length).
+const DECODE_APPEND: &str = "policy-append";
+const DECODE_APPEND_SHAPES: [(usize, usize, usize, usize, usize, usize); 7] = [
+    (1, 32, 8, 128, 1, 1024),
+    (1, 32, 8, 128, 1, 4096),
+    (1, 32, 8, 128, 1, 16384),
+    (1, 32, 8, 128, 4, 1024),
+    (1, 9, 3, 64, 1, 1024),
+    (8, 32, 8, 128, 1, 4096),
+    (32, 32, 8, 128, 1, 1024),
+];
 /// The varlen rows: this many sequences of random lengths in `VARLEN_LENS`.
 const VARLEN_SEQS: usize = 16;
 const VARLEN_LENS: std::ops::RangeInclusive<usize> = 64..=2048;
@@ -258,6 +275,11 @@ enum Policy {
     /// tokens (`forward_varlen_paged`: chunked prefill, here whole prompts),
     /// the pages shuffled.
     VarlenPaged(usize),
+    /// A decode step that appends its `Sq` new tokens' K/V to the cache
+    /// first (`decode_kvcache` with `new_kv`), as a server runs it: the
+    /// append kernel, then decode (and combine). The new tokens are the
+    /// cache's last `Sq` rows, so the step attends to the plain row's keys.
+    Append,
 }
 
 impl Policy {
@@ -275,6 +297,7 @@ impl Policy {
             Policy::Sinks(s) => format!("sinks{s}"),
             Policy::Varlen => "varlen".into(),
             Policy::VarlenPaged(page) => format!("varlen-paged{page}"),
+            Policy::Append => "append".into(),
         }
     }
 
@@ -364,9 +387,10 @@ impl Shape {
             format!(" {}", self.policy.name())
         }
     }
-    /// Graph for the `decode-graph` rows, else events, unless `--timing` says.
+    /// Graph for the `decode-graph` and `policy-append` rows, else events,
+    /// unless `--timing` says.
     fn timing(&self, forced: Option<Timing>) -> Timing {
-        forced.unwrap_or(if self.origin == DECODE_GRAPH {
+        forced.unwrap_or(if [DECODE_GRAPH, DECODE_APPEND].contains(&self.origin) {
             Timing::Graph
         } else {
             Timing::Events
@@ -743,6 +767,13 @@ fn shapes() -> Vec<Shape> {
         with(plain, Policy::Window(Window::left(4096))),
         with(plain, Policy::Softcap(50.0)),
     ]);
+    for (batch, heads, kv_heads, head_dim, seqlen_q, cache) in DECODE_APPEND_SHAPES {
+        let plain = Shape {
+            seqlen_q,
+            ..dec(batch, heads, kv_heads, cache, head_dim, DECODE_APPEND)
+        };
+        v.extend([plain, with(plain, Policy::Append)]);
+    }
     v
 }
 
@@ -1362,6 +1393,9 @@ fn run_shape<T: AttnElement>(b: &Bench, s: &Shape) -> Measured {
             (mem_bytes, free_before),
         );
     }
+    if s.policy == Policy::Append {
+        return run_append::<T>(b, s, (inputs, host), o, workspace, (mem_bytes, free_before));
+    }
     // Decode rows pass a preallocated workspace: graph capture cannot allocate.
     let mut call = |[q, k, v]: &[CudaSlice<T>; 3], o: &mut CudaSlice<T>| {
         let q = TensorRef::new(q.as_view(), q_layout);
@@ -1560,6 +1594,88 @@ impl<T: AttnElement> PagedPools<T> {
             num_pages,
         }
     }
+}
+
+/// A decode step through [`FlashAttention::decode_kvcache`] that appends
+/// the last `Sq` tokens of each cache (copied out of it beforehand) to the
+/// cache whose lengths stop before them, then attends: what the step reads
+/// and computes is the plain decode row's, plus the append.
+fn run_append<T: AttnElement>(
+    b: &Bench,
+    s: &Shape,
+    (mut inputs, host): (Vec<[CudaSlice<T>; 3]>, HostInputs),
+    mut o: CudaSlice<T>,
+    mut workspace: Option<flash_attn::DecodeWorkspace>,
+    (mem_bytes, free_before): (usize, Option<usize>),
+) -> Measured {
+    let sets = inputs.len();
+    let row = s.kv_heads * s.head_dim;
+    let tail = s.seqlen_q * row;
+    let new_kv: Vec<[CudaSlice<T>; 2]> = inputs
+        .iter()
+        .map(|[_, k, v]| {
+            [k, v].map(|src| {
+                let mut new = b.stream.alloc_zeros::<T>(s.batch * tail).expect("alloc");
+                for seq in 0..s.batch {
+                    let from = (seq * s.seqlen_k + s.seqlen_k - s.seqlen_q) * row;
+                    b.stream
+                        .memcpy_dtod(
+                            &src.slice(from..from + tail),
+                            &mut new.slice_mut(seq * tail..(seq + 1) * tail),
+                        )
+                        .expect("copy");
+                }
+                new
+            })
+        })
+        .collect();
+    let seqlens = b
+        .stream
+        .clone_htod(&vec![(s.seqlen_k - s.seqlen_q) as i32; s.batch])
+        .expect("upload");
+    let q_layout = Layout::contiguous([s.batch, s.seqlen_q, s.heads, s.head_dim]);
+    let kv_layout = Layout::contiguous([s.batch, s.seqlen_k, s.kv_heads, s.head_dim]);
+    let new_layout = Layout::contiguous([s.batch, s.seqlen_q, s.kv_heads, s.head_dim]);
+    let opts = AttnOptions {
+        causal: s.causal,
+        softmax_scale: None,
+        num_splits: b.splits,
+        ..Default::default()
+    };
+    let mut call = |[q, k, v]: &mut [CudaSlice<T>; 3],
+                    [k_new, v_new]: &[CudaSlice<T>; 2],
+                    o: &mut CudaSlice<T>| {
+        let mut cache = flash_attn::KvCache {
+            k: TensorMut::new(k.as_view_mut(), kv_layout),
+            v: TensorMut::new(v.as_view_mut(), kv_layout),
+            seqlens: seqlens.as_view(),
+            block_table: None,
+        };
+        b.fa.decode_kvcache(
+            &b.stream,
+            DecodeStep {
+                q: &TensorRef::new(q.as_view(), q_layout),
+                new_kv: Some((
+                    &TensorRef::new(k_new.as_view(), new_layout),
+                    &TensorRef::new(v_new.as_view(), new_layout),
+                )),
+            },
+            &mut cache,
+            Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
+            &opts,
+            workspace.as_mut(),
+        )
+        .expect("launch");
+    };
+    let ms = b.time(sets, |i| {
+        call(&mut inputs[i % sets], &new_kv[i % sets], &mut o)
+    });
+    let spec = CheckSpec::new(s, &s.sequences());
+    let check = check_output(b, &spec, &host, &mut o, |o| {
+        call(&mut inputs[0], &new_kv[0], o)
+    });
+    let mem_bytes = mem_bytes + 2 * s.batch * tail * size_of::<T>();
+    Measured::new(b, ms, check, mem_bytes, free_before)
 }
 
 /// Decode through [`FlashAttention::decode_kvcache`] from a page pool: the
@@ -1985,7 +2101,7 @@ fn main() {
     });
     let hopper_forward = either("--forward-path", "auto", "sm80");
     let static_tiles = !either("--tile-order", "dynamic", "static");
-    let programmatic_combine = either("--combine-launch", "programmatic", "plain");
+    let programmatic_launch = either("--decode-launch", "programmatic", "plain");
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -2049,7 +2165,7 @@ fn main() {
     let load_ms = load_start.elapsed().as_secs_f64() * 1e3;
     fa.set_hopper_forward(hopper_forward);
     fa.set_static_tile_order(static_tiles);
-    fa.set_programmatic_combine(programmatic_combine);
+    fa.set_programmatic_launch(programmatic_launch);
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
@@ -2070,7 +2186,7 @@ fn main() {
         }
     };
     println!(
-        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}, {} combine launch",
+        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}, {} decode launches",
         ctx.name().unwrap_or_default(),
         fa.compute_capability().0,
         fa.compute_capability().1,
@@ -2082,7 +2198,7 @@ fn main() {
         } else {
             "the mma.sync kernels"
         },
-        if fa.programmatic_combine() {
+        if fa.programmatic_launch() {
             "programmatic"
         } else {
             "plain"

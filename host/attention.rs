@@ -118,8 +118,9 @@ pub struct FlashAttention {
     /// Whether persistent Hopper launches walk the static tile order
     /// instead of claiming tiles from a counter.
     static_tiles: AtomicBool,
-    /// Whether the split-KV combine is a programmatic dependent launch.
-    programmatic_combine: AtomicBool,
+    /// Whether a decode step's later kernels (decode after an append, the
+    /// split-KV combine) are programmatic dependent launches.
+    programmatic_launch: AtomicBool,
 }
 
 /// How a decode launch is split and buffered.
@@ -131,6 +132,9 @@ struct DecodePlan {
     /// K/V; there it measured 0.935-0.965x on short split rows (Qwen 28/4
     /// with 4 new tokens, H200, v58), as the solo ring did in v57.
     programmatic_combine: bool,
+    /// CTAs of the decode grid, and how many of them one SM holds.
+    grid_ctas: usize,
+    ctas_per_sm: usize,
 }
 
 /// The code [`FlashAttention`] loaded.
@@ -583,7 +587,7 @@ impl FlashAttention {
             hopper_forward: AtomicBool::new(hopper.is_some()),
             hopper,
             static_tiles: AtomicBool::new(false),
-            programmatic_combine: AtomicBool::new(arch == PtxArch::Sm90),
+            programmatic_launch: AtomicBool::new(arch == PtxArch::Sm90),
         })
     }
 
@@ -613,22 +617,24 @@ impl FlashAttention {
         self.static_tiles.store(on, Ordering::Relaxed);
     }
 
-    /// Whether the split-KV decode's combine kernel is launched as a
-    /// programmatic dependent of the decode kernel (the default on the
-    /// `sm_90` module, Hopper and newer): it is scheduled once every decode
-    /// CTA is past its key blocks and waits in the kernel
-    /// (`griddepcontrol.wait`) for the partials, so the launch gap between
-    /// the two overlaps the decode's tail. Calls whose KV heads' query rows
-    /// take several row tiles launch it plainly either way.
-    pub fn programmatic_combine(&self) -> bool {
-        self.programmatic_combine.load(Ordering::Relaxed)
+    /// Whether a decode step's later kernels are launched as programmatic
+    /// dependents of the kernel before them (the default on the `sm_90`
+    /// module, Hopper and newer): the decode kernel after
+    /// [`Self::decode_kvcache`]'s append, and the split-KV combine after the
+    /// decode kernel. Each is scheduled while the grid before it still runs
+    /// and waits in the kernel (`griddepcontrol.wait`) before it reads that
+    /// grid's output, so the launch gap between the two overlaps the first
+    /// one's tail. Calls whose KV heads' query rows take several row tiles
+    /// launch the combine plainly either way.
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic_launch.load(Ordering::Relaxed)
     }
 
-    /// Switches the programmatic combine launch off (plain launches, to
-    /// compare both in one process) or back on, for the decode calls issued
-    /// after it; below the `sm_90` module it stays off (no `griddepcontrol`).
-    pub fn set_programmatic_combine(&self, on: bool) {
-        self.programmatic_combine
+    /// Switches the programmatic launches off (plain launches, to compare
+    /// both in one process) or back on, for the decode calls issued after
+    /// it; below the `sm_90` module they stay off (no `griddepcontrol`).
+    pub fn set_programmatic_launch(&self, on: bool) {
+        self.programmatic_launch
             .store(on && self.arch == PtxArch::Sm90, Ordering::Relaxed);
     }
 
@@ -1179,7 +1185,9 @@ impl FlashAttention {
         DecodePlan {
             splits,
             stages,
-            programmatic_combine: self.programmatic_combine() && rows <= tile.block_m,
+            programmatic_combine: self.programmatic_launch() && rows <= tile.block_m,
+            grid_ctas: ctas * splits,
+            ctas_per_sm,
         }
     }
 
@@ -1354,6 +1362,18 @@ impl FlashAttention {
         )?;
         if let (Some((k_new, v_new)), Some(((kp, _), (vp, _)))) = (new_kv, &new_ptrs) {
             let paging = shape.paging.unwrap_or_default();
+            // 16-byte chunks: an f32 row has twice a 16-bit row's.
+            let chunks = shape.decode.batch
+                * shape.seqlen_new
+                * shape.decode.kv_heads
+                * shape.decode.head_dim
+                / CHUNK_ELEMS
+                * size_of::<T>()
+                / 2;
+            let append_ctas = chunks.div_ceil(APPEND_THREADS);
+            let plan = self.decode_plan::<T>(&shape.decode);
+            let early =
+                grids_fit_together(append_ctas, plan.grid_ctas, self.num_sms, plan.ctas_per_sm);
             let params = AppendParams {
                 k_new: *kp,
                 v_new: *vp,
@@ -1373,22 +1393,10 @@ impl FlashAttention {
                 max_pages: paging.max_pages as u32,
                 page_size: FastDiv::new(paging.page_size as u32),
                 num_pages: paging.num_pages as u32,
+                early_dependents: (self.programmatic_launch() && early) as u32,
             };
-            // 16-byte chunks: an f32 row has twice a 16-bit row's.
-            let chunks = shape.decode.batch
-                * shape.seqlen_new
-                * shape.decode.kv_heads
-                * shape.decode.head_dim
-                / CHUNK_ELEMS
-                * size_of::<T>()
-                / 2;
             let kernel = self.kernel_named(APPEND_ENTRY);
-            self.launch(
-                stream,
-                kernel,
-                (chunks.div_ceil(APPEND_THREADS) as u32, 1, 1),
-                ByValue(params),
-            )?;
+            self.launch(stream, kernel, (append_ctas as u32, 1, 1), ByValue(params))?;
         }
         let (lse_ptr, _lse_sync) = optional_ptr_mut(lse, stream);
         let call = DecodeCall {
@@ -1492,13 +1500,14 @@ impl FlashAttention {
             shape.kv_heads as u32,
             (shape.batch * splits) as u32,
         );
-        self.launch_sized(
-            stream,
-            self.kernel(KernelKind::Decode, T::DTYPE, shape.head_dim, policy.need),
-            grid,
-            tile.smem_bytes(),
-            ByValue(params),
-        )?;
+        let kernel = self.kernel(KernelKind::Decode, T::DTYPE, shape.head_dim, policy.need);
+        // New tokens (validated nonzero) mean the append kernel ran just
+        // before; the decode kernel waits for it exactly then.
+        if call.cache.seqlen_new > 0 && self.programmatic_launch() {
+            launch_programmatic(stream, kernel, grid, tile.smem_bytes(), ByValue(params))?;
+        } else {
+            self.launch_sized(stream, kernel, grid, tile.smem_bytes(), ByValue(params))?;
+        }
         if splits > 1 {
             let shape_c = combine_shape(shape.head_dim, splits);
             let combine = CombineParams {
@@ -1523,7 +1532,7 @@ impl FlashAttention {
                 Policies::PLAIN,
             );
             if plan.programmatic_combine {
-                launch_programmatic(stream, kernel, grid, ByValue(combine))?;
+                launch_programmatic(stream, kernel, grid, kernel.smem_bytes(), ByValue(combine))?;
             } else {
                 self.launch(stream, kernel, grid, ByValue(combine))?;
             }
@@ -1572,7 +1581,8 @@ impl FlashAttention {
     }
 }
 
-/// Launches `kernel` (one by-value parameter of type `P`) as a programmatic
+/// Launches `kernel` (one by-value parameter of type `P`, `smem` bytes of
+/// dynamic shared memory, at most the entry's) as a programmatic
 /// dependent of the stream's previous grid (`cuLaunchKernelEx` with
 /// `PROGRAMMATIC_STREAM_SERIALIZATION`): its CTAs may be scheduled once every
 /// CTA of that grid has run `griddepcontrol.launch_dependents`, and the
@@ -1582,8 +1592,10 @@ fn launch_programmatic<P: Copy>(
     stream: &CudaStream,
     kernel: &Kernel,
     grid: (u32, u32, u32),
+    smem: usize,
     params: ByValue<P>,
 ) -> Result<(), FlashAttnError> {
+    debug_assert!(smem <= kernel.smem_bytes());
     stream.context().bind_to_thread()?;
     let mut attr = sys::CUlaunchAttribute {
         id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
@@ -1598,7 +1610,7 @@ fn launch_programmatic<P: Copy>(
         blockDimX: kernel.threads() as u32,
         blockDimY: 1,
         blockDimZ: 1,
-        sharedMemBytes: kernel.smem_bytes() as u32,
+        sharedMemBytes: smem as u32,
         hStream: stream.cu_stream(),
         attrs: &mut attr,
         numAttrs: 1,
@@ -1617,6 +1629,28 @@ fn launch_programmatic<P: Copy>(
     }
     .result()?;
     Ok(())
+}
+
+/// Whether a decode grid of `decode` CTAs (`per_sm` of them fit an SM) can
+/// be scheduled while an append grid of `append` CTAs runs with every decode
+/// CTA placed as on an idle GPU: a grid of at most one CTA per SM spreads one
+/// to an SM, so the append's CTAs need SMs of their own; a fuller grid needs
+/// room for both. Where this holds the append lets its programmatic
+/// dependent in at its start, else once its chunks are stored. Fitted on the
+/// H200 (v59): where it fails, an early start made 128-CTA grids beside 8-16
+/// append CTAs 4-7 % slower (GQA 32/8 at B = 8, MHA at B = 4) and a 256-CTA
+/// grid beside 64 up to 13 % (Qwen 28/4, 4 tokens, B = 32).
+pub(crate) fn grids_fit_together(
+    append: usize,
+    decode: usize,
+    num_sms: usize,
+    per_sm: usize,
+) -> bool {
+    if decode <= num_sms {
+        append + decode <= num_sms
+    } else {
+        append + decode <= num_sms * per_sm
+    }
 }
 
 /// What the split-KV choice needs to know of a decode problem.
@@ -1693,7 +1727,9 @@ pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{choose_splits, softmax_max_fixed, SplitProblem, FIXED_MAX_LOG2_SPAN};
+    use super::{
+        choose_splits, grids_fit_together, softmax_max_fixed, SplitProblem, FIXED_MAX_LOG2_SPAN,
+    };
     use flash_attn_kernels::config::{combine_groups, AttnTile, Dtype, KernelKind, PtxArch};
     use half::bf16;
     use std::f64::consts::LOG2_E;
@@ -1820,6 +1856,19 @@ mod tests {
         assert_eq!(choose_splits(&sm90(32, 4096, 128)), 4);
         assert_eq!(choose_splits(&sm90(3, 16384, 64)), 64);
         assert_eq!(choose_splits(&sm90(12, 4096, 64)), 16);
+    }
+
+    #[test]
+    fn early_decode_start_where_both_grids_fit() {
+        // H200 (132 SMs), v59's rows with an append: the early start was
+        // faster at GQA 32/8 B = 4 (4 append CTAs beside 128 decode CTAs)
+        // and SmolLM B = 1 at 16k (1 beside 192, three to an SM), slower at
+        // GQA 32/8 B = 8 (8 beside 128) and Qwen 28/4 B = 32 with 4 tokens
+        // (64 beside 256, two to an SM).
+        assert!(grids_fit_together(4, 128, 132, 2));
+        assert!(grids_fit_together(1, 192, 132, 3));
+        assert!(!grids_fit_together(8, 128, 132, 2));
+        assert!(!grids_fit_together(64, 256, 132, 2));
     }
 
     #[test]

@@ -919,18 +919,27 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
     Ok(())
 }
 
-/// Split decode steps issued back to back on one stream with one workspace,
-/// each with its own inputs and checked only after the last: every combine
-/// must read its own step's partials, also when it is a programmatic
-/// dependent launch whose CTAs start while the decode grid still runs (the
-/// `sm_90` module's default). Run with that launch and with plain ones.
+/// Split decode steps that append new tokens first, issued back to back on
+/// one stream with one workspace, each with its own inputs and checked only
+/// after the last. Each cache holds NaN where its tokens are appended, so a
+/// decode grid that reads the cache before the append grid's writes land
+/// yields NaN, and every combine must read its own step's partials: also
+/// when both are programmatic dependent launches whose CTAs start while the
+/// grid before them still runs (the `sm_90` module's default). Steps append
+/// 1, 256 or 2048 tokens: with 132 SMs the host lets the decode grid start at
+/// the first two's append start (f16, bf16: 1 or 64 append CTAs beside 32
+/// decode CTAs) and at the last one's end (512 append CTAs). Run with those
+/// launches and with plain ones.
 fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
+    const NEW: [usize; 3] = [1, 256, 2048];
     let e = |x: cudarc::driver::DriverError| x.to_string();
     let ctx = CudaContext::new(0).map_err(e)?;
     let s = ctx.new_stream().map_err(e)?;
     let fa = FlashAttention::new(&ctx).map_err(|x| x.to_string())?;
-    let (b, h, hk, d, l) = (2, 8, 2, 128, 3000);
-    let seqlens_host = vec![3000, 2100];
+    let (b, h, hk, d) = (2, 8, 1, 128);
+    // Lengths before the append.
+    let seqlens_host = vec![3000, 900];
+    let l = 3000 + NEW[2];
     let shape = DecodeShape {
         batch: b,
         seqlen_q: 1,
@@ -960,49 +969,77 @@ fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
     };
     let mut rng = StdRng::seed_from_u64(29);
     for programmatic in [true, false] {
-        fa.set_programmatic_combine(programmatic);
+        fa.set_programmatic_launch(programmatic);
         let mut steps = Vec::new();
-        for _ in 0..4 {
+        for new in NEW.into_iter().chain(NEW) {
+            let row = hk * d;
             let q_host = random_values::<T>(&mut rng, b * h * d);
-            let k_host = random_values::<T>(&mut rng, b * l * hk * d);
-            let v_host = random_values::<T>(&mut rng, b * l * hk * d);
-            let (q, k, v) = (
+            let mut k_host = random_values::<T>(&mut rng, b * l * row);
+            let mut v_host = random_values::<T>(&mut rng, b * l * row);
+            let k_new = random_values::<T>(&mut rng, b * new * row);
+            let v_new = random_values::<T>(&mut rng, b * new * row);
+            let slots = |i: usize| {
+                let start = (i * l + seqlens_host[i] as usize) * row;
+                start..start + new * row
+            };
+            for i in 0..b {
+                k_host[slots(i)].fill(nan::<T>());
+                v_host[slots(i)].fill(nan::<T>());
+            }
+            let (q, mut k, mut v, kn, vn) = (
                 s.clone_htod(&q_host).map_err(e)?,
                 s.clone_htod(&k_host).map_err(e)?,
                 s.clone_htod(&v_host).map_err(e)?,
+                s.clone_htod(&k_new).map_err(e)?,
+                s.clone_htod(&v_new).map_err(e)?,
             );
+            let new_layout = Layout::contiguous([b, new, hk, d]);
             let mut o = s.clone_htod(&vec![nan::<T>(); b * h * d]).map_err(e)?;
-            fa.decode(
+            fa.decode_kvcache(
                 &s,
-                Qkv {
+                DecodeStep {
                     q: &TensorRef::new(q.as_view(), q_layout),
-                    k: &TensorRef::new(k.as_view(), cache_layout),
-                    v: &TensorRef::new(v.as_view(), cache_layout),
+                    new_kv: Some((
+                        &TensorRef::new(kn.as_view(), new_layout),
+                        &TensorRef::new(vn.as_view(), new_layout),
+                    )),
                 },
-                &seqlens.as_view(),
+                &mut KvCache {
+                    k: TensorMut::new(k.as_view_mut(), cache_layout),
+                    v: TensorMut::new(v.as_view_mut(), cache_layout),
+                    seqlens: seqlens.as_view(),
+                    block_table: None,
+                },
                 Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
                 &opts,
                 Some(&mut workspace),
             )
             .map_err(|x| x.to_string())?;
-            steps.push((q_host, k_host, v_host, o));
+            for i in 0..b {
+                let from = i * new * row..(i + 1) * new * row;
+                k_host[slots(i)].copy_from_slice(&k_new[from.clone()]);
+                v_host[slots(i)].copy_from_slice(&v_new[from]);
+            }
+            let attended: Vec<i32> = seqlens_host.iter().map(|&n| n + new as i32).collect();
+            // The buffers live until the stream has run every step.
+            steps.push((q_host, k_host, v_host, attended, o, (q, k, v, kn, vn)));
         }
         s.synchronize().map_err(e)?;
-        for (i, (q_host, k_host, v_host, o)) in steps.iter().enumerate() {
+        for (i, (q_host, k_host, v_host, attended, o, _)) in steps.iter().enumerate() {
             let want = reference::decode(
                 &shape,
                 &to_f64(q_host),
                 &to_f64(k_host),
                 &to_f64(v_host),
-                &seqlens_host,
+                attended,
             );
             check_output(
                 &s.clone_dtoh(o).map_err(e)?,
                 &q_layout,
                 &want.o,
                 &format!(
-                    "step {i}, programmatic combine {}",
-                    fa.programmatic_combine()
+                    "step {i}, programmatic launches {}",
+                    fa.programmatic_launch()
                 ),
             )?;
         }

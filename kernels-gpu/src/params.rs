@@ -201,6 +201,9 @@ pub struct AppendParams {
     pub page_size: FastDiv,
     /// Pages in the pool; `block_table` entries are clamped to `[0, num_pages)`.
     pub num_pages: u32,
+    /// Nonzero: a programmatic dependent grid (sm_90) may start at once,
+    /// not only when every chunk is stored (`append_kv`).
+    pub early_dependents: u32,
 }
 
 /// Parameters of the split-KV combine kernel. `split_groups` thread groups

@@ -63,6 +63,14 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
         info.q_row_ptr(p.q, &p.q_strides, r)
     });
     copy::commit();
+    // After an append (`seqlen_new` > 0 exactly then) the host may launch
+    // this grid on sm_90 as a programmatic dependent, started before the
+    // append grid completes; Q, the lengths and the block table are not the
+    // append's output, the cache is. Other launches have nothing to wait for.
+    #[cfg(target_feature = "sm_90")]
+    if p.seqlen_new != 0 {
+        crate::arch::griddep::wait();
+    }
     let mut ring = KvRing::new(tile, base);
     ring.prologue(blocks, load);
     // Q's group is the oldest. When Q borrows the last stage, that stage is
