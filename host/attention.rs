@@ -1246,7 +1246,8 @@ impl FlashAttention {
                 seqlen_new: 0,
             },
         };
-        self.run_decode::<T>(stream, &call, opts, workspace)
+        let plan = self.decode_plan::<T>(&shape);
+        self.run_decode::<T>(stream, &call, &plan, opts, workspace)
     }
 
     /// [`Self::decode`] with a KV cache that may be paged, optionally after
@@ -1360,6 +1361,7 @@ impl FlashAttention {
             new_infos.as_ref().map(|(k, v)| (k, v)),
             opts,
         )?;
+        let plan = self.decode_plan::<T>(&shape.decode);
         if let (Some((k_new, v_new)), Some(((kp, _), (vp, _)))) = (new_kv, &new_ptrs) {
             let paging = shape.paging.unwrap_or_default();
             // 16-byte chunks: an f32 row has twice a 16-bit row's.
@@ -1371,7 +1373,6 @@ impl FlashAttention {
                 * size_of::<T>()
                 / 2;
             let append_ctas = chunks.div_ceil(APPEND_THREADS);
-            let plan = self.decode_plan::<T>(&shape.decode);
             let early =
                 grids_fit_together(append_ctas, plan.grid_ctas, self.num_sms, plan.ctas_per_sm);
             let params = AppendParams {
@@ -1409,20 +1410,21 @@ impl FlashAttention {
             block_table: table_ptr,
             cache: shape,
         };
-        self.run_decode::<T>(stream, &call, opts, workspace)
+        self.run_decode::<T>(stream, &call, &plan, opts, workspace)
     }
 
     /// Launches the split-KV decode kernel, and the combine kernel when the
-    /// keys are split, for validated arguments.
+    /// keys are split, for validated arguments and `plan`, the call's
+    /// [`Self::decode_plan`].
     fn run_decode<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,
         call: &DecodeCall,
+        plan: &DecodePlan,
         opts: &AttnOptions,
         workspace: Option<&mut DecodeWorkspace>,
     ) -> Result<(), FlashAttnError> {
         let shape = &call.cache.decode;
-        let plan = self.decode_plan::<T>(shape);
         let splits = plan.splits;
         let partial_rows = splits * shape.batch * shape.heads * shape.seqlen_q;
         let rows = shape.batch * shape.heads * shape.seqlen_q;
