@@ -783,7 +783,15 @@ fn kvcache_strategy() -> impl Strategy<Value = KvCase> {
             )| {
                 let cap = page_size.map_or(max_pages, |p| p * max_pages);
                 let room = (cap - seqlen_new.min(cap)) as i32;
-                let len = prop_oneof![Just(room), Just(1.min(room)), 0..=room];
+                // Device-side lengths past the room drop the new tokens
+                // without a slot; negative ones read as 0.
+                let len = prop_oneof![
+                    Just(room),
+                    Just(1.min(room)),
+                    0..=room,
+                    room + 1..=cap as i32 + 2,
+                    -2..=-1i32,
+                ];
                 prop::collection::vec(len, batch).prop_map(move |seqlens| KvCase {
                     batch,
                     seqlen_q,
@@ -923,13 +931,15 @@ fn graph_replay<T: AttnElement>() -> Result<(), String> {
 /// one stream with one workspace, each with its own inputs and checked only
 /// after the last. Each cache holds NaN where its tokens are appended, so a
 /// decode grid that reads the cache before the append grid's writes land
-/// yields NaN, and every combine must read its own step's partials: also
-/// when both are programmatic dependent launches whose CTAs start while the
-/// grid before them still runs (the `sm_90` module's default). Steps append
-/// 1, 256 or 2048 tokens: with 132 SMs the host lets the decode grid start at
-/// the first two's append start (f16, bf16: 1 or 64 append CTAs beside 32
-/// decode CTAs) and at the last one's end (512 append CTAs). Run with those
-/// launches and with plain ones.
+/// yields NaN; each cache must hold its step's tokens afterwards; and every
+/// combine must read its own step's partials: also when both are
+/// programmatic dependent launches whose CTAs start while the grid before
+/// them still runs (the `sm_90` module's default). Steps append 1, 256 or
+/// 2048 tokens: with 132 SMs the host lets the decode grid start at the
+/// first two's append start (f16, bf16: 1 or 64 append CTAs beside 32 decode
+/// CTAs) and at the last one's end (512 append CTAs). Run with those
+/// launches, with plain ones, and with a 300-key window, outside which most
+/// of a 2048-token step's tokens lie (read by no CTA, still appended).
 fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
     const NEW: [usize; 3] = [1, 256, 2048];
     let e = |x: cudarc::driver::DriverError| x.to_string();
@@ -962,14 +972,20 @@ fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
         Layout::contiguous([b, 1, h, d]),
         Layout::contiguous([b, l, hk, d]),
     );
-    let opts = AttnOptions {
-        causal: true,
-        softmax_scale: None,
-        ..Default::default()
-    };
     let mut rng = StdRng::seed_from_u64(29);
-    for programmatic in [true, false] {
+    for (programmatic, window) in [
+        (true, Window::UNBOUNDED),
+        (false, Window::UNBOUNDED),
+        (true, Window::left(300)),
+    ] {
         fa.set_programmatic_launch(programmatic);
+        let shape = DecodeShape { window, ..shape };
+        let opts = AttnOptions {
+            causal: true,
+            softmax_scale: None,
+            window,
+            ..Default::default()
+        };
         let mut steps = Vec::new();
         for new in NEW.into_iter().chain(NEW) {
             let row = hk * d;
@@ -1025,7 +1041,15 @@ fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
             steps.push((q_host, k_host, v_host, attended, o, (q, k, v, kn, vn)));
         }
         s.synchronize().map_err(e)?;
-        for (i, (q_host, k_host, v_host, attended, o, _)) in steps.iter().enumerate() {
+        for (i, (q_host, k_host, v_host, attended, o, (_, k, v, _, _))) in steps.iter().enumerate()
+        {
+            for (what, dev, want) in [("K", k, k_host), ("V", v, v_host)] {
+                if s.clone_dtoh(dev).map_err(e)? != *want {
+                    return Err(format!(
+                        "step {i}: the {what} cache differs after the append"
+                    ));
+                }
+            }
             let want = reference::decode(
                 &shape,
                 &to_f64(q_host),
@@ -1038,7 +1062,7 @@ fn chained_decode_steps<T: AttnElement>() -> Result<(), String> {
                 &q_layout,
                 &want.o,
                 &format!(
-                    "step {i}, programmatic launches {}",
+                    "step {i}, programmatic launches {}, {window:?}",
                     fa.programmatic_launch()
                 ),
             )?;
