@@ -42,6 +42,23 @@ pub fn wait_pending(n: u32) {
     }
 }
 
+/// [`wait_pending`] for a count known to lie in `lo..=hi` (constants after
+/// inlining): one compare per count above `lo`. A count of any value compiles
+/// to a jump table, an indirect branch at every key block of a ring whose
+/// depth the launch picks.
+#[inline(always)]
+pub fn wait_pending_in(n: u32, lo: u32, hi: u32) {
+    let mut k = lo;
+    while k < hi {
+        if n == k {
+            wait_pending(k);
+            return;
+        }
+        k += 1;
+    }
+    wait_pending(hi);
+}
+
 /// Waits for every committed group.
 #[inline(always)]
 pub fn wait_all() {

@@ -44,6 +44,7 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
         assert!(SLICE_TILES == 2);
     }
     // The ring depth is the launch's (uniform): the host sizes shared memory for it.
+    let max_stages = tile.kv_stages;
     let tile = tile.with_stages(p.kv_stages as usize);
     let lane = Lane::current();
     let info = BlockInfo::new::<M, Dense>(p, tile.block_m, tile.block_n, true, false);
@@ -71,12 +72,11 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     if p.seqlen_new != 0 {
         crate::arch::griddep::wait();
     }
-    let mut ring = KvRing::new(tile, base);
+    let mut ring = KvRing::new(tile, base, max_stages);
     ring.prologue(blocks, load);
-    // Q's group is the oldest. When Q borrows the last stage, that stage is
-    // first refilled after the loop's first barrier, when every warp holds Q
-    // in registers.
-    copy::wait_pending(tile.kv_stages as u32 - 1);
+    // When Q borrows the last stage, that stage is first refilled after the
+    // loop's first barrier, when every warp holds Q in registers.
+    ring.wait_before_prologue();
     barrier::sync_cta();
     let frag = FragAddr::<D>::new(base, lane.lane);
     let q_frag = |kk: usize| ldmatrix::x4(frag.at(tile.q_smem_offset(), 0, kk as u32 * 2));

@@ -23,6 +23,10 @@ pub struct KvRing {
     /// Shared-memory address of stage 0.
     base: u32,
     stages: u32,
+    /// Bounds of `stages`, compile-time constants (a decode launch picks
+    /// the depth: `AttnTile::with_stages`).
+    min_stages: u32,
+    max_stages: u32,
     stage_bytes: u32,
     /// Stage of the block being consumed, and the stage refilled next.
     read: u32,
@@ -30,11 +34,16 @@ pub struct KvRing {
 }
 
 impl KvRing {
+    /// The ring of `tile`, whose depth lies in `tile.busy_stages..=max_stages`
+    /// (`max_stages` a compile-time constant: the depth of the tile before
+    /// `AttnTile::with_stages`).
     #[inline(always)]
-    pub fn new(tile: AttnTile, smem_base: u32) -> KvRing {
+    pub fn new(tile: AttnTile, smem_base: u32, max_stages: usize) -> KvRing {
         KvRing {
             base: smem_base + tile.ring_offset() as u32,
             stages: tile.kv_stages as u32,
+            min_stages: tile.busy_stages.min(max_stages) as u32,
+            max_stages: max_stages as u32,
             stage_bytes: tile.stage_bytes() as u32,
             read: 0,
             write: tile.kv_stages as u32 - 1,
@@ -61,13 +70,30 @@ impl KvRing {
     /// any) into that stage. Call once per block `i`, before consuming it.
     #[inline(always)]
     pub fn advance_to(&self, i: u32, blocks: u32, mut load: impl FnMut(u32, u32)) {
-        copy::wait_pending(self.stages - 2);
+        self.wait_pending(2);
         barrier::sync_cta();
         let ahead = i + self.stages - 1;
         if ahead < blocks {
             load(self.base + self.write * self.stage_bytes, ahead);
         }
         copy::commit();
+    }
+
+    /// Waits for the group committed before [`Self::prologue`] (Q's): it
+    /// has landed once only the ring's groups are pending.
+    #[inline(always)]
+    pub fn wait_before_prologue(&self) {
+        self.wait_pending(1);
+    }
+
+    /// Waits until at most `stages - back` groups are pending.
+    #[inline(always)]
+    fn wait_pending(&self, back: u32) {
+        copy::wait_pending_in(
+            self.stages - back,
+            self.min_stages - back,
+            self.max_stages - back,
+        );
     }
 
     /// Offset of the stage being consumed, relative to stage 0.

@@ -85,10 +85,9 @@ pub fn attention<
     let load = |stage: u32, i: u32| {
         kv_ring::load_block::<T, D>(p, &info, tile, stage, block(i), lane.tid, L::RAGGED)
     };
-    let mut ring = KvRing::new(tile, base);
+    let mut ring = KvRing::new(tile, base, tile.kv_stages);
     ring.prologue(blocks, load);
-    // Q's group is the oldest: it has landed once only the ring's are pending.
-    copy::wait_pending(tile.kv_stages as u32 - 1);
+    ring.wait_before_prologue();
     crate::arch::barrier::sync_cta();
 
     let frag = FragAddr::<D>::new(base, lane.lane);
