@@ -103,13 +103,27 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
         let kv = ring.read_offset() + slice;
         // S = Q·K_sliceᵀ: one ldmatrix.x4 of K (row-pairs layout,
         // `SmemTile::store_addr`) gives both 8-key n-tiles of a k-step.
+        // The even and odd k-steps accumulate apart, halving the chain of
+        // dependent MMAs that a warp, alone on its scheduler in a short
+        // step, waits through (docs/perf-notes.md, v62). Not in the f32
+        // D = 256 entries (Q re-read, f32 staging): the window one spilled.
+        let split = tile.q_in_regs || T::BYTES == 2;
         let mut s = [[0f32; 4]; SLICE_TILES];
+        let mut s_odd = [[0f32; 4]; SLICE_TILES];
         unroll::<QK>(|kk| {
             let b = ldmatrix::x4(frag.at(tile.k_smem_offset(), 0, kk as u32 * 2) + kv);
             let a = if tile.q_in_regs { q[kk] } else { q_frag(kk) };
-            T::mma(&mut s[0], &a, b[0], b[1]);
-            T::mma(&mut s[1], &a, b[2], b[3]);
+            let acc = if split && kk % 2 == 1 {
+                &mut s_odd
+            } else {
+                &mut s
+            };
+            T::mma(&mut acc[0], &a, b[0], b[1]);
+            T::mma(&mut acc[1], &a, b[2], b[3]);
         });
+        if split {
+            unroll::<SLICE_TILES>(|t| unroll::<4>(|e| s[t][e] += s_odd[t][e]));
+        }
         let key0 =
             (n * tile.block_n as u32 + lane.warp * WARP_KEYS as u32 + 2 * lane.pair()) as i32;
         if S::MODIFIED && (mods.softcap || mods.alibi) {
