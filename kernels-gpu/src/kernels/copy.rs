@@ -7,7 +7,7 @@
 use crate::arch::{cp_async, global, smem};
 
 /// Whether this module's copies are `cp.async` (sm_80+).
-const ASYNC: bool = cfg!(target_feature = "sm_80");
+pub const ASYNC: bool = cfg!(target_feature = "sm_80");
 
 /// Copies the 16 bytes at `src` to `dst`, or zeros when `src_bytes` is 0
 /// (rows past the end; `src` is then not read).

@@ -24,8 +24,9 @@ pub trait Element {
     /// Copies the [`CHUNK_ELEMS`] elements at `src` into the 16-byte
     /// shared-memory chunk `dst` as packed 16-bit operands, or zeros when
     /// `!valid` (`src` is then not read, but a 16-bit `cp.async` still
-    /// names it: pass a valid address, which keeps memory checkers quiet).
-    /// The default is the 16-bit copy.
+    /// names it; compute-sanitizer's memcheck does not flag a 0-byte read
+    /// past an allocation, docs/perf-notes.md v63). The default is the
+    /// 16-bit copy.
     #[inline(always)]
     fn stage(dst: u32, src: u64, valid: bool) {
         stage_16bit(dst, src, valid)

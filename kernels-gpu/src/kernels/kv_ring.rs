@@ -10,7 +10,7 @@ use super::copy;
 use super::element::Element;
 use super::smem_tile::SmemTile;
 use crate::arch::barrier;
-use crate::config::{AttnTile, CHUNK_ELEMS};
+use crate::config::{AttnTile, WarpSplit, CHUNK_ELEMS};
 use crate::params::AttnParams;
 use crate::unroll::unroll;
 
@@ -210,6 +210,11 @@ pub fn load_block<T: Element, const D: usize>(
     let valid = info.seqlen_k.saturating_sub(first);
     let (rows, threads) = (tile.block_n, tile.threads());
     let (k_stride, v_stride) = (p.k_strides.row as u64 * 2, p.v_strides.row as u64 * 2);
-    k_tile.load_rows_async::<T, true>(rows, threads, tid, k, k_stride, valid, chunks_all);
-    v_tile.load_rows_async::<T, false>(rows, threads, tid, v, v_stride, valid, v_chunks);
+    // A decode step's block copies are a quarter of a short step's
+    // instructions (docs/perf-notes.md, v62-v63). Elsewhere the twin stays:
+    // without it the mma.sync forward, and f32's and sm_75's register copies,
+    // take more registers, and some spill.
+    let in_place = tile.split == WarpSplit::Keys && T::BYTES == 2 && copy::ASYNC;
+    k_tile.load_rows_async::<T, true>(rows, threads, tid, k, k_stride, valid, chunks_all, in_place);
+    v_tile.load_rows_async::<T, false>(rows, threads, tid, v, v_stride, valid, v_chunks, in_place);
 }

@@ -109,7 +109,10 @@ impl<const D: usize> SmemTile<D> {
     /// Issues copies (`Element::stage`) of `rows` rows that are evenly spaced in global
     /// memory: row `r` starts at `src + r * stride_bytes`; rows `r >= valid`,
     /// and chunks from `valid_chunks` on, are zero-filled with a 0-byte read
-    /// of `src`. The threads split into
+    /// of `src`, or with `zero_fill_in_place` of their own address (which may
+    /// lie past the tensor's end; 0 bytes are read): one `cp.async` per chunk,
+    /// its size selected, instead of a copy and a zero-filling twin. The
+    /// threads split into
     /// whole rows of [`copy_row_lanes`] chunk lanes (lanes past the row's
     /// chunks copy nothing), so each thread keeps one chunk column and its
     /// shared and global addresses advance by constants. `ROW_PAIRS`: see
@@ -124,6 +127,7 @@ impl<const D: usize> SmemTile<D> {
         stride_bytes: u64,
         valid: u32,
         valid_chunks: u32,
+        zero_fill_in_place: bool,
     ) {
         let lanes = copy_row_lanes(D);
         let rows_per_pass = threads / lanes;
@@ -151,7 +155,10 @@ impl<const D: usize> SmemTile<D> {
         let mut i = 0;
         while i < rows / rows_per_pass {
             let dst = self.store_addr::<ROW_PAIRS>(row0 + (i * rows_per_pass) as u32, chunk);
-            if ((i * rows_per_pass) as i32) < remaining {
+            let row_ok = ((i * rows_per_pass) as i32) < remaining;
+            if zero_fill_in_place {
+                T::stage(dst, src_row, row_ok);
+            } else if row_ok {
                 T::stage(dst, src_row, true);
             } else {
                 T::stage(dst, src, false);
