@@ -1826,7 +1826,7 @@ mod tests {
             num_sms: 132,
             ctas_per_sm: match d {
                 32 => 4,
-                128 => 2,
+                128 | 256 => 2,
                 _ => 3,
             },
             max_splits: (key_blocks / 2).clamp(1, 128),

@@ -3670,55 +3670,62 @@ fn main() {
     let g = gpu.clone();
     trials.push(Trial::test("decode_long_cache_uses_splits", move || {
         let gpu = g.as_ref().as_ref().unwrap();
-        let mut depths = std::collections::BTreeSet::new();
-        for (batch, cache_len, heads, kv_heads) in
-            // 3 KV heads of one sequence: dozens of splits, several combine
-            // groups. The grids of 96 and 256 CTAs take both ring depths of
-            // an sm_90 decode tile.
-            [
-                (1, 16384, 32, 8),
-                (2, 5000, 9, 9),
-                (3, 4096, 8, 1),
-                (1, 16384, 9, 3),
-            ]
-        {
-            let c = DecodeCase {
-                batch,
-                seqlen_q: 1,
-                cache_len,
-                heads,
-                kv_heads,
-                head_dim: 128,
-                causal: true,
-                seqlens: (0..batch).map(|i| (cache_len - 97 * i) as i32).collect(),
-                seed: 11,
-            };
-            let shape = DecodeShape {
-                batch,
-                seqlen_q: 1,
-                cache_len,
-                heads,
-                kv_heads,
-                head_dim: 128,
-                causal: true,
-                softmax_scale: 0.1,
-                ..Default::default()
-            };
-            if gpu.fa.decode_splits::<f16>(&shape) < 2 {
-                return Err(format!("{c:?}: expected a split-KV launch").into());
+        // D = 128 and 256: the sm_90 decode tiles whose ring depth the
+        // launch picks.
+        for head_dim in [128, 256] {
+            let mut depths = std::collections::BTreeSet::new();
+            for (batch, cache_len, heads, kv_heads) in
+                // 3 KV heads of one sequence: dozens of splits, several combine
+                // groups. The grids of 96 and 256 CTAs take both ring depths of
+                // an sm_90 decode tile.
+                [
+                    (1, 16384, 32, 8),
+                    (2, 5000, 9, 9),
+                    (3, 4096, 8, 1),
+                    (1, 16384, 9, 3),
+                ]
+            {
+                let c = DecodeCase {
+                    batch,
+                    seqlen_q: 1,
+                    cache_len,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal: true,
+                    seqlens: (0..batch).map(|i| (cache_len - 97 * i) as i32).collect(),
+                    seed: 11,
+                };
+                let shape = DecodeShape {
+                    batch,
+                    seqlen_q: 1,
+                    cache_len,
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal: true,
+                    softmax_scale: 0.1,
+                    ..Default::default()
+                };
+                if gpu.fa.decode_splits::<f16>(&shape) < 2 {
+                    return Err(format!("{c:?}: expected a split-KV launch").into());
+                }
+                depths.insert(gpu.fa.decode_ring_stages::<f16>(&shape));
+                run_decode::<f16>(gpu, &c)?;
+                // f32: its own decode and combine kernels (f32 output of the combine).
+                if gpu.fa.decode_splits::<f32>(&shape) < 2 {
+                    return Err(format!("{c:?}: expected a split-KV launch in f32").into());
+                }
+                run_decode::<f32>(gpu, &c)?;
             }
-            depths.insert(gpu.fa.decode_ring_stages::<f16>(&shape));
-            run_decode::<f16>(gpu, &c)?;
-            // f32: its own decode and combine kernels (f32 output of the combine).
-            if gpu.fa.decode_splits::<f32>(&shape) < 2 {
-                return Err(format!("{c:?}: expected a split-KV launch in f32").into());
+            let tile = AttnTile::of(KernelKind::Decode, head_dim, gpu.fa.ptx_arch());
+            let want: std::collections::BTreeSet<usize> = [tile.busy_stages, tile.kv_stages].into();
+            if depths != want {
+                return Err(format!(
+                    "D = {head_dim}: ring depths used {depths:?}, expected {want:?}"
+                )
+                .into());
             }
-            run_decode::<f32>(gpu, &c)?;
-        }
-        let tile = AttnTile::of(KernelKind::Decode, 128, gpu.fa.ptx_arch());
-        let want: std::collections::BTreeSet<usize> = [tile.busy_stages, tile.kv_stages].into();
-        if depths != want {
-            return Err(format!("ring depths used {depths:?}, expected {want:?}").into());
         }
         Ok(())
     }));

@@ -239,6 +239,10 @@ impl AttnTile {
                 (KernelKind::Decode | KernelKind::Combine, 256, PtxArch::Sm75) => {
                     (1, WarpSplit::Keys, 1, false, 16, 2, 2)
                 }
+                // sm_90: up to three 32 KB stages, as at D = 96/128.
+                (KernelKind::Decode | KernelKind::Combine, 256, PtxArch::Sm90) => {
+                    (2, WarpSplit::Keys, 1, false, 32, 3, 2)
+                }
                 (KernelKind::Decode | KernelKind::Combine, 256, _) => {
                     (2, WarpSplit::Keys, 1, false, 32, 2, 2)
                 }
@@ -282,7 +286,7 @@ impl AttnTile {
         // H100) and two in fuller grids (1-2% faster at HBM bandwidth); at
         // D = 64 three stages won in both (docs/perf-notes.md, v11).
         let busy_stages = match (kind, head_dim, arch) {
-            (KernelKind::Decode | KernelKind::Combine, 96 | 128, PtxArch::Sm90) => 2,
+            (KernelKind::Decode | KernelKind::Combine, 96 | 128 | 256, PtxArch::Sm90) => 2,
             _ => kv_stages,
         };
         Some(AttnTile {
