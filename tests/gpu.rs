@@ -410,6 +410,23 @@ struct DecodeCase {
     seed: u64,
 }
 
+impl DecodeCase {
+    /// The call's shape, at the default scale 1/sqrt(D).
+    fn shape(&self) -> DecodeShape {
+        DecodeShape {
+            batch: self.batch,
+            seqlen_q: self.seqlen_q,
+            cache_len: self.cache_len,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            causal: self.causal,
+            softmax_scale: 1.0 / (self.head_dim as f32).sqrt(),
+            ..Default::default()
+        }
+    }
+}
+
 fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
     let mut rng = StdRng::seed_from_u64(c.seed);
     let (b, sq, l, h, hk, d) = (
@@ -456,17 +473,7 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
     }
     let o_host = s.clone_dtoh(&o).map_err(e)?;
     let lse_host = s.clone_dtoh(&lse).map_err(e)?;
-    let shape = DecodeShape {
-        batch: b,
-        seqlen_q: sq,
-        cache_len: l,
-        heads: h,
-        kv_heads: hk,
-        head_dim: d,
-        causal: c.causal,
-        softmax_scale: 1.0 / (d as f32).sqrt(),
-        ..Default::default()
-    };
+    let shape = c.shape();
     let want = reference::decode(
         &shape,
         &to_f64(&q_host),
@@ -3696,17 +3703,7 @@ fn main() {
                     seqlens: (0..batch).map(|i| (cache_len - 97 * i) as i32).collect(),
                     seed: 11,
                 };
-                let shape = DecodeShape {
-                    batch,
-                    seqlen_q: 1,
-                    cache_len,
-                    heads,
-                    kv_heads,
-                    head_dim,
-                    causal: true,
-                    softmax_scale: 0.1,
-                    ..Default::default()
-                };
+                let shape = c.shape();
                 if gpu.fa.decode_splits::<f16>(&shape) < 2 {
                     return Err(format!("{c:?}: expected a split-KV launch").into());
                 }
