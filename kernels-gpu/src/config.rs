@@ -281,10 +281,11 @@ impl AttnTile {
             WarpSplit::Rows => warps * m_tiles * MMA_M,
             WarpSplit::Keys => m_tiles * MMA_M,
         };
-        // The D = 96/128 decode ring of sm_90 runs three stages while the
-        // grid has at most one CTA per SM (latency-bound: 4-20% faster on
+        // The D = 96/128/256 decode ring of sm_90 runs three stages while
+        // the grid has at most one CTA per SM (latency-bound: 4-20% faster on
         // H100) and two in fuller grids (1-2% faster at HBM bandwidth); at
-        // D = 64 three stages won in both (docs/perf-notes.md, v11).
+        // D = 64 three stages won in both (docs/perf-notes.md, v11; D = 256:
+        // v63b, and three stages in fuller grids lost 1-2 %, v64c).
         let busy_stages = match (kind, head_dim, arch) {
             (KernelKind::Decode | KernelKind::Combine, 96 | 128 | 256, PtxArch::Sm90) => 2,
             _ => kv_stages,
