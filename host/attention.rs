@@ -79,6 +79,14 @@ const COMBINE_GROUP_US: f64 = 2.0;
 /// those four cells (with 4 new tokens too) and no other of the sweeps.
 const SPLIT_MIN_GAIN: f64 = 0.02;
 const MAX_GRID_YZ: usize = 65_535;
+/// Key blocks per CTA up to which a grid whose CTAs are all resident at the
+/// deepest ring's footprint takes that ring, though its K/V streams
+/// outnumber the SMs: such a CTA's time is mostly its first blocks' round
+/// trips, which the busy ring (one block in flight at two stages) pays one
+/// after another. H200 (v65): the 256-key rows of 256 CTAs at 2 per SM
+/// (B = 32 GQA 32/8 at D = 128 and 256, MHA at B = 8) 1.02-1.03x at three
+/// stages; at 1k keys (16-32 blocks) 0.996-1.003x, at 4k-64k 0.986-0.996x.
+const SHORT_CTA_BLOCKS: usize = 8;
 
 struct Kernel {
     function: CudaFunction,
@@ -1118,9 +1126,10 @@ impl FlashAttention {
     }
 
     /// K/V ring stages a decode launch of `shape` uses: the tile's deepest
-    /// ring while the grid has at most one CTA per SM (each CTA then waits on
-    /// its own loads: more blocks in flight hide that latency), else its
-    /// `busy_stages` (more resident CTAs at HBM bandwidth).
+    /// ring where every CTA is resident at that ring's footprint and either
+    /// the grid's distinct K/V streams (the CTAs of one KV head's row tiles
+    /// share one) are at most one per SM or each CTA streams at most 8 key
+    /// blocks; else its `busy_stages` (more resident CTAs at HBM bandwidth).
     pub fn decode_ring_stages<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
         self.decode_plan::<T>(shape).stages
     }
@@ -1177,11 +1186,16 @@ impl FlashAttention {
                 },
             }),
         };
-        let stages = if ctas * splits <= self.num_sms {
-            tile.kv_stages
-        } else {
-            tile.busy_stages
-        };
+        let stages = ring_stages(
+            &tile,
+            &RingProblem {
+                grid_ctas: ctas * splits,
+                row_tiles: rows.div_ceil(tile.block_m),
+                blocks_per_cta: key_blocks.div_ceil(splits),
+                num_sms: self.num_sms,
+                ctas_per_sm,
+            },
+        );
         DecodePlan {
             splits,
             stages,
@@ -1655,6 +1669,41 @@ pub(crate) fn grids_fit_together(
     }
 }
 
+/// A decode grid as the ring depth sees it ([`ring_stages`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RingProblem {
+    /// CTAs of the decode grid.
+    pub grid_ctas: usize,
+    /// CTAs that read the same K/V: one KV head's row tiles (the query
+    /// heads it serves times the new tokens, over the tile's rows).
+    pub row_tiles: usize,
+    /// Key blocks each CTA streams.
+    pub blocks_per_cta: usize,
+    pub num_sms: usize,
+    /// Decode CTAs one SM holds at the tile's deepest ring.
+    pub ctas_per_sm: usize,
+}
+
+/// K/V ring stages of a decode launch: the tile's deepest ring where all
+/// its CTAs are resident at that ring's footprint and either its distinct
+/// K/V streams (CTAs over `row_tiles`) are at most one per SM, or its CTAs
+/// are short ([`SHORT_CTA_BLOCKS`]); else the tile's `busy_stages`. A
+/// stream's CTAs wait on its loads together, so with few streams per SM
+/// more blocks in flight hide that latency; with more, the busy ring's
+/// smaller footprint was 1-2 % faster at HBM bandwidth (H200, v64c). The
+/// row tiles of one stream at the busy ring have one distinct block in
+/// flight between them: Qwen 28/4 with 4 new tokens (two row tiles per KV
+/// head, 256 CTAs) ran 1.17-1.21x faster at the deep ring (v65).
+pub(crate) fn ring_stages(tile: &AttnTile, p: &RingProblem) -> usize {
+    let resident = p.grid_ctas <= p.num_sms * p.ctas_per_sm;
+    let streams = p.grid_ctas.div_ceil(p.row_tiles.max(1));
+    if resident && (streams <= p.num_sms || p.blocks_per_cta <= SHORT_CTA_BLOCKS) {
+        tile.kv_stages
+    } else {
+        tile.busy_stages
+    }
+}
+
 /// What the split-KV choice needs to know of a decode problem.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct SplitProblem {
@@ -1730,7 +1779,8 @@ pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
 #[cfg(test)]
 mod tests {
     use super::{
-        choose_splits, grids_fit_together, softmax_max_fixed, SplitProblem, FIXED_MAX_LOG2_SPAN,
+        choose_splits, grids_fit_together, ring_stages, softmax_max_fixed, RingProblem,
+        SplitProblem, FIXED_MAX_LOG2_SPAN, SHORT_CTA_BLOCKS,
     };
     use flash_attn_kernels::config::{combine_groups, AttnTile, Dtype, KernelKind, PtxArch};
     use half::bf16;
@@ -1833,6 +1883,40 @@ mod tests {
             combine_groups: combine_groups(d),
             solo_ring_gain: (tile.kv_stages - 1) as f64 / (tile.busy_stages - 1) as f64,
         }
+    }
+
+    #[test]
+    fn deep_ring_where_streams_are_few_or_short() {
+        let tile = AttnTile::of(KernelKind::Decode, 256, PtxArch::Sm90);
+        let (deep, busy) = (tile.kv_stages, tile.busy_stages);
+        assert!(deep > busy);
+        let grid = |grid_ctas, row_tiles, blocks_per_cta| RingProblem {
+            grid_ctas,
+            row_tiles,
+            blocks_per_cta,
+            num_sms: 132,
+            ctas_per_sm: 2,
+        };
+        // One CTA per SM, however long.
+        assert_eq!(ring_stages(&tile, &grid(132, 1, 2048)), deep);
+        // B = 32 GQA 32/8: 256 CTAs at 2 per SM, 256 keys in 8 blocks.
+        assert_eq!(ring_stages(&tile, &grid(256, 1, SHORT_CTA_BLOCKS)), deep);
+        assert_eq!(
+            ring_stages(&tile, &grid(256, 1, SHORT_CTA_BLOCKS + 1)),
+            busy
+        );
+        // Qwen 28/4 with 4 new tokens: two row tiles share each stream.
+        assert_eq!(ring_stages(&tile, &grid(256, 2, 2048)), deep);
+        assert_eq!(ring_stages(&tile, &grid(266, 2, 2048)), busy);
+        // Few streams or short, but not all resident at the deep footprint.
+        assert_eq!(ring_stages(&tile, &grid(265, 1, 1)), busy);
+        assert_eq!(ring_stages(&tile, &grid(512, 8, 2048)), busy);
+        let one_ring = AttnTile::of(KernelKind::Decode, 64, PtxArch::Sm90);
+        assert_eq!(one_ring.kv_stages, one_ring.busy_stages);
+        assert_eq!(
+            ring_stages(&one_ring, &grid(64, 1, 64)),
+            one_ring.busy_stages
+        );
     }
 
     #[test]
