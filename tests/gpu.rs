@@ -3729,6 +3729,51 @@ fn main() {
 
     let g = gpu.clone();
     trials.push(Trial::test(
+        "decode_row_tiled_streams_take_the_deep_ring",
+        move || {
+            let gpu = g.as_ref().as_ref().unwrap();
+            // Qwen 28/4 with 4 new tokens: 28 rows per KV head, two row tiles that
+            // read the same K/V. A quarter as many sequences as SMs makes a grid
+            // of about two CTAs per SM but at most one K/V stream per SM, which
+            // the sm_90 D = 128 tile runs at its deepest ring (v65).
+            let batch = (gpu.fa.num_sms() / 4).max(1);
+            let c = DecodeCase {
+                batch,
+                seqlen_q: 4,
+                cache_len: 1024,
+                heads: 28,
+                kv_heads: 4,
+                head_dim: 128,
+                causal: true,
+                seqlens: (0..batch).map(|i| (1024 - 13 * (i % 64)) as i32).collect(),
+                seed: 12,
+            };
+            let shape = c.shape();
+            let tile = AttnTile::of(KernelKind::Decode, 128, gpu.fa.ptx_arch());
+            if tile.kv_stages > tile.busy_stages {
+                // One split: two CTAs per stream, all resident at the deep ring.
+                let splits = gpu.fa.decode_splits::<f16>(&shape);
+                let grid = batch * 4 * 2 * splits;
+                if splits != 1 || grid <= gpu.fa.num_sms() {
+                    return Err(format!("{c:?}: {splits} splits, {grid} CTAs").into());
+                }
+                let stages = gpu.fa.decode_ring_stages::<f16>(&shape);
+                if stages != tile.kv_stages {
+                    return Err(format!(
+                        "{c:?}: {grid} CTAs of {} streams ran {stages} stages, expected {}",
+                        grid / 2,
+                        tile.kv_stages
+                    )
+                    .into());
+                }
+            }
+            run_decode::<f16>(gpu, &c)?;
+            Ok(())
+        },
+    ));
+
+    let g = gpu.clone();
+    trials.push(Trial::test(
         "invalid_input_leaves_output_untouched",
         move || {
             let gpu = g.as_ref().as_ref().unwrap();
