@@ -84,7 +84,7 @@ const MAX_GRID_YZ: usize = 65_535;
 /// outnumber the SMs: such a CTA's time is mostly its first blocks' round
 /// trips, which the busy ring (one block in flight at two stages) pays one
 /// after another. H200 (v65): the 256-key rows of 256 CTAs at 2 per SM
-/// (B = 32 GQA 32/8 at D = 128 and 256, MHA at B = 8) 1.02-1.03x at three
+/// (B = 32 GQA 32/8 at D = 128 and 256, MHA at B = 8) 1.02-1.035x at three
 /// stages; at 1k keys (16-32 blocks) 0.996-1.003x, at 4k-64k 0.986-0.996x.
 const SHORT_CTA_BLOCKS: usize = 8;
 
@@ -1177,8 +1177,10 @@ impl FlashAttention {
                 max_splits,
                 combine_groups: combine_groups(shape.head_dim),
                 // Fitted (H200, v57): where one KV head's rows take several
-                // row tiles, their CTAs read the same K/V and the deeper ring
-                // did not pay (Qwen 28/4 with 4 new tokens: 0.82-0.91x).
+                // row tiles, the gain chose fewer splits to reach one CTA per
+                // SM, which ran 0.82-0.91x (Qwen 28/4 with 4 new tokens).
+                // Those grids take the deep ring at up to a stream per SM
+                // anyway (`ring_stages`, v65), so more splits lose nothing.
                 solo_ring_gain: if rows <= tile.block_m {
                     (tile.kv_stages - 1) as f64 / (tile.busy_stages - 1) as f64
                 } else {
@@ -1693,7 +1695,7 @@ pub(crate) struct RingProblem {
 /// smaller footprint was 1-2 % faster at HBM bandwidth (H200, v64c). The
 /// row tiles of one stream at the busy ring have one distinct block in
 /// flight between them: Qwen 28/4 with 4 new tokens (two row tiles per KV
-/// head, 256 CTAs) ran 1.17-1.21x faster at the deep ring (v65).
+/// head, 256 CTAs) ran 1.17-1.23x faster at the deep ring (v65).
 pub(crate) fn ring_stages(tile: &AttnTile, p: &RingProblem) -> usize {
     let resident = p.grid_ctas <= p.num_sms * p.ctas_per_sm;
     let streams = p.grid_ctas.div_ceil(p.row_tiles.max(1));
