@@ -35,6 +35,9 @@
 //! in {256, 1k, 4k, 16k, 64k}, heads GQA 32/8, MHA 32/32, Qwen 28/4 and SmolLM
 //! 9/3 at D=128 (SmolLM: D=64) plus GQA 32/8 at D=256; the two MHA cells at
 //! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
+//! The `decode-d192` rows, timed the same way, decode one token at D = 192
+//! (DeepSeek-V2-Lite unabsorbed: 16 heads and 16 KV heads; B 1, 8, 32; L 1k,
+//! 4k, 16k).
 //!
 //! The `model` rows are issue 11's prefill shapes: one 8k-token prompt,
 //! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128, SmolLM
@@ -215,6 +218,12 @@ const DECODE_GRAPH_CACHES: [usize; 5] = [256, 1024, 4096, 16384, 65536];
 /// Cells whose K/V cache exceeds this are left out (caches this big have one
 /// copy, not rotated): MHA at B=32, L=64k (34 GB).
 const DECODE_GRAPH_MAX_BYTES: f64 = 20e9;
+/// Decode at D = 192, timed with CUDA graphs by default: DeepSeek-V2-Lite's
+/// attention unabsorbed (16 heads, each its own K/V of 128 + 64 columns, V
+/// padded to them), one new token, at these batches and cache lengths.
+const DECODE_D192: &str = "decode-d192";
+const DECODE_D192_BATCHES: [usize; 3] = [1, 8, 32];
+const DECODE_D192_CACHES: [usize; 3] = [1024, 4096, 16384];
 /// Decode steps with and without appending the new tokens first, timed with
 /// CUDA graphs: (batch, heads, KV heads, head dim, new tokens, cache length).
 const DECODE_APPEND: &str = "policy-append";
@@ -387,14 +396,16 @@ impl Shape {
             format!(" {}", self.policy.name())
         }
     }
-    /// Graph for the `decode-graph` and `policy-append` rows, else events,
-    /// unless `--timing` says.
+    /// Graph for the `decode-graph`, `decode-d192` and `policy-append` rows,
+    /// else events, unless `--timing` says.
     fn timing(&self, forced: Option<Timing>) -> Timing {
-        forced.unwrap_or(if [DECODE_GRAPH, DECODE_APPEND].contains(&self.origin) {
-            Timing::Graph
-        } else {
-            Timing::Events
-        })
+        forced.unwrap_or(
+            if [DECODE_GRAPH, DECODE_D192, DECODE_APPEND].contains(&self.origin) {
+                Timing::Graph
+            } else {
+                Timing::Events
+            },
+        )
     }
     /// A `policy-*` row: exact visible-pair FLOPs, its own JSON keys.
     fn is_policy_row(&self) -> bool {
@@ -658,6 +669,11 @@ fn shapes() -> Vec<Shape> {
                     }
                 }
             }
+        }
+    }
+    for batch in DECODE_D192_BATCHES {
+        for cache in DECODE_D192_CACHES {
+            v.push(dec(batch, 16, 16, cache, 192, DECODE_D192));
         }
     }
     // Policies (f16, ours only), each right after its plain row.

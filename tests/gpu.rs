@@ -3677,9 +3677,9 @@ fn main() {
     let g = gpu.clone();
     trials.push(Trial::test("decode_long_cache_uses_splits", move || {
         let gpu = g.as_ref().as_ref().unwrap();
-        // D = 128 and 256: the sm_90 decode tiles whose ring depth the
+        // D = 128, 192 and 256: sm_90 decode tiles whose ring depth the
         // launch picks.
-        for head_dim in [128, 256] {
+        for head_dim in [128, 192, 256] {
             let mut depths = std::collections::BTreeSet::new();
             for (batch, cache_len, heads, kv_heads) in
                 // 3 KV heads of one sequence: dozens of splits, several combine

@@ -230,6 +230,10 @@ impl AttnTile {
                 // Two warps (32-key blocks) keep two 32 KB stages and the f32
                 // merge tile under the 99 KB of sm_86/89; at D = 256 Q's 64
                 // fragment registers would crowd O's 128, so Q is re-read.
+                // sm_90: up to three 24 KB stages (see `busy_stages` below).
+                (KernelKind::Decode | KernelKind::Combine, 192, PtxArch::Sm90) => {
+                    (2, WarpSplit::Keys, 1, true, 32, 3, 2)
+                }
                 (KernelKind::Decode | KernelKind::Combine, 192, _) => {
                     (2, WarpSplit::Keys, 1, true, 32, 2, 2)
                 }
@@ -281,13 +285,14 @@ impl AttnTile {
             WarpSplit::Rows => warps * m_tiles * MMA_M,
             WarpSplit::Keys => m_tiles * MMA_M,
         };
-        // The D = 96/128/256 decode ring of sm_90 runs three stages while
-        // the grid has at most one CTA per SM (latency-bound: 4-20% faster on
-        // H100) and two in fuller grids (1-2% faster at HBM bandwidth); at
-        // D = 64 three stages won in both (docs/perf-notes.md, v11; D = 256:
-        // v63b, and three stages in fuller grids lost 1-2 %, v64c).
+        // The D = 96-256 decode ring of sm_90 runs three stages where the
+        // host's ring rule says (few K/V streams or short CTAs: latency-bound,
+        // 4-20% faster on H100) and two in fuller grids (1-2% faster at HBM
+        // bandwidth); at D = 64 three stages won in both (docs/perf-notes.md,
+        // v11; D = 256: v63b, and three stages in fuller grids lost 1-2 %,
+        // v64c; the rule: v65; D = 192: v66).
         let busy_stages = match (kind, head_dim, arch) {
-            (KernelKind::Decode | KernelKind::Combine, 96 | 128 | 256, PtxArch::Sm90) => 2,
+            (KernelKind::Decode | KernelKind::Combine, 96 | 128 | 192 | 256, PtxArch::Sm90) => 2,
             _ => kv_stages,
         };
         Some(AttnTile {
