@@ -1146,7 +1146,9 @@ impl FlashAttention {
     fn decode_plan<T: AttnElement>(&self, shape: &DecodeShape) -> DecodePlan {
         let tile = self.decode_tile(shape);
         let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
-        let ctas = shape.batch * shape.kv_heads * rows.div_ceil(tile.block_m);
+        // One KV head's rows in row tiles, which all read that head's K/V.
+        let row_tiles = rows.div_ceil(tile.block_m);
+        let ctas = shape.batch * shape.kv_heads * row_tiles;
         // A left window bounds the keys any row sees, whatever the cache holds.
         let keys = match shape.mask().left {
             Some(left) => shape.cache_len.min(left.saturating_add(shape.seqlen_q)),
@@ -1192,7 +1194,7 @@ impl FlashAttention {
             &tile,
             &RingProblem {
                 grid_ctas: ctas * splits,
-                row_tiles: rows.div_ceil(tile.block_m),
+                row_tiles,
                 blocks_per_cta: key_blocks.div_ceil(splits),
                 num_sms: self.num_sms,
                 ctas_per_sm,
