@@ -35,9 +35,10 @@
 //! in {256, 1k, 4k, 16k, 64k}, heads GQA 32/8, MHA 32/32, Qwen 28/4 and SmolLM
 //! 9/3 at D=128 (SmolLM: D=64) plus GQA 32/8 at D=256; the two MHA cells at
 //! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
-//! The `decode-d192` rows, timed the same way, decode one token at D = 192
-//! (DeepSeek-V2-Lite unabsorbed: 16 heads and 16 KV heads; B 1, 8, 32; L 1k,
-//! 4k, 16k).
+//! The `decode-d192`, `decode-d96` and `decode-d32` rows, timed the same way,
+//! decode one token at the head dims the `decode-graph` rows lack: D = 192
+//! (DeepSeek-V2-Lite unabsorbed, 16/16 heads), D = 96 (Phi-3-mini, 32/32) and
+//! D = 32 (16/16); B 1, 8, 32; L 1k, 4k, 16k. `--filter decode-d` selects them.
 //!
 //! The `model` rows are issue 11's prefill shapes: one 8k-token prompt,
 //! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128, SmolLM
@@ -218,12 +219,19 @@ const DECODE_GRAPH_CACHES: [usize; 5] = [256, 1024, 4096, 16384, 65536];
 /// Cells whose K/V cache exceeds this are left out (caches this big have one
 /// copy, not rotated): MHA at B=32, L=64k (34 GB).
 const DECODE_GRAPH_MAX_BYTES: f64 = 20e9;
-/// Decode at D = 192, timed with CUDA graphs by default: DeepSeek-V2-Lite's
-/// attention unabsorbed (16 heads, each its own K/V of 128 + 64 columns, V
-/// padded to them), one new token, at these batches and cache lengths.
-const DECODE_D192: &str = "decode-d192";
-const DECODE_D192_BATCHES: [usize; 3] = [1, 8, 32];
-const DECODE_D192_CACHES: [usize; 3] = [1024, 4096, 16384];
+/// Decode at the head dims the `decode-graph` rows lack, timed with CUDA
+/// graphs by default, one new token, at these batches and cache lengths:
+/// (origin, heads, KV heads, head dim) for DeepSeek-V2-Lite's attention
+/// unabsorbed (16 heads, each its own K/V of 128 + 64 columns, V padded to
+/// them), Phi-3-mini, and 16/16 heads at D = 32. Each head dim's decode tile
+/// keeps its own bytes in flight, which the split model weighs.
+const DECODE_DIMS: [(&str, usize, usize, usize); 3] = [
+    ("decode-d192", 16, 16, 192),
+    ("decode-d96", 32, 32, 96),
+    ("decode-d32", 16, 16, 32),
+];
+const DECODE_DIMS_BATCHES: [usize; 3] = [1, 8, 32];
+const DECODE_DIMS_CACHES: [usize; 3] = [1024, 4096, 16384];
 /// Decode steps with and without appending the new tokens first, timed with
 /// CUDA graphs: (batch, heads, KV heads, head dim, new tokens, cache length).
 const DECODE_APPEND: &str = "policy-append";
@@ -396,16 +404,18 @@ impl Shape {
             format!(" {}", self.policy.name())
         }
     }
-    /// Graph for the `decode-graph`, `decode-d192` and `policy-append` rows,
-    /// else events, unless `--timing` says.
+    /// Graph for the `decode-graph`, `decode-d*` ([`DECODE_DIMS`]) and
+    /// `policy-append` rows, else events, unless `--timing` says.
     fn timing(&self, forced: Option<Timing>) -> Timing {
-        forced.unwrap_or(
-            if [DECODE_GRAPH, DECODE_D192, DECODE_APPEND].contains(&self.origin) {
-                Timing::Graph
-            } else {
-                Timing::Events
-            },
-        )
+        let graphed = [DECODE_GRAPH, DECODE_APPEND].contains(&self.origin)
+            || DECODE_DIMS
+                .iter()
+                .any(|&(origin, ..)| origin == self.origin);
+        forced.unwrap_or(if graphed {
+            Timing::Graph
+        } else {
+            Timing::Events
+        })
     }
     /// A `policy-*` row: exact visible-pair FLOPs, its own JSON keys.
     fn is_policy_row(&self) -> bool {
@@ -671,9 +681,11 @@ fn shapes() -> Vec<Shape> {
             }
         }
     }
-    for batch in DECODE_D192_BATCHES {
-        for cache in DECODE_D192_CACHES {
-            v.push(dec(batch, 16, 16, cache, 192, DECODE_D192));
+    for (origin, heads, kv_heads, head_dim) in DECODE_DIMS {
+        for batch in DECODE_DIMS_BATCHES {
+            for cache in DECODE_DIMS_CACHES {
+                v.push(dec(batch, heads, kv_heads, cache, head_dim, origin));
+            }
         }
     }
     // Policies (f16, ours only), each right after its plain row.

@@ -1878,9 +1878,12 @@ mod tests {
             bytes_per_cta: keys * 2 * d * 2,
             key_blocks,
             num_sms: 132,
+            // At three stages shared memory bounds D = 96 (rows padded to
+            // 256 bytes: 96 KB), 128, 192 and 256; registers bound D = 32
+            // (118 per thread) and 64 (159), ptxas 13.0.88.
             ctas_per_sm: match d {
                 32 => 4,
-                128 | 256 => 2,
+                96 | 128 | 256 => 2,
                 _ => 3,
             },
             max_splits: (key_blocks / 2).clamp(1, 128),
@@ -1946,6 +1949,15 @@ mod tests {
         assert_eq!(choose_splits(&sm90(32, 4096, 128)), 4);
         assert_eq!(choose_splits(&sm90(3, 16384, 64)), 64);
         assert_eq!(choose_splits(&sm90(12, 4096, 64)), 16);
+        // The other head dims' batch-1 steps (v67's sweeps of 2-128 splits,
+        // two passes): Phi-3-mini (32/32, D = 96) fastest at 4 splits for
+        // L = 4k and 16k (8: 1.03x slower at 4k); DeepSeek-V2-Lite
+        // unabsorbed (16/16, D = 192) at 8 for L = 1k; 16/16 at D = 32 at
+        // 16 for L = 4k (8: 1.05-1.09x slower).
+        assert_eq!(choose_splits(&sm90(32, 4096, 96)), 4);
+        assert_eq!(choose_splits(&sm90(32, 16384, 96)), 4);
+        assert_eq!(choose_splits(&sm90(16, 1024, 192)), 8);
+        assert_eq!(choose_splits(&sm90(16, 4096, 32)), 16);
     }
 
     #[test]
