@@ -3,7 +3,9 @@
 //! candle's own naive `softmax(q·kᵀ)·v` (in f32) and against flash-attn's f64
 //! reference, with non-contiguous inputs (a transposed Q, K/V sliced out of
 //! wider tensors). Without a GPU the GPU trials are ignored; the CPU trials
-//! (errors on CPU tensors, argument checks) always run.
+//! (errors on CPU tensors, argument checks) always run. On the sm_75 module
+//! (Turing, or `FLASH_ATTN_FORCE_SM75=1`) the bf16 trials are ignored and
+//! `gpu_bf16_refused_without_sm80` checks that bf16 is refused there.
 use std::sync::Arc;
 
 use candle_core::{DType, Device, IndexOp, Tensor, D};
@@ -11,7 +13,7 @@ use flash_attn::candle as fa;
 use flash_attn::candle::AttnArgs;
 use flash_attn::reference::{self, Extras};
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
-use flash_attn::Window;
+use flash_attn::{Dtype, FlashAttention, Window};
 use libtest_mimic::{Arguments, Failed, Trial};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -966,9 +968,51 @@ fn errors_cpu() -> R<()> {
     Ok(())
 }
 
+/// Whether the module flash-attn loads for `gpu` runs bf16: the sm_75
+/// module (Turing, or `FLASH_ATTN_FORCE_SM75=1`) refuses bf16 with a typed
+/// error, which [`bf16_refused`] checks where the bf16 trials are ignored.
+fn module_has_bf16(gpu: &Option<Device>) -> bool {
+    match gpu {
+        Some(Device::Cuda(dev)) => FlashAttention::new(dev.cuda_stream().context())
+            .expect("a GPU is present, so flash-attn must load")
+            .ptx_arch()
+            .has_dtype(Dtype::Bf16),
+        _ => false,
+    }
+}
+
+/// bf16 on a module without it: dense and kvcache calls are errors naming
+/// the requirement, and the append leaves the caches untouched.
+fn bf16_refused(dev: &Device) -> R<()> {
+    let q = c(Tensor::ones((1, 2, 4, 64), DType::BF16, dev))?;
+    expect_err(fa::flash_attn(&q, &q, &q, 0.1, true), "bf16 needs sm_80")?;
+    let cache = c(Tensor::zeros((1, 16, 4, 64), DType::BF16, dev))?;
+    let lens = c(Tensor::new(&[3u32], dev))?;
+    expect_err(
+        fa::flash_attn_with_kvcache(
+            &q,
+            &cache,
+            &cache,
+            &lens,
+            None,
+            Some(&q),
+            Some(&q),
+            &AttnArgs::default(),
+        ),
+        "bf16 needs sm_80",
+    )?;
+    let touched = c(c(c(cache.abs())?.sum_all())?.to_dtype(DType::F32))?;
+    let sum = c(touched.to_scalar::<f32>())?;
+    if sum != 0.0 {
+        return Err(format!("the refused append wrote the cache (sum of |cache| {sum})").into());
+    }
+    Ok(())
+}
+
 fn main() {
     let args = Arguments::from_args();
     let gpu = Arc::new(open_gpu());
+    let have_bf16 = module_has_bf16(&gpu);
     let seed: u64 = std::env::var("FLASH_ATTN_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -999,7 +1043,7 @@ fn main() {
                 Trial::test(format!("gpu_{name}_{dname}"), move || {
                     run(g.as_ref().as_ref().unwrap(), dtype, seed)
                 })
-                .with_ignored_flag(g_absent(&gpu)),
+                .with_ignored_flag(g_absent(&gpu) || (dtype == DType::BF16 && !have_bf16)),
             );
         }
     }
@@ -1009,6 +1053,13 @@ fn main() {
             errors_gpu(g.as_ref().as_ref().unwrap())
         })
         .with_ignored_flag(g_absent(&gpu)),
+    );
+    let g = gpu.clone();
+    trials.push(
+        Trial::test("gpu_bf16_refused_without_sm80", move || {
+            bf16_refused(g.as_ref().as_ref().unwrap())
+        })
+        .with_ignored_flag(g_absent(&gpu) || have_bf16),
     );
     libtest_mimic::run(&args, trials).exit();
 }
