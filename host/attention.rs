@@ -1951,7 +1951,7 @@ mod tests {
         assert_eq!(choose_splits(&sm90(12, 4096, 64)), 16);
         // The other head dims' batch-1 steps (v67's sweeps of 2-128 splits,
         // two passes): Phi-3-mini (32/32, D = 96) fastest at 4 splits for
-        // L = 4k and 16k (8: 1.03x slower at 4k); DeepSeek-V2-Lite
+        // L = 4k and 16k (8: 1.03-1.04x slower at 4k); DeepSeek-V2-Lite
         // unabsorbed (16/16, D = 192) at 8 for L = 1k; 16/16 at D = 32 at
         // 16 for L = 4k (8: 1.05-1.09x slower).
         assert_eq!(choose_splits(&sm90(32, 4096, 96)), 4);
