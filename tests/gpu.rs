@@ -3752,16 +3752,20 @@ fn main() {
             let tile = AttnTile::of(KernelKind::Decode, 128, gpu.fa.ptx_arch());
             if tile.kv_stages > tile.busy_stages {
                 // One split: two CTAs per stream, all resident at the deep ring.
+                let row_tiles = (c.heads / c.kv_heads * c.seqlen_q).div_ceil(tile.block_m);
+                let streams = batch * c.kv_heads;
                 let splits = gpu.fa.decode_splits::<f16>(&shape);
-                let grid = batch * 4 * 2 * splits;
-                if splits != 1 || grid <= gpu.fa.num_sms() {
-                    return Err(format!("{c:?}: {splits} splits, {grid} CTAs").into());
+                let grid = streams * row_tiles * splits;
+                if row_tiles != 2 || splits != 1 || grid <= gpu.fa.num_sms() {
+                    return Err(format!(
+                        "{c:?}: {row_tiles} row tiles, {splits} splits, {grid} CTAs"
+                    )
+                    .into());
                 }
                 let stages = gpu.fa.decode_ring_stages::<f16>(&shape);
                 if stages != tile.kv_stages {
                     return Err(format!(
-                        "{c:?}: {grid} CTAs of {} streams ran {stages} stages, expected {}",
-                        grid / 2,
+                        "{c:?}: {grid} CTAs of {streams} streams ran {stages} stages, expected {}",
                         tile.kv_stages
                     )
                     .into());
