@@ -35,10 +35,12 @@
 //! in {256, 1k, 4k, 16k, 64k}, heads GQA 32/8, MHA 32/32, Qwen 28/4 and SmolLM
 //! 9/3 at D=128 (SmolLM: D=64) plus GQA 32/8 at D=256; the two MHA cells at
 //! B=32, L=64k (34 GB of K/V) are left out. `--filter decode-graph` selects them.
-//! The `decode-d192`, `decode-d96` and `decode-d32` rows, timed the same way,
-//! decode one token at the head dims the `decode-graph` rows lack: D = 192
-//! (DeepSeek-V2-Lite unabsorbed, 16/16 heads), D = 96 (Phi-3-mini, 32/32) and
-//! D = 32 (16/16); B 1, 8, 32; L 1k, 4k, 16k. `--filter decode-d` selects them.
+//! The `decode-d192`, `decode-d96`, `decode-d64`, `decode-d64-gqa` and
+//! `decode-d32` rows, timed the same way, decode one token at the head dims
+//! and head counts the `decode-graph` rows lack: D = 192 (DeepSeek-V2-Lite
+//! unabsorbed, 16/16 heads), D = 96 (Phi-3-mini, 32/32), D = 64 (32/32, and
+//! Llama-3.2-1B's 32/8) and D = 32 (16/16); B 1, 8, 32; L 1k, 4k, 16k.
+//! `--filter decode-d` selects them.
 //!
 //! The `model` rows are issue 11's prefill shapes: one 8k-token prompt,
 //! causal, Llama-3-8B (GQA 32/8) and Qwen2.5-7B (28/4) at D=128, SmolLM
@@ -155,7 +157,10 @@
 //! order, to compare both), `--decode-launch programmatic|plain` (a
 //! decode step's later kernels, the decode after an append and the split
 //! decode's combine, as programmatic dependent launches, the default on
-//! Hopper and newer, or plain ones, to compare both),
+//! Hopper and newer, or plain ones, to compare both), `--kv-fold
+//! auto|off|on` (decode rows fold pairs of adjacent KV heads where the rule
+//! picks it, never, or wherever the call allows it: `KvFold`; every decode
+//! JSON line records the fold used as `"kv_fold"`),
 //! `--splits N` (decode rows split their keys N ways, lowered
 //! to what the cache allows, instead of the heuristic's count; every decode
 //! JSON line records the count used as `"splits"` and the K/V ring depth as
@@ -178,7 +183,7 @@ use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptu
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream};
 use flash_attn::{
     reference, AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, Dtype,
-    FlashAttention, Layout, Out, PagedVarlen, Qkv, TensorMut, TensorRef, Varlen, Window,
+    FlashAttention, KvFold, Layout, Out, PagedVarlen, Qkv, TensorMut, TensorRef, Varlen, Window,
 };
 use half::{bf16, f16};
 use rand::rngs::StdRng;
@@ -223,12 +228,15 @@ const DECODE_GRAPH_MAX_BYTES: f64 = 20e9;
 /// graphs by default, one new token, at these batches and cache lengths:
 /// (origin, heads, KV heads, head dim) for DeepSeek-V2-Lite's attention
 /// unabsorbed (16 heads, each its own K/V of 128 + 64 columns, V padded to
-/// them), Phi-3-mini, and 16/16 heads at D = 32. The split model was fitted
-/// and checked on the `decode-graph` rows (D = 64, 128, 256); these rows
-/// check it at the other head dims (v67).
-const DECODE_DIMS: [(&str, usize, usize, usize); 3] = [
+/// them), Phi-3-mini, 32/32 heads and Llama-3.2-1B's 32/8 at D = 64, and
+/// 16/16 heads at D = 32. The split model was fitted and checked on the
+/// `decode-graph` rows (D = 64, 128, 256); these rows check it at the other
+/// head dims (v67) and measure the KV-head fold (v68).
+const DECODE_DIMS: [(&str, usize, usize, usize); 5] = [
     ("decode-d192", 16, 16, 192),
     ("decode-d96", 32, 32, 96),
+    ("decode-d64", 32, 32, 64),
+    ("decode-d64-gqa", 32, 8, 64),
     ("decode-d32", 16, 16, 32),
 ];
 const DECODE_DIMS_BATCHES: [usize; 3] = [1, 8, 32];
@@ -2131,6 +2139,15 @@ fn main() {
     let hopper_forward = either("--forward-path", "auto", "sm80");
     let static_tiles = !either("--tile-order", "dynamic", "static");
     let programmatic_launch = either("--decode-launch", "programmatic", "plain");
+    let kv_fold = match value_of("--kv-fold").as_deref() {
+        None | Some("auto") => KvFold::Auto,
+        Some("off") => KvFold::Off,
+        Some("on") => KvFold::On,
+        Some(w) => {
+            eprintln!("--kv-fold wants auto, off or on, not {w:?}");
+            std::process::exit(2);
+        }
+    };
     let forced_timing = value_of("--timing").map(|t| {
         Timing::parse(&t).unwrap_or_else(|| {
             eprintln!("--timing wants events or graph, not {t:?}");
@@ -2195,6 +2212,7 @@ fn main() {
     fa.set_hopper_forward(hopper_forward);
     fa.set_static_tile_order(static_tiles);
     fa.set_programmatic_launch(programmatic_launch);
+    fa.set_kv_fold(kv_fold);
     // Events rows keep the legacy default stream; capture needs another one.
     let (default_stream, graph_stream) =
         (ctx.default_stream(), ctx.new_stream().expect("CUDA stream"));
@@ -2215,7 +2233,7 @@ fn main() {
         }
     };
     println!(
-        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}, {} decode launches",
+        "device: {} (sm_{}{}, {} SMs), PTX from {}, loaded {:?} in {load_ms:.0} ms, forward on {}, {} decode launches, KV heads folded: {:?}",
         ctx.name().unwrap_or_default(),
         fa.compute_capability().0,
         fa.compute_capability().1,
@@ -2231,7 +2249,8 @@ fn main() {
             "programmatic"
         } else {
             "plain"
-        }
+        },
+        fa.kv_fold()
     );
     if let Some(dir) = std::path::Path::new(&json_path).parent() {
         std::fs::create_dir_all(dir).ok();
@@ -2384,9 +2403,15 @@ fn main() {
                 Dtype::Bf16 => fa.decode_ring_stages::<bf16>(&shape),
                 Dtype::F32 => fa.decode_ring_stages::<f32>(&shape),
             };
+            let fold = match s.dtype {
+                Dtype::F16 => fa.decode_kv_fold::<f16>(&shape),
+                Dtype::Bf16 => fa.decode_kv_fold::<bf16>(&shape),
+                Dtype::F32 => fa.decode_kv_fold::<f32>(&shape),
+            };
             let extra = line.as_object_mut().expect("a JSON object");
             extra.insert("splits".into(), used.into());
             extra.insert("ring_stages".into(), stages.into());
+            extra.insert("kv_fold".into(), fold.into());
         }
         if s.is_policy_row() {
             // compare-torch.py skips lines with a "policy" key (no baseline).

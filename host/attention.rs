@@ -1,7 +1,7 @@
 //! The host API: one [`FlashAttention`] per context loads the PTX once, caches
 //! every entry point, and launches after validation.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
@@ -88,6 +88,32 @@ const MAX_GRID_YZ: usize = 65_535;
 /// stages; at 1k keys (16-32 blocks) 0.996-1.003x, at 4k-64k 0.986-0.996x.
 const SHORT_CTA_BLOCKS: usize = 8;
 
+/// KV heads a decode CTA folds into one where [`kv_fold`] allows it.
+const KV_FOLD: usize = 2;
+/// Head dims whose decode folds: `KV_FOLD` x each is a compiled decode head
+/// dim, and the fold measured faster (v68).
+const FOLD_HEAD_DIMS: [usize; 3] = [32, 64, 96];
+
+/// Whether decode launches fold pairs of adjacent KV heads into one
+/// ([`FlashAttention::set_kv_fold`]): each CTA then reads two heads' K/V
+/// rows as one row of twice the head dim, its query rows zero in the other
+/// head's half. The result is the same; the reads are longer (faster from
+/// HBM at head dims up to 96 in full grids, v68). One difference: a
+/// non-finite K element (inf or NaN) of one head of a pair also makes the
+/// other head's scores of that key NaN (zero times it), where unfolded only
+/// its own head's; [`KvFold::Off`] keeps the heads apart.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(u8)]
+pub enum KvFold {
+    /// Where [`kv_fold`]'s rule picks it.
+    #[default]
+    Auto,
+    /// Never.
+    Off,
+    /// Wherever the call allows it: the rule's other conditions waived.
+    On,
+}
+
 struct Kernel {
     function: CudaFunction,
     entry: &'static Entry,
@@ -129,10 +155,15 @@ pub struct FlashAttention {
     /// Whether a decode step's later kernels (decode after an append, the
     /// split-KV combine) are programmatic dependent launches.
     programmatic_launch: AtomicBool,
+    /// A [`KvFold`] as its `u8`.
+    kv_fold: AtomicU8,
 }
 
 /// How a decode launch is split and buffered.
 struct DecodePlan {
+    /// KV heads each CTA reads as one ([`kv_fold`]); the other fields are
+    /// the folded launch's.
+    fold: usize,
     splits: usize,
     stages: usize,
     /// Whether the combine may be a programmatic dependent launch: not where
@@ -312,6 +343,29 @@ struct DecodeCall {
     seqlens: u64,
     block_table: u64,
     cache: KvCacheShape,
+}
+
+impl DecodeCall {
+    /// Whether K's and V's heads are adjacent ([`heads_adjacent`]).
+    fn heads_adjacent<T: AttnElement>(&self) -> bool {
+        heads_adjacent::<T>(&self.k.1, &self.v.1, self.cache.decode.head_dim)
+    }
+}
+
+/// Whether each K/V row's heads follow one another (head stride = head dim,
+/// in the kernels' 16-bit units), so adjacent heads read as one ([`kv_fold`]).
+fn heads_adjacent<T: AttnElement>(k: &BshStrides, v: &BshStrides, head_dim: usize) -> bool {
+    let row = (head_dim * size_of::<T>() / 2) as i64;
+    k.head == row && v.head == row
+}
+
+/// `shape` as a launch that folds `fold` adjacent KV heads into one sees it.
+fn folded(shape: &DecodeShape, fold: usize) -> DecodeShape {
+    DecodeShape {
+        kv_heads: shape.kv_heads / fold,
+        head_dim: shape.head_dim * fold,
+        ..*shape
+    }
 }
 
 /// f32 scratch for split-KV decode partials. Allocate once with
@@ -596,6 +650,7 @@ impl FlashAttention {
             hopper,
             static_tiles: AtomicBool::new(false),
             programmatic_launch: AtomicBool::new(arch == PtxArch::Sm90),
+            kv_fold: AtomicU8::new(KvFold::Auto as u8),
         })
     }
 
@@ -644,6 +699,23 @@ impl FlashAttention {
     pub fn set_programmatic_launch(&self, on: bool) {
         self.programmatic_launch
             .store(on && self.arch == PtxArch::Sm90, Ordering::Relaxed);
+    }
+
+    /// Whether decode launches fold pairs of adjacent KV heads into one
+    /// ([`KvFold`]; default [`KvFold::Auto`]).
+    pub fn kv_fold(&self) -> KvFold {
+        match self.kv_fold.load(Ordering::Relaxed) {
+            x if x == KvFold::Off as u8 => KvFold::Off,
+            x if x == KvFold::On as u8 => KvFold::On,
+            _ => KvFold::Auto,
+        }
+    }
+
+    /// Sets how the decode calls issued after it fold KV heads: to compare
+    /// both in one process, or to test the folded kernels on any call that
+    /// allows them.
+    pub fn set_kv_fold(&self, mode: KvFold) {
+        self.kv_fold.store(mode as u8, Ordering::Relaxed);
     }
 
     /// The CUDA context the kernels were loaded into.
@@ -1125,25 +1197,53 @@ impl FlashAttention {
         AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch)
     }
 
+    /// KV heads a decode launch of `shape` reads as one ([`kv_fold`]), for
+    /// a cache whose heads are adjacent (head stride = head dim).
+    pub fn decode_kv_fold<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
+        self.decode_plan::<T>(shape, true).fold
+    }
+
     /// K/V ring stages a decode launch of `shape` uses: the tile's deepest
     /// ring where every CTA is resident at that ring's footprint and either
     /// the grid's distinct K/V streams (the CTAs of one KV head's row tiles
     /// share one) are at most one per SM or each CTA streams at most 8 key
     /// blocks; else its `busy_stages` (more resident CTAs at HBM bandwidth).
+    /// For a cache whose heads are adjacent, as [`Self::decode_kv_fold`].
     pub fn decode_ring_stages<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
-        self.decode_plan::<T>(shape).stages
+        self.decode_plan::<T>(shape, true).stages
     }
 
     /// Split count the decode kernel uses for `shape` with element type `T`:
     /// `shape.num_splits` if set (lowered to two key blocks per split), else
-    /// the heuristic's.
+    /// the heuristic's. For a cache whose heads are adjacent, as
+    /// [`Self::decode_kv_fold`].
     pub fn decode_splits<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
-        self.decode_plan::<T>(shape).splits
+        self.decode_plan::<T>(shape, true).splits
     }
 
-    /// Split count and ring depth of a decode launch (see
-    /// [`Self::decode_splits`], [`Self::decode_ring_stages`]).
-    fn decode_plan<T: AttnElement>(&self, shape: &DecodeShape) -> DecodePlan {
+    /// Fold, split count and ring depth of a decode launch (see
+    /// [`Self::decode_kv_fold`], [`Self::decode_splits`],
+    /// [`Self::decode_ring_stages`]); `heads_adjacent`: K's and V's head
+    /// strides equal the head dim.
+    fn decode_plan<T: AttnElement>(
+        &self,
+        caller: &DecodeShape,
+        heads_adjacent: bool,
+    ) -> DecodePlan {
+        let fold = kv_fold(&FoldProblem {
+            mode: self.kv_fold(),
+            measured_arch: self.arch == PtxArch::Sm90,
+            elem_bytes: size_of::<T>(),
+            heads_adjacent,
+            head_dim: caller.head_dim,
+            kv_heads: caller.kv_heads,
+            rows: caller.seqlen_q * (caller.heads / caller.kv_heads),
+            block_m: AttnTile::for_kernel(KernelKind::Decode, caller.head_dim * KV_FOLD, self.arch)
+                .map_or(0, |t| t.block_m),
+            batch: caller.batch,
+            num_sms: self.num_sms,
+        });
+        let shape = &folded(caller, fold);
         let tile = self.decode_tile(shape);
         let rows = shape.seqlen_q * (shape.heads / shape.kv_heads);
         // One KV head's rows in row tiles, which all read that head's K/V.
@@ -1155,15 +1255,24 @@ impl FlashAttention {
             None => shape.cache_len,
         };
         let key_blocks = keys.div_ceil(tile.block_n);
-        // Every decode variant of a head dim has the same tile and occupancy.
+        // Every decode variant of a head dim has the same tile and occupancy;
+        // the folded entries are read for folded launches all the same.
         // (A dtype the module lacks, whose calls are refused, reads f16's.)
         let dtype = if self.arch.has_dtype(T::DTYPE) {
             T::DTYPE
         } else {
             Dtype::F16
         };
+        let variant = if fold == KV_FOLD {
+            Policies {
+                seq: SeqKind::Folded,
+                ..Policies::PLAIN
+            }
+        } else {
+            Policies::PLAIN
+        };
         let ctas_per_sm = self
-            .kernel(KernelKind::Decode, dtype, shape.head_dim, Policies::PLAIN)
+            .kernel(KernelKind::Decode, dtype, shape.head_dim, variant)
             .ctas_per_sm;
         let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_SPLITS)
@@ -1177,7 +1286,8 @@ impl FlashAttention {
                 num_sms: self.num_sms,
                 ctas_per_sm,
                 max_splits,
-                combine_groups: combine_groups(shape.head_dim),
+                // The combine merges the caller's rows, unfolded.
+                combine_groups: combine_groups(caller.head_dim),
                 // Fitted (H200, v57): where one KV head's rows take several
                 // row tiles, the gain chose fewer splits to reach one CTA per
                 // SM, which ran 0.82-0.91x (Qwen 28/4 with 4 new tokens).
@@ -1201,6 +1311,7 @@ impl FlashAttention {
             },
         );
         DecodePlan {
+            fold,
             splits,
             stages,
             programmatic_combine: self.programmatic_launch() && rows <= tile.block_m,
@@ -1216,7 +1327,13 @@ impl FlashAttention {
         stream: &Arc<CudaStream>,
         shape: &DecodeShape,
     ) -> Result<DecodeWorkspace, FlashAttnError> {
-        let rows = self.decode_splits::<T>(shape) * shape.batch * shape.heads * shape.seqlen_q;
+        // Either fold: the call's cache layout is not known here.
+        let splits = [true, false]
+            .map(|adjacent| self.decode_plan::<T>(shape, adjacent).splits)
+            .into_iter()
+            .max()
+            .unwrap_or(1);
+        let rows = splits * shape.batch * shape.heads * shape.seqlen_q;
         Ok(DecodeWorkspace {
             o_accum: stream.alloc_zeros::<f32>((rows * shape.head_dim).max(1))?,
             lse_accum: stream.alloc_zeros::<f32>(rows.max(1))?,
@@ -1264,7 +1381,7 @@ impl FlashAttention {
                 seqlen_new: 0,
             },
         };
-        let plan = self.decode_plan::<T>(&shape);
+        let plan = self.decode_plan::<T>(&shape, call.heads_adjacent::<T>());
         self.run_decode::<T>(stream, &call, &plan, opts, workspace)
     }
 
@@ -1379,7 +1496,12 @@ impl FlashAttention {
             new_infos.as_ref().map(|(k, v)| (k, v)),
             opts,
         )?;
-        let plan = self.decode_plan::<T>(&shape.decode);
+        let adjacent = heads_adjacent::<T>(
+            &strides::<T>(&operands.k.layout),
+            &strides::<T>(&operands.v.layout),
+            shape.decode.head_dim,
+        );
+        let plan = self.decode_plan::<T>(&shape.decode, adjacent);
         if let (Some((k_new, v_new)), Some(((kp, _), (vp, _)))) = (new_kv, &new_ptrs) {
             let paging = shape.paging.unwrap_or_default();
             // 16-byte chunks: an f32 row has twice a 16-bit row's.
@@ -1475,8 +1597,21 @@ impl FlashAttention {
         let (oacc_ptr, _oa_sync) = workspace.o_accum.device_ptr_mut(stream);
         let (lacc_ptr, _la_sync) = workspace.lse_accum.device_ptr_mut(stream);
 
-        let tile = self.decode_tile(shape).with_stages(plan.stages);
-        let pack = shape.heads / shape.kv_heads;
+        // The kernel's view: `plan.fold` adjacent KV heads as one.
+        let fold = plan.fold;
+        let kernel_shape = folded(shape, fold);
+        let tile = self.decode_tile(&kernel_shape).with_stages(plan.stages);
+        let pack = kernel_shape.heads / kernel_shape.kv_heads;
+        let fold_heads = |(ptr, s): (u64, BshStrides)| {
+            (
+                ptr,
+                BshStrides {
+                    head: s.head * fold as i64,
+                    ..s
+                },
+            )
+        };
+        let (k, v) = (fold_heads(call.k), fold_heads(call.v));
         let paging = call.cache.paging.unwrap_or_default();
         let policy = policy_args(
             opts,
@@ -1488,20 +1623,20 @@ impl FlashAttention {
         );
         let params = AttnParams {
             q: call.q.0,
-            k: call.k.0,
-            v: call.v.0,
+            k: k.0,
+            v: v.0,
             o: call.o.0,
             lse: call.lse,
             o_accum: oacc_ptr,
             lse_accum: lacc_ptr,
             cache_seqlens: call.seqlens,
             q_strides: call.q.1,
-            k_strides: call.k.1,
-            v_strides: call.v.1,
+            k_strides: k.1,
+            v_strides: v.1,
             o_strides: call.o.1,
             batch: shape.batch as u32,
             heads: shape.heads as u32,
-            kv_heads: shape.kv_heads as u32,
+            kv_heads: kernel_shape.kv_heads as u32,
             seqlen_q: shape.seqlen_q as u32,
             seqlen_k: shape.cache_len as u32,
             pack: pack as u32,
@@ -1512,15 +1647,23 @@ impl FlashAttention {
             max_pages: paging.max_pages as u32,
             page_size: FastDiv::new(paging.page_size as u32),
             num_pages: paging.num_pages as u32,
-            head_dim: shape.head_dim as u32,
+            head_dim: kernel_shape.head_dim as u32,
             ..policy.params
         };
         let grid = (
             (shape.seqlen_q * pack).div_ceil(tile.block_m) as u32,
-            shape.kv_heads as u32,
+            kernel_shape.kv_heads as u32,
             (shape.batch * splits) as u32,
         );
-        let kernel = self.kernel(KernelKind::Decode, T::DTYPE, shape.head_dim, policy.need);
+        let need = if fold == KV_FOLD {
+            Policies {
+                seq: SeqKind::Folded,
+                ..policy.need
+            }
+        } else {
+            policy.need
+        };
+        let kernel = self.kernel(KernelKind::Decode, T::DTYPE, kernel_shape.head_dim, need);
         // New tokens (validated nonzero) mean the append kernel ran just
         // before; the decode kernel waits for it exactly then.
         if call.cache.seqlen_new > 0 && self.programmatic_launch() {
@@ -1673,6 +1816,60 @@ pub(crate) fn grids_fit_together(
     }
 }
 
+/// What decides whether a decode launch folds KV heads ([`kv_fold`]).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct FoldProblem {
+    pub mode: KvFold,
+    /// The loaded module is the one the rule was measured on (`sm_90`).
+    pub measured_arch: bool,
+    /// Bytes of an element: the fold reads 16-bit rows only.
+    pub elem_bytes: usize,
+    /// K's and V's head strides equal the head dim ([`heads_adjacent`]).
+    pub heads_adjacent: bool,
+    pub head_dim: usize,
+    pub kv_heads: usize,
+    /// Query rows of one KV head: new tokens x query heads per KV head.
+    pub rows: usize,
+    /// Rows of the decode tile at `KV_FOLD` x `head_dim`; 0 when that head
+    /// dim has no decode kernel.
+    pub block_m: usize,
+    pub batch: usize,
+    pub num_sms: usize,
+}
+
+/// KV heads a decode CTA reads as one: [`KV_FOLD`] adjacent heads become one
+/// head of `KV_FOLD x head_dim` (the decode entries of `SeqKind::Folded`),
+/// or 1. The K/V bytes
+/// are the same; each CTA reads rows twice as long, and its MMAs do twice
+/// the work on zero halves of Q, which decode (HBM-bound) has time for.
+/// Allowed for 16-bit caches whose heads are adjacent, head dims of
+/// [`FOLD_HEAD_DIMS`], an even KV head count, and folded rows that fit one
+/// row tile (a second would re-read the K/V). [`KvFold::Auto`] folds on the
+/// `sm_90` module where the call has at least one K/V stream (batch x KV
+/// head) per two SMs. H200 (v68): 192-byte rows (Phi-3, D = 96, 32/32
+/// heads) at B = 8 and 32 ran 1.04-1.15x faster folded, D = 32 (16/16) at
+/// B = 8 and 32 1.11-1.38x, D = 64 (32/32) at B = 32 from 4k keys
+/// 1.09-1.12x and 0.995-1.008x elsewhere; at B = 1 (16-32 streams) short
+/// caches lost (D = 96 and 1k keys 0.94x, D = 32 0.95x). Other modules
+/// are not measured and do not fold by default.
+pub(crate) fn kv_fold(p: &FoldProblem) -> usize {
+    let allowed = p.elem_bytes == 2
+        && p.heads_adjacent
+        && FOLD_HEAD_DIMS.contains(&p.head_dim)
+        && p.kv_heads % KV_FOLD == 0
+        && p.rows * KV_FOLD <= p.block_m;
+    let wanted = match p.mode {
+        KvFold::Off => false,
+        KvFold::On => true,
+        KvFold::Auto => p.measured_arch && 2 * p.batch * p.kv_heads >= p.num_sms,
+    };
+    if allowed && wanted {
+        KV_FOLD
+    } else {
+        1
+    }
+}
+
 /// A decode grid as the ring depth sees it ([`ring_stages`]).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct RingProblem {
@@ -1783,12 +1980,108 @@ pub(crate) fn choose_splits(p: &SplitProblem) -> usize {
 #[cfg(test)]
 mod tests {
     use super::{
-        choose_splits, grids_fit_together, ring_stages, softmax_max_fixed, RingProblem,
-        SplitProblem, FIXED_MAX_LOG2_SPAN, SHORT_CTA_BLOCKS,
+        choose_splits, grids_fit_together, kv_fold, ring_stages, softmax_max_fixed, FoldProblem,
+        KvFold, RingProblem, SplitProblem, FIXED_MAX_LOG2_SPAN, SHORT_CTA_BLOCKS,
     };
     use flash_attn_kernels::config::{combine_groups, AttnTile, Dtype, KernelKind, PtxArch};
     use half::bf16;
     use std::f64::consts::LOG2_E;
+
+    /// Phi-3 (32/32 heads, D = 96), D = 32 (16/16) and D = 64 (32/32), one
+    /// new token, on the H200's 132 SMs: the shapes of v68's table.
+    fn fold_problem(batch: usize, heads: usize, kv_heads: usize, head_dim: usize) -> FoldProblem {
+        FoldProblem {
+            mode: KvFold::Auto,
+            measured_arch: true,
+            elem_bytes: 2,
+            heads_adjacent: true,
+            head_dim,
+            kv_heads,
+            rows: heads / kv_heads,
+            block_m: 16,
+            batch,
+            num_sms: 132,
+        }
+    }
+
+    #[test]
+    fn kv_heads_fold_in_full_grids() {
+        // Measured faster folded (H200, v68): B = 8 and 32.
+        for batch in [8, 32] {
+            assert_eq!(kv_fold(&fold_problem(batch, 32, 32, 96)), 2);
+            assert_eq!(kv_fold(&fold_problem(batch, 16, 16, 32)), 2);
+            assert_eq!(kv_fold(&fold_problem(batch, 32, 32, 64)), 2);
+        }
+        // Slower folded at B = 1 with short caches (16-32 streams).
+        assert_eq!(kv_fold(&fold_problem(1, 32, 32, 96)), 1);
+        assert_eq!(kv_fold(&fold_problem(1, 16, 16, 32)), 1);
+        // Not measured on other modules.
+        let other = FoldProblem {
+            measured_arch: false,
+            ..fold_problem(32, 32, 32, 96)
+        };
+        assert_eq!(kv_fold(&other), 1);
+        assert_eq!(
+            kv_fold(&FoldProblem {
+                mode: KvFold::On,
+                ..other
+            }),
+            2
+        );
+    }
+
+    #[test]
+    fn kv_heads_fold_only_where_the_call_allows() {
+        let base = FoldProblem {
+            mode: KvFold::On,
+            ..fold_problem(1, 32, 32, 96)
+        };
+        assert_eq!(kv_fold(&base), 2);
+        let refused = [
+            FoldProblem {
+                elem_bytes: 4,
+                ..base
+            },
+            FoldProblem {
+                heads_adjacent: false,
+                ..base
+            },
+            FoldProblem {
+                head_dim: 128,
+                ..base
+            },
+            // SmolLM 9/3: an odd KV head count.
+            FoldProblem {
+                kv_heads: 3,
+                rows: 3,
+                ..base
+            },
+            // Llama-3.2-1B (32/8) with 4 new tokens: 32 folded rows.
+            FoldProblem {
+                kv_heads: 8,
+                rows: 16,
+                ..base
+            },
+            // No decode kernel at twice the head dim.
+            FoldProblem { block_m: 0, ..base },
+            FoldProblem {
+                mode: KvFold::Off,
+                ..base
+            },
+        ];
+        for p in refused {
+            assert_eq!(kv_fold(&p), 1, "{p:?}");
+        }
+        // 8 rows per KV head still fit one 16-row tile folded.
+        assert_eq!(
+            kv_fold(&FoldProblem {
+                kv_heads: 8,
+                rows: 8,
+                ..base
+            }),
+            2
+        );
+    }
 
     #[test]
     fn fixed_max_only_where_p_stays_in_range() {

@@ -42,8 +42,8 @@ mod tensor;
 pub mod validate;
 
 pub use attention::{
-    BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, KvCache, LoadedCode, ModuleChoice,
-    Out, PagedVarlen, Qkv, State, Varlen, FORCE_SM75_ENV,
+    BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, KvCache, KvFold, LoadedCode,
+    ModuleChoice, Out, PagedVarlen, Qkv, State, Varlen, FORCE_SM75_ENV,
 };
 pub use driver::cuda_device_count;
 pub use error::FlashAttnError;

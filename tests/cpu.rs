@@ -1780,7 +1780,12 @@ mod config {
     const DTYPES: [Dtype; 3] = [Dtype::F16, Dtype::Bf16, Dtype::F32];
     const MASKS: [MaskKind; 3] = [MaskKind::Full, MaskKind::Causal, MaskKind::Local];
     const SCORES: [ScoreKind; 2] = [ScoreKind::Plain, ScoreKind::Modified];
-    const SEQS: [SeqKind; 3] = [SeqKind::Dense, SeqKind::Packed, SeqKind::Ragged];
+    const SEQS: [SeqKind; 4] = [
+        SeqKind::Dense,
+        SeqKind::Packed,
+        SeqKind::Ragged,
+        SeqKind::Folded,
+    ];
 
     fn word<T: std::fmt::Debug>(x: T) -> String {
         format!("{x:?}").to_lowercase()
@@ -2707,7 +2712,14 @@ mod config {
         for a in all_needs() {
             for b in all_needs() {
                 let mask = a.mask == MaskKind::Local || a.mask == b.mask;
-                let want = mask && a.score >= b.score && a.seq >= b.seq;
+                // Folded covers itself only (and only it covers itself).
+                let folded = [a.seq, b.seq].contains(&SeqKind::Folded);
+                let seq = if folded {
+                    a.seq == b.seq
+                } else {
+                    a.seq >= b.seq
+                };
+                let want = mask && a.score >= b.score && seq;
                 assert_eq!(a.covers(b), want, "{a:?} covers {b:?}");
             }
         }
@@ -2719,7 +2731,24 @@ mod config {
             for dtype in DTYPES {
                 for hd in SUPPORTED_HEAD_DIMS {
                     for need in all_needs() {
-                        // Decode reads its cache through runtime paging, never packed.
+                        // Decode reads its cache through runtime paging, never
+                        // packed; its folded entries (16-bit, at twice the
+                        // folded head dims 32, 64, 96) are the folded calls'.
+                        let folded_hd = matches!(hd, 64 | 128 | 192) && dtype != Dtype::F32;
+                        if need.seq == SeqKind::Folded {
+                            let found = find_entry(kind, dtype, hd, need);
+                            let want = kind == KernelKind::Decode && folded_hd;
+                            assert_eq!(found.is_some(), want, "{kind:?} {dtype:?} hd{hd} {need:?}");
+                            if let Some(e) = found {
+                                assert_eq!(e.policies.seq, SeqKind::Folded);
+                                assert_eq!((e.kind, e.dtype, e.head_dim), (kind, dtype, hd));
+                                assert!(e.policies.covers(need), "{e:?} for {need:?}");
+                                if need.score == ScoreKind::Plain && need.mask != MaskKind::Local {
+                                    assert_eq!(e.policies.mask, need.mask, "{e:?}");
+                                }
+                            }
+                            continue;
+                        }
                         if kind == KernelKind::Decode && need.seq != SeqKind::Dense {
                             assert!(find_entry(kind, dtype, hd, need).is_none());
                             continue;
@@ -3689,6 +3718,26 @@ mod index {
         fn fast_division_by_page_sizes_is_exact(pages in 1u32..=8192, n in 0u32..FastDiv::DIVIDEND_LIMIT) {
             let d = pages * PAGE_SIZE_MULTIPLE as u32;
             prop_assert_eq!(FastDiv::new(d).divmod(n), (n / d, n % d));
+        }
+    }
+
+    /// A folded decode row's own chunks: rows cycle through the query heads
+    /// of two adjacent KV heads, and each row's chunks are its own KV
+    /// head's half of the folded row.
+    #[test]
+    fn fold_chunks_are_the_rows_own_heads_half() {
+        for group in 1..=8u32 {
+            let pack = 2 * group;
+            for tokens in 1..=4u32 {
+                for chunks in [8u32, 16, 24] {
+                    for row in 0..tokens * pack {
+                        let head = row % pack;
+                        let own_kv = head / group;
+                        let want = (own_kv * chunks / 2, chunks / 2);
+                        assert_eq!(fold_chunks(head, pack, chunks), want, "{group} {row}");
+                    }
+                }
+            }
         }
     }
 

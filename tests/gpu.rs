@@ -21,8 +21,8 @@ use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, Dtype, FlashAttention,
-    FlashAttnError, KvCache, Layout, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv, State,
-    TensorMut, TensorRef, Varlen, Window,
+    FlashAttnError, KvCache, KvFold, Layout, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv,
+    State, TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{
     find_hopper_entry, hopper_line_head_dim, hopper_padded_short, AttnTile, HopperCall, HopperPick,
@@ -58,6 +58,47 @@ fn open_gpu() -> Option<Gpu> {
         fa,
         hopper,
     })
+}
+
+impl Gpu {
+    /// A second instance on the same device whose decode calls fold KV
+    /// heads wherever the call allows it ([`KvFold::On`]).
+    fn folding(&self) -> Gpu {
+        let fa = FlashAttention::new(self.fa.context()).expect("the module loaded once already");
+        fa.set_kv_fold(KvFold::On);
+        Gpu {
+            stream: self.stream.clone(),
+            fa,
+            hopper: None,
+        }
+    }
+}
+
+/// On a [`Gpu::folding`] instance, whether `shape`'s decode folds (the
+/// folded trials' strategies draw only foldable calls, so one that does not
+/// fold is a failure, not a skipped check).
+fn expect_fold<T: AttnElement>(gpu: &Gpu, shape: &DecodeShape) -> Result<(), String> {
+    let fold = gpu.fa.decode_kv_fold::<T>(shape);
+    if gpu.fa.kv_fold() == KvFold::On && fold != 2 {
+        return Err(format!(
+            "{shape:?}: expected a folded launch, got fold {fold}"
+        ));
+    }
+    Ok(())
+}
+
+/// `(heads, kv_heads, head_dim, seqlen_q)` made foldable: KV heads doubled
+/// (an even count), a head dim of 32, 64 or 96 picked by `head_dim`, and at
+/// most 8 query rows per KV head (two heads' rows fill one 16-row tile).
+fn foldable(
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    seqlen_q: usize,
+) -> (usize, usize, usize, usize) {
+    let group = heads / kv_heads;
+    let d = [32, 64, 96][head_dim / 32 % 3];
+    (2 * heads, 2 * kv_heads, d, seqlen_q.min((8 / group).max(1)))
 }
 
 /// Largest acceptable |O - O_ref| for outputs of magnitude <= 1.
@@ -481,6 +522,7 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
         &to_f64(&v_host),
         &c.seqlens,
     );
+    expect_fold::<T>(gpu, &shape)?;
     let splits = gpu.fa.decode_splits::<T>(&shape);
     check_output(
         &o_host,
@@ -489,6 +531,79 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
         &format!("{c:?} splits={splits}"),
     )?;
     check_lse(&lse_host, &want.lse, &format!("{c:?} splits={splits}"))
+}
+
+/// A cache whose heads are not adjacent (head stride D + 8, the gaps NaN)
+/// does not fold, even on a [`Gpu::folding`] instance: a folded launch
+/// would read the gap into the first head of each pair's scores.
+fn decode_fold_needs_adjacent_heads<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
+    let (b, l, h, hk, d) = (2, 200, 4, 4, 64);
+    let seqlens = vec![200i32, 77];
+    let mut rng = StdRng::seed_from_u64(0xf01d);
+    let q_layout = Layout::contiguous([b, 1, h, d]);
+    let cache_layout = gapped_layout([b, l, hk, d]);
+    let q_host = random_values::<T>(&mut rng, b * h * d);
+    let k_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let v_host = random_values::<T>(&mut rng, b * l * hk * d);
+    let pitch = d + O_GAP;
+    let gapped = |x: &[T]| {
+        let mut out = vec![nan::<T>(); b * l * hk * pitch];
+        for (row, chunk) in x.chunks(d).enumerate() {
+            out[row * pitch..row * pitch + d].copy_from_slice(chunk);
+        }
+        out
+    };
+    let s = &gpu.stream;
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let q = s.clone_htod(&q_host).map_err(e)?;
+    let k = s.clone_htod(&gapped(&k_host)).map_err(e)?;
+    let v = s.clone_htod(&gapped(&v_host)).map_err(e)?;
+    let lens = s.clone_htod(&seqlens).map_err(e)?;
+    let mut o = poisoned::<T>(gpu, b * h * d)?;
+    gpu.fa
+        .decode(
+            s,
+            Qkv {
+                q: &TensorRef::new(q.as_view(), q_layout),
+                k: &TensorRef::new(k.as_view(), cache_layout),
+                v: &TensorRef::new(v.as_view(), cache_layout),
+            },
+            &lens.as_view(),
+            Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
+            &AttnOptions {
+                causal: true,
+                ..Default::default()
+            },
+            None,
+        )
+        .map_err(|x| x.to_string())?;
+    let shape = DecodeShape {
+        batch: b,
+        seqlen_q: 1,
+        cache_len: l,
+        heads: h,
+        kv_heads: hk,
+        head_dim: d,
+        causal: true,
+        softmax_scale: 1.0 / (d as f32).sqrt(),
+        ..Default::default()
+    };
+    if gpu.fa.decode_kv_fold::<T>(&shape) != 2 {
+        return Err("the shape would not fold with adjacent heads: the test checks nothing".into());
+    }
+    let want = reference::decode(
+        &shape,
+        &to_f64(&q_host),
+        &to_f64(&k_host),
+        &to_f64(&v_host),
+        &seqlens,
+    );
+    check_output(
+        &s.clone_dtoh(&o).map_err(e)?,
+        &q_layout,
+        &want.o,
+        "gapped heads",
+    )
 }
 
 /// A KV-cache decode case: contiguous or paged, optionally appending
@@ -715,6 +830,7 @@ fn run_kvcache<T: AttnElement>(gpu: &Gpu, c: &KvCase) -> Result<(), String> {
             )
             .map_err(|x| x.to_string())?;
     }
+    expect_fold::<T>(gpu, &kv_decode_shape(c))?;
     append_logical(c, &mut st, &k_new, &v_new);
     let (k_dev, v_dev) = (
         s.clone_dtoh(&k_cache).map_err(e)?,
@@ -1914,6 +2030,7 @@ fn run_decode_policy<T: AttnElement>(gpu: &Gpu, c: &PolicyDecodeCase) -> Result<
             extras,
         ))
     })?;
+    expect_fold::<T>(gpu, &shape)?;
     let splits = gpu.fa.decode_splits::<T>(&shape);
     let what = format!("{c:?} splits={splits}");
     check_output(&s.clone_dtoh(&o).map_err(e)?, &ql, &want.o, &what)?;
@@ -3589,6 +3706,80 @@ fn main() {
     dtype_trials!(f16, "f16");
     dtype_trials!(bf16, "bf16");
     dtype_trials!(f32, "f32");
+
+    // Folded KV heads (`KvFold::On`) on calls drawn to allow them: decode
+    // alone, with every policy and forced splits, and over paged caches
+    // after appends. `KvFold::Auto` folds only big grids on sm_90, which
+    // the random shapes rarely are.
+    let gpu_fold = Arc::new(gpu.as_ref().as_ref().map(Gpu::folding));
+    macro_rules! fold_trials {
+        ($t:ty, $name:literal) => {{
+            let g = gpu_fold.clone();
+            trials.push(Trial::test(
+                concat!("decode_folded_random_", $name),
+                move || {
+                    let strategy = decode_strategy().prop_map(|c| {
+                        let (heads, kv_heads, head_dim, seqlen_q) =
+                            foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
+                        DecodeCase {
+                            heads,
+                            kv_heads,
+                            head_dim,
+                            seqlen_q,
+                            ..c
+                        }
+                    });
+                    proptest_trial(&g, case_count(), strategy, run_decode::<$t>)
+                },
+            ));
+            let g = gpu_fold.clone();
+            trials.push(Trial::test(
+                concat!("decode_policies_folded_random_", $name),
+                move || {
+                    let strategy = policy_decode_strategy().prop_map(|c| {
+                        let (heads, kv_heads, head_dim, seqlen_q) =
+                            foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
+                        PolicyDecodeCase {
+                            heads,
+                            kv_heads,
+                            head_dim,
+                            seqlen_q,
+                            ..c
+                        }
+                    });
+                    proptest_trial(&g, case_count(), strategy, run_decode_policy::<$t>)
+                },
+            ));
+            let g = gpu_fold.clone();
+            trials.push(Trial::test(
+                concat!("kvcache_paged_append_folded_random_", $name),
+                move || {
+                    let strategy = kvcache_strategy().prop_map(|c| {
+                        let (heads, kv_heads, head_dim, seqlen_q) =
+                            foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
+                        KvCase {
+                            heads,
+                            kv_heads,
+                            head_dim,
+                            seqlen_q,
+                            ..c
+                        }
+                    });
+                    proptest_trial(&g, case_count(), strategy, run_kvcache::<$t>)
+                },
+            ));
+            let g = gpu_fold.clone();
+            trials.push(Trial::test(
+                concat!("decode_fold_needs_adjacent_heads_", $name),
+                move || {
+                    decode_fold_needs_adjacent_heads::<$t>(g.as_ref().as_ref().unwrap())
+                        .map_err(Failed::from)
+                },
+            ));
+        }};
+    }
+    fold_trials!(f16, "f16");
+    fold_trials!(bf16, "bf16");
     // merge_states takes f16/bf16 (f32 is refused: module_and_dtypes_as_configured).
     random_trial!(
         "merge_states_random_",

@@ -466,6 +466,20 @@ impl FastDiv {
     }
 }
 
+/// The chunks of a folded decode row (`SeqKind::Folded`: two adjacent KV
+/// heads read as one row of `chunks` 16-byte chunks) that belong
+/// to the row of query head `head_in_pack` of the folded head's `pack`: the
+/// first `pack / 2` heads are the first KV head's. (first, count).
+#[inline(always)]
+pub const fn fold_chunks(head_in_pack: u32, pack: u32, chunks: u32) -> (u32, u32) {
+    let half = chunks / 2;
+    if head_in_pack >= pack / 2 {
+        (half, half)
+    } else {
+        (0, half)
+    }
+}
+
 /// Pool page of a block-table entry read on the device: clamped to
 /// `[0, num_pages)`.
 #[inline(always)]

@@ -285,6 +285,14 @@ impl BlockInfo {
         }
     }
 
+    /// The chunks of a folded row of `chunks` that hold CTA row `r`'s own
+    /// KV head (`index::fold_chunks`): (first, count). From the row's head,
+    /// whose remainder its token's division already has.
+    #[inline(always)]
+    pub fn fold_chunks(&self, r: u32, chunks: u32) -> (u32, u32) {
+        index::fold_chunks(self.head(r) - self.head_base, self.pack, chunks)
+    }
+
     /// Start of CTA row `r` in a [B, Sq, H, D] tensor (Q or O).
     #[inline(always)]
     pub fn q_row_ptr(&self, base: u64, s: &BshStrides, r: u32) -> Option<u64> {

@@ -14,7 +14,7 @@ use super::element::Element;
 use super::kv_ring::{self, KvRing};
 use super::lane::Lane;
 use super::mask;
-use super::policy::{Dense, Mask, Modifiers, Scores};
+use super::policy::{Dense, Mask, Modifiers, Scores, Seq};
 use super::smem_tile::{FragAddr, SmemTile};
 use super::softmax::OnlineSoftmax;
 use crate::arch::{barrier, global, ldmatrix, math, smem};
@@ -31,8 +31,18 @@ const LOG2_E: f32 = core::f32::consts::LOG2_E;
 const SLICE_TILES: usize = WARP_KEYS / MMA_N;
 
 /// One decode CTA. `QK = D/16` (k-steps of Q·Kᵀ), `OT = D/8` (n-tiles of O).
+/// `L`: `Dense` (a dense or paged cache), or `Folded`, whose D is twice the
+/// cache's head dim: two adjacent KV heads read as one (`SeqKind::Folded`).
 #[inline(always)]
-pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, const OT: usize>(
+pub fn decode<
+    T: Element,
+    M: Mask,
+    S: Scores,
+    L: Seq,
+    const D: usize,
+    const QK: usize,
+    const OT: usize,
+>(
     p: &AttnParams,
 ) {
     let tile = const { AttnTile::of(KernelKind::Decode, D, PtxArch::TARGET) };
@@ -60,9 +70,29 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     let q_tile = SmemTile::<D> {
         base: base + tile.q_smem_offset() as u32,
     };
-    q_tile.load_async::<T, false>(tile.block_m, tile.threads(), lane.tid, p.q, |r| {
-        info.q_row_ptr(p.q, &p.q_strides, r)
-    });
+    // Folded KV heads (`SeqKind::Folded`): a row's query fills its own
+    // head's half of the folded row, the other half is zeros, so each row's
+    // S is its own head's q·k.
+    let q_row = |r: u32| info.q_row_ptr(p.q, &p.q_strides, r);
+    if L::FOLDED {
+        let chunk_bytes = (CHUNK_ELEMS as u32 * T::BYTES) as u64;
+        let chunks = tile.row_chunks() as u32;
+        q_tile.load_chunks_async::<T, false>(
+            tile.block_m,
+            tile.threads(),
+            lane.tid,
+            p.q,
+            |r, c| {
+                let (first, count) = info.fold_chunks(r, chunks);
+                let own = c.wrapping_sub(first);
+                q_row(r)
+                    .filter(|_| own < count)
+                    .map(|row| row + own as u64 * chunk_bytes)
+            },
+        );
+    } else {
+        q_tile.load_async::<T, false>(tile.block_m, tile.threads(), lane.tid, p.q, q_row);
+    }
     copy::commit();
     // After an append (`seqlen_new` > 0 exactly then) the host may launch
     // this grid on sm_90 as a programmatic dependent, started before the
@@ -158,7 +188,7 @@ pub fn decode<T: Element, M: Mask, S: Scores, const D: usize, const QK: usize, c
     // the combine kernel, which adds each row's once.
     let sinks = S::MODIFIED && p.sinks != 0 && p.num_splits <= 1;
     merge_warps::<D, OT>(p, &info, tile, lane, base, &softmax, &o, sinks);
-    write_rows::<T, D>(p, &info, tile, lane, base, sinks);
+    write_rows::<T, L>(p, &info, tile, lane, base, sinks);
 }
 
 /// Shared-memory address of warp `w`'s statistic `stat` (0: m, 1: l) of row `row`.
@@ -262,9 +292,11 @@ fn merge_warps<const D: usize, const OT: usize>(
 
 /// Sums the warps' merged O tiles and writes each valid row: the final O in
 /// the output dtype (and its LSE if requested), or this split's f32 partial
-/// and LSE for the combine kernel. 16-byte stores.
+/// and LSE for the combine kernel. 16-byte stores. With folded KV heads
+/// (`L::FOLDED`), a row's own head's half only: O's, and `o_accum` rows of
+/// D / 2.
 #[inline(always)]
-fn write_rows<T: Element, const D: usize>(
+fn write_rows<T: Element, L: Seq>(
     p: &AttnParams,
     info: &BlockInfo,
     tile: AttnTile,
@@ -286,6 +318,15 @@ fn write_rows<T: Element, const D: usize>(
         let Some(token) = info.token(row) else {
             continue;
         };
+        let (first, count) = if L::FOLDED {
+            info.fold_chunks(row, chunks)
+        } else {
+            (0, chunks)
+        };
+        let out_chunk = chunk.wrapping_sub(first);
+        if out_chunk >= count {
+            continue;
+        }
         let mut acc = [0f32; CHUNK_ELEMS];
         for w in 0..tile.warps as u32 {
             let addr = merge_addr(tile, base, w, row, chunk * CHUNK_ELEMS as u32);
@@ -298,7 +339,8 @@ fn write_rows<T: Element, const D: usize>(
         let lse_index = info.lse_index(row, token);
         if split {
             let index = info.split as u64 * rows_per_split + lse_index;
-            let dst = p.o_accum + (index * D as u64 + (chunk * CHUNK_ELEMS as u32) as u64) * 4;
+            let row_elems = (count * CHUNK_ELEMS as u32) as u64;
+            let dst = p.o_accum + (index * row_elems + (out_chunk * CHUNK_ELEMS as u32) as u64) * 4;
             let (mut lo, mut hi) = ([0u32; 4], [0u32; 4]);
             unroll::<4>(|e| {
                 lo[e] = acc[e].to_bits();
@@ -308,11 +350,11 @@ fn write_rows<T: Element, const D: usize>(
             global::st_v4_b32(dst + 16, hi);
         } else if let Some(dst) = info.q_row_ptr(p.o, &p.o_strides, row) {
             T::store_chunk(
-                dst + chunk as u64 * (CHUNK_ELEMS as u32 * T::BYTES) as u64,
+                dst + out_chunk as u64 * (CHUNK_ELEMS as u32 * T::BYTES) as u64,
                 acc,
             );
         }
-        if chunk == 0 && (split || p.lse != 0) {
+        if out_chunk == 0 && (split || p.lse != 0) {
             let (m, l) = merged_stats(tile, base, row, row_sink(p, info, row, sinks));
             let lse = if l > 0.0 {
                 (m + math::lg2(l)) * LN_2

@@ -37,6 +37,9 @@ macro_rules! ty {
     (ragged) => {
         crate::kernels::policy::Ragged
     };
+    (folded) => {
+        crate::kernels::policy::Folded
+    };
 }
 
 #[cfg(not(target_feature = "sm_90a"))]
@@ -79,7 +82,7 @@ mod sm80 {
             >(&$p)
         };
         (decode, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
-            decode::<ty!($t), ty!($mask), ty!($score), $d, { $d / 16 }, { $d / 8 }>(&$p)
+            decode::<ty!($t), ty!($mask), ty!($score), ty!($seq), $d, { $d / 16 }, { $d / 8 }>(&$p)
         };
         (combine, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
             combine::<ty!($t), $d>(&$p)

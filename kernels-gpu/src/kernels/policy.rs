@@ -72,9 +72,11 @@ impl Scores for Modified {
 pub trait Seq {
     const KIND: SeqKind;
     /// Whether `cu_seqlens` are read from the launch parameters.
-    const RAGGED: bool = !matches!(Self::KIND, SeqKind::Dense);
+    const RAGGED: bool = matches!(Self::KIND, SeqKind::Packed | SeqKind::Ragged);
     /// Whether a paged K/V cache is read from the launch parameters.
     const PAGED: bool = matches!(Self::KIND, SeqKind::Ragged);
+    /// Decode: KV heads read in adjacent pairs (`SeqKind::Folded`).
+    const FOLDED: bool = matches!(Self::KIND, SeqKind::Folded);
 }
 
 /// [B, S, H, D] with batch strides.
@@ -83,6 +85,8 @@ pub struct Dense;
 pub struct Packed;
 /// Packed sequences and/or a paged K/V cache.
 pub struct Ragged;
+/// Decode with KV heads read in adjacent pairs.
+pub struct Folded;
 
 impl Seq for Dense {
     const KIND: SeqKind = SeqKind::Dense;
@@ -92,6 +96,9 @@ impl Seq for Packed {
 }
 impl Seq for Ragged {
     const KIND: SeqKind = SeqKind::Ragged;
+}
+impl Seq for Folded {
+    const KIND: SeqKind = SeqKind::Folded;
 }
 
 /// The config table's description of a policy triple (it selects the tile).

@@ -182,6 +182,22 @@ impl<const D: usize> SmemTile<D> {
         fallback: u64,
         src: impl Fn(u32) -> Option<u64>,
     ) {
+        self.load_chunks_async::<T, ROW_PAIRS>(rows, threads, tid, fallback, |r, c| {
+            src(r).map(|p| p + c as u64 * Self::src_chunk_bytes::<T>())
+        })
+    }
+
+    /// [`Self::load_async`] with each chunk's source: `src(row, chunk)`,
+    /// `None` for a zero chunk.
+    #[inline(always)]
+    pub fn load_chunks_async<T: Element, const ROW_PAIRS: bool>(
+        self,
+        rows: usize,
+        threads: usize,
+        tid: u32,
+        fallback: u64,
+        src: impl Fn(u32, u32) -> Option<u64>,
+    ) {
         let chunks = Self::CHUNKS as u32;
         let total = rows * Self::CHUNKS;
         let mut i = 0;
@@ -190,8 +206,8 @@ impl<const D: usize> SmemTile<D> {
             if total % threads == 0 || (idx as usize) < total {
                 let row = idx / chunks;
                 let chunk = idx % chunks;
-                let (addr, valid) = match src(row) {
-                    Some(p) => (p + chunk as u64 * Self::src_chunk_bytes::<T>(), true),
+                let (addr, valid) = match src(row, chunk) {
+                    Some(p) => (p, true),
                     None => (fallback, false),
                 };
                 T::stage(self.store_addr::<ROW_PAIRS>(row, chunk), addr, valid);
