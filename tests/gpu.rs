@@ -3712,62 +3712,49 @@ fn main() {
     // after appends. `KvFold::Auto` folds only big grids on sm_90, which
     // the random shapes rarely are.
     let gpu_fold = Arc::new(gpu.as_ref().as_ref().map(Gpu::folding));
+    // A random trial of foldable cases (`foldable`) on that instance.
+    macro_rules! folded_trial {
+        ($label:literal, $name:literal, $case:ident, $strategy:expr, $run:expr) => {{
+            let g = gpu_fold.clone();
+            trials.push(Trial::test(concat!($label, $name), move || {
+                let strategy = $strategy.prop_map(|c| {
+                    let (heads, kv_heads, head_dim, seqlen_q) =
+                        foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
+                    $case {
+                        heads,
+                        kv_heads,
+                        head_dim,
+                        seqlen_q,
+                        ..c
+                    }
+                });
+                proptest_trial(&g, case_count(), strategy, $run)
+            }));
+        }};
+    }
     macro_rules! fold_trials {
         ($t:ty, $name:literal) => {{
-            let g = gpu_fold.clone();
-            trials.push(Trial::test(
-                concat!("decode_folded_random_", $name),
-                move || {
-                    let strategy = decode_strategy().prop_map(|c| {
-                        let (heads, kv_heads, head_dim, seqlen_q) =
-                            foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
-                        DecodeCase {
-                            heads,
-                            kv_heads,
-                            head_dim,
-                            seqlen_q,
-                            ..c
-                        }
-                    });
-                    proptest_trial(&g, case_count(), strategy, run_decode::<$t>)
-                },
-            ));
-            let g = gpu_fold.clone();
-            trials.push(Trial::test(
-                concat!("decode_policies_folded_random_", $name),
-                move || {
-                    let strategy = policy_decode_strategy().prop_map(|c| {
-                        let (heads, kv_heads, head_dim, seqlen_q) =
-                            foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
-                        PolicyDecodeCase {
-                            heads,
-                            kv_heads,
-                            head_dim,
-                            seqlen_q,
-                            ..c
-                        }
-                    });
-                    proptest_trial(&g, case_count(), strategy, run_decode_policy::<$t>)
-                },
-            ));
-            let g = gpu_fold.clone();
-            trials.push(Trial::test(
-                concat!("kvcache_paged_append_folded_random_", $name),
-                move || {
-                    let strategy = kvcache_strategy().prop_map(|c| {
-                        let (heads, kv_heads, head_dim, seqlen_q) =
-                            foldable(c.heads, c.kv_heads, c.head_dim, c.seqlen_q);
-                        KvCase {
-                            heads,
-                            kv_heads,
-                            head_dim,
-                            seqlen_q,
-                            ..c
-                        }
-                    });
-                    proptest_trial(&g, case_count(), strategy, run_kvcache::<$t>)
-                },
-            ));
+            folded_trial!(
+                "decode_folded_random_",
+                $name,
+                DecodeCase,
+                decode_strategy(),
+                run_decode::<$t>
+            );
+            folded_trial!(
+                "decode_policies_folded_random_",
+                $name,
+                PolicyDecodeCase,
+                policy_decode_strategy(),
+                run_decode_policy::<$t>
+            );
+            folded_trial!(
+                "kvcache_paged_append_folded_random_",
+                $name,
+                KvCase,
+                kvcache_strategy(),
+                run_kvcache::<$t>
+            );
             let g = gpu_fold.clone();
             trials.push(Trial::test(
                 concat!("decode_fold_needs_adjacent_heads_", $name),
