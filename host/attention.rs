@@ -1839,19 +1839,18 @@ pub(crate) struct FoldProblem {
 
 /// KV heads a decode CTA reads as one: [`KV_FOLD`] adjacent heads become one
 /// head of `KV_FOLD x head_dim` (the decode entries of `SeqKind::Folded`),
-/// or 1. The K/V bytes
-/// are the same; each CTA reads rows twice as long, and its MMAs do twice
-/// the work on zero halves of Q, which decode (HBM-bound) has time for.
-/// Allowed for 16-bit caches whose heads are adjacent, head dims of
-/// [`FOLD_HEAD_DIMS`], an even KV head count, and folded rows that fit one
-/// row tile (a second would re-read the K/V). [`KvFold::Auto`] folds on the
-/// `sm_90` module where the call has at least one K/V stream (batch x KV
-/// head) per two SMs. H200 (v68): 192-byte rows (Phi-3, D = 96, 32/32
-/// heads) at B = 8 and 32 ran 1.04-1.15x faster folded, D = 32 (16/16) at
-/// B = 8 and 32 1.11-1.38x, D = 64 (32/32) at B = 32 from 4k keys
-/// 1.09-1.12x and 0.995-1.008x elsewhere; at B = 1 (16-32 streams) short
-/// caches lost (D = 96 and 1k keys 0.94x, D = 32 0.95x). Other modules
-/// are not measured and do not fold by default.
+/// or 1. The K/V bytes are the same; each CTA reads rows twice as long,
+/// and its MMAs do twice the work on zero halves of Q, which decode
+/// (HBM-bound) has time for. Allowed for 16-bit caches whose heads are
+/// adjacent, head dims of [`FOLD_HEAD_DIMS`], an even KV head count, and
+/// folded rows that fit one row tile (a second would re-read the K/V).
+/// [`KvFold::Auto`] folds on the `sm_90` module where the call has at
+/// least one K/V stream (batch x KV head) per two SMs. H200 (v68), folded
+/// against unfolded: Phi-3 (D = 96, 32/32 heads) at B = 8 and 32
+/// 1.04-1.14x, D = 32 (16/16) 1.12-1.38x, D = 64 32/32 0.99-1.055x and
+/// 32/8 0.99-1.00x; at B = 1 (16-32 streams) the proxy of call 1 lost
+/// with short caches (D = 96 and 1k keys 0.94x, D = 32 0.95x). Other
+/// modules are not measured and do not fold by default.
 pub(crate) fn kv_fold(p: &FoldProblem) -> usize {
     let allowed = p.elem_bytes == 2
         && p.heads_adjacent
