@@ -713,7 +713,9 @@ impl FlashAttention {
 
     /// Sets how the decode calls issued after it fold KV heads: to compare
     /// both in one process, or to test the folded kernels on any call that
-    /// allows them.
+    /// allows them. A fold changes the split count: a workspace from
+    /// [`Self::decode_workspace`] before the change may be too small after
+    /// it (refused with [`FlashAttnError::WorkspaceTooSmall`]).
     pub fn set_kv_fold(&self, mode: KvFold) {
         self.kv_fold.store(mode as u8, Ordering::Relaxed);
     }

@@ -533,50 +533,67 @@ fn run_decode<T: AttnElement>(gpu: &Gpu, c: &DecodeCase) -> Result<(), String> {
     check_lse(&lse_host, &want.lse, &format!("{c:?} splits={splits}"))
 }
 
-/// A cache whose heads are not adjacent (head stride D + 8, the gaps NaN)
-/// does not fold, even on a [`Gpu::folding`] instance: a folded launch
-/// would read the gap into the first head of each pair's scores.
-fn decode_fold_needs_adjacent_heads<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
+/// One decode step over 2 sequences of a cache of 4 KV heads (MHA, D = 64)
+/// whose heads are `pitch` elements apart (64: adjacent; more: NaN gaps),
+/// with K's element 3 of head 0 at key 5 replaced by `k_poison` if given;
+/// O, and the reference of the unpoisoned inputs.
+struct PairProbe<T> {
+    o: Vec<T>,
+    want: Vec<f64>,
+    shape: DecodeShape,
+    q_layout: Layout,
+}
+
+fn pair_probe<T: AttnElement>(
+    fa: &FlashAttention,
+    s: &Arc<CudaStream>,
+    pitch: usize,
+    k_poison: Option<f64>,
+) -> Result<PairProbe<T>, String> {
     let (b, l, h, hk, d) = (2, 200, 4, 4, 64);
     let seqlens = vec![200i32, 77];
     let mut rng = StdRng::seed_from_u64(0xf01d);
     let q_layout = Layout::contiguous([b, 1, h, d]);
-    let cache_layout = gapped_layout([b, l, hk, d]);
+    let cache_layout = Layout {
+        shape: [b, l, hk, d],
+        strides: [l * hk * pitch, hk * pitch, pitch, 1],
+    };
     let q_host = random_values::<T>(&mut rng, b * h * d);
     let k_host = random_values::<T>(&mut rng, b * l * hk * d);
     let v_host = random_values::<T>(&mut rng, b * l * hk * d);
-    let pitch = d + O_GAP;
-    let gapped = |x: &[T]| {
+    let spread = |x: &[T]| {
         let mut out = vec![nan::<T>(); b * l * hk * pitch];
         for (row, chunk) in x.chunks(d).enumerate() {
             out[row * pitch..row * pitch + d].copy_from_slice(chunk);
         }
         out
     };
-    let s = &gpu.stream;
+    let mut k_dev = spread(&k_host);
+    if let Some(x) = k_poison {
+        k_dev[5 * hk * pitch + 3] = T::from_f64(x);
+    }
     let e = |x: cudarc::driver::DriverError| x.to_string();
     let q = s.clone_htod(&q_host).map_err(e)?;
-    let k = s.clone_htod(&gapped(&k_host)).map_err(e)?;
-    let v = s.clone_htod(&gapped(&v_host)).map_err(e)?;
+    let k = s.clone_htod(&k_dev).map_err(e)?;
+    let v = s.clone_htod(&spread(&v_host)).map_err(e)?;
     let lens = s.clone_htod(&seqlens).map_err(e)?;
-    let mut o = poisoned::<T>(gpu, b * h * d)?;
-    gpu.fa
-        .decode(
-            s,
-            Qkv {
-                q: &TensorRef::new(q.as_view(), q_layout),
-                k: &TensorRef::new(k.as_view(), cache_layout),
-                v: &TensorRef::new(v.as_view(), cache_layout),
-            },
-            &lens.as_view(),
-            Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
-            &AttnOptions {
-                causal: true,
-                ..Default::default()
-            },
-            None,
-        )
-        .map_err(|x| x.to_string())?;
+    let mut o = s.clone_htod(&vec![nan::<T>(); b * h * d]).map_err(e)?;
+    fa.decode(
+        s,
+        Qkv {
+            q: &TensorRef::new(q.as_view(), q_layout),
+            k: &TensorRef::new(k.as_view(), cache_layout),
+            v: &TensorRef::new(v.as_view(), cache_layout),
+        },
+        &lens.as_view(),
+        Out::new(TensorMut::new(o.as_view_mut(), q_layout)),
+        &AttnOptions {
+            causal: true,
+            ..Default::default()
+        },
+        None,
+    )
+    .map_err(|x| x.to_string())?;
     let shape = DecodeShape {
         batch: b,
         seqlen_q: 1,
@@ -588,9 +605,6 @@ fn decode_fold_needs_adjacent_heads<T: AttnElement>(gpu: &Gpu) -> Result<(), Str
         softmax_scale: 1.0 / (d as f32).sqrt(),
         ..Default::default()
     };
-    if gpu.fa.decode_kv_fold::<T>(&shape) != 2 {
-        return Err("the shape would not fold with adjacent heads: the test checks nothing".into());
-    }
     let want = reference::decode(
         &shape,
         &to_f64(&q_host),
@@ -598,11 +612,56 @@ fn decode_fold_needs_adjacent_heads<T: AttnElement>(gpu: &Gpu) -> Result<(), Str
         &to_f64(&v_host),
         &seqlens,
     );
+    Ok(PairProbe {
+        o: s.clone_dtoh(&o).map_err(e)?,
+        want: want.o,
+        shape,
+        q_layout,
+    })
+}
+
+/// A cache whose heads are not adjacent (head stride D + 8, the gaps NaN)
+/// does not fold, even on a [`Gpu::folding`] instance: a folded launch
+/// would read the gap into the first head of each pair's scores.
+fn decode_fold_needs_adjacent_heads<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
+    let p = pair_probe::<T>(&gpu.fa, &gpu.stream, 64 + O_GAP, None)?;
+    if gpu.fa.decode_kv_fold::<T>(&p.shape) != 2 {
+        return Err("the shape would not fold with adjacent heads: the test checks nothing".into());
+    }
+    check_output(&p.o, &p.q_layout, &p.want, "gapped heads")
+}
+
+/// A cache whose heads are adjacent is read in pairs on a [`Gpu::folding`]
+/// instance, seen through the fold's one visible effect (`KvFold`): an
+/// infinite K element of head 0 makes head 1's output NaN (zero times it),
+/// which it leaves finite with the fold off. `expect_fold` asks the planner,
+/// which assumes adjacent heads; this checks the call's own decision.
+fn decode_fold_reads_adjacent_heads_in_pairs<T: AttnElement>(gpu: &Gpu) -> Result<(), String> {
+    let off = FlashAttention::new(gpu.fa.context()).map_err(|x| x.to_string())?;
+    off.set_kv_fold(KvFold::Off);
+    let head1_nan = |o: &[T]| {
+        // O is [2, 1, 4, 64]: head 1 of each sequence.
+        (0..2).any(|b| {
+            o[(b * 4 + 1) * 64..(b * 4 + 2) * 64]
+                .iter()
+                .any(|x| x.to_f64().is_nan())
+        })
+    };
+    let unfolded = pair_probe::<T>(&off, &gpu.stream, 64, Some(f64::INFINITY))?;
+    if head1_nan(&unfolded.o) {
+        return Err("unfolded, head 0's infinite K reached head 1".into());
+    }
+    let folded = pair_probe::<T>(&gpu.fa, &gpu.stream, 64, Some(f64::INFINITY))?;
+    if !head1_nan(&folded.o) {
+        return Err("KvFold::On left head 1 finite: the adjacent cache was not folded".into());
+    }
+    // And without the poison the folded call is exact.
+    let clean = pair_probe::<T>(&gpu.fa, &gpu.stream, 64, None)?;
     check_output(
-        &s.clone_dtoh(&o).map_err(e)?,
-        &q_layout,
-        &want.o,
-        "gapped heads",
+        &clean.o,
+        &clean.q_layout,
+        &clean.want,
+        "adjacent heads, folded",
     )
 }
 
@@ -3760,6 +3819,14 @@ fn main() {
                 concat!("decode_fold_needs_adjacent_heads_", $name),
                 move || {
                     decode_fold_needs_adjacent_heads::<$t>(g.as_ref().as_ref().unwrap())
+                        .map_err(Failed::from)
+                },
+            ));
+            let g = gpu_fold.clone();
+            trials.push(Trial::test(
+                concat!("decode_fold_reads_adjacent_heads_in_pairs_", $name),
+                move || {
+                    decode_fold_reads_adjacent_heads_in_pairs::<$t>(g.as_ref().as_ref().unwrap())
                         .map_err(Failed::from)
                 },
             ));
