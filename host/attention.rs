@@ -105,7 +105,11 @@ const FOLD_HEAD_DIMS: [usize; 3] = [32, 64, 96];
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[repr(u8)]
 pub enum KvFold {
-    /// Where [`kv_fold`]'s rule picks it.
+    /// On the `sm_90` module (where it was measured), for calls with at
+    /// least one K/V stream (batch x KV head) per two SMs, among those that
+    /// allow it: 16-bit, heads adjacent (head stride = head dim), a head dim
+    /// of 32, 64 or 96, an even KV head count, and at most 8 query rows (new
+    /// tokens x query heads) per KV head.
     #[default]
     Auto,
     /// Never.
@@ -1199,8 +1203,8 @@ impl FlashAttention {
         AttnTile::of(KernelKind::Decode, shape.head_dim, self.arch)
     }
 
-    /// KV heads a decode launch of `shape` reads as one ([`kv_fold`]), for
-    /// a cache whose heads are adjacent (head stride = head dim).
+    /// KV heads a decode launch of `shape` reads as one ([`KvFold`]), for a
+    /// cache whose heads are adjacent (head stride = head dim).
     pub fn decode_kv_fold<T: AttnElement>(&self, shape: &DecodeShape) -> usize {
         self.decode_plan::<T>(shape, true).fold
     }
