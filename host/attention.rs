@@ -363,6 +363,19 @@ fn heads_adjacent<T: AttnElement>(k: &BshStrides, v: &BshStrides, head_dim: usiz
     k.head == row && v.head == row
 }
 
+/// The decode entry's policies for a launch of `need` that folds `fold` KV
+/// heads into one: the `SeqKind::Folded` entries where it folds.
+fn folded_policies(need: Policies, fold: usize) -> Policies {
+    if fold == KV_FOLD {
+        Policies {
+            seq: SeqKind::Folded,
+            ..need
+        }
+    } else {
+        need
+    }
+}
+
 /// `shape` as a launch that folds `fold` adjacent KV heads into one sees it.
 fn folded(shape: &DecodeShape, fold: usize) -> DecodeShape {
     DecodeShape {
@@ -1269,16 +1282,13 @@ impl FlashAttention {
         } else {
             Dtype::F16
         };
-        let variant = if fold == KV_FOLD {
-            Policies {
-                seq: SeqKind::Folded,
-                ..Policies::PLAIN
-            }
-        } else {
-            Policies::PLAIN
-        };
         let ctas_per_sm = self
-            .kernel(KernelKind::Decode, dtype, shape.head_dim, variant)
+            .kernel(
+                KernelKind::Decode,
+                dtype,
+                shape.head_dim,
+                folded_policies(Policies::PLAIN, fold),
+            )
             .ctas_per_sm;
         let max_splits = (key_blocks / MIN_BLOCKS_PER_SPLIT)
             .clamp(1, MAX_SPLITS)
@@ -1661,14 +1671,7 @@ impl FlashAttention {
             kernel_shape.kv_heads as u32,
             (shape.batch * splits) as u32,
         );
-        let need = if fold == KV_FOLD {
-            Policies {
-                seq: SeqKind::Folded,
-                ..policy.need
-            }
-        } else {
-            policy.need
-        };
+        let need = folded_policies(policy.need, fold);
         let kernel = self.kernel(KernelKind::Decode, T::DTYPE, kernel_shape.head_dim, need);
         // New tokens (validated nonzero) mean the append kernel ran just
         // before; the decode kernel waits for it exactly then.
