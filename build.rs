@@ -1,10 +1,11 @@
 //! Provides the kernels to the host crate: writes into `$OUT_DIR` the PTX of
-//! every module (`flash_attn_sm75.ptx`, `flash_attn_sm80.ptx`, `flash_attn_sm90.ptx`,
-//! `flash_attn_sm90a.ptx`, embedded with `include_str!`), its manifest, and
-//! the committed cubins (the `flash-attn-cubins` and
+//! every module (`flash_attn_sm75.ptx.zst`, `flash_attn_sm80.ptx.zst`,
+//! `flash_attn_sm90.ptx.zst`, `flash_attn_sm90a.ptx.zst`, zstd frames embedded with
+//! `include_bytes!` and unpacked by the host when it loads one), its manifest,
+//! and the committed cubins (the `flash-attn-cubins` and
 //! `flash-attn-cubins-hopper` packages, `kernels-cubin/` and
-//! `kernels-cubin-hopper/` here) that were assembled from exactly that PTX
-//! (empty files for the others, whose GPUs then JIT the PTX).
+//! `kernels-cubin-hopper/` here, also zstd) that were assembled from exactly
+//! that PTX (empty files for the others, whose GPUs then JIT the PTX).
 //!
 //! The PTX comes from the `flash-attn-kernels` package (`kernels-gpu/` here,
 //! the unpacked crate for a crates.io user), one of two ways:
@@ -62,10 +63,11 @@ fn main() {
         Err(e) => panic!("{MODE_VAR}: {e}"),
     };
     println!("cargo:rustc-env=FLASH_ATTN_PTX_ORIGIN={origin}");
-    for (arch, text) in &ptx.modules {
+    for module in &ptx.modules {
+        let name = artifacts::ptx_file_name(module.arch);
         write(
-            &out_dir.join(artifacts::ptx_file_name(*arch)),
-            text.as_bytes(),
+            &out_dir.join(format!("{name}{}", artifacts::ZST_SUFFIX)),
+            &module.zst,
         );
     }
     write(
@@ -119,11 +121,14 @@ fn build_from_source(package: &Path, out_dir: &Path, rustc: &Path) -> PtxSet {
 /// and an empty file for the others (the host then loads the PTX for that GPU).
 fn embed_cubins(cubin_dirs: &[&Path], out_dir: &Path, ptx: &PtxSet) {
     let mut stale = Vec::new();
-    for (name, bytes) in artifacts::matching_cubins(cubin_dirs, ptx) {
-        if bytes.is_none() {
+    for (name, zst) in artifacts::matching_cubins(cubin_dirs, ptx) {
+        if zst.is_none() {
             stale.push(name);
         }
-        write(&out_dir.join(name), &bytes.unwrap_or_default());
+        write(
+            &out_dir.join(format!("{name}{}", artifacts::ZST_SUFFIX)),
+            &zst.unwrap_or_default(),
+        );
     }
     // scripts/gpu-bundle.sh refuses a bundle on this warning's text.
     if !stale.is_empty() {

@@ -590,8 +590,8 @@ pub(crate) fn load_module(
         ModuleChoice::PreferCubin => cubins_for(arch, major, minor),
         ModuleChoice::Ptx => Vec::new(),
     };
-    let cubin = cubins.iter().find_map(|&(name, bytes)| {
-        let module = ctx.load_module(Ptx::from_binary(bytes.to_vec())).ok()?;
+    let cubin = cubins.iter().find_map(|&(name, cubin)| {
+        let module = ctx.load_module(Ptx::from_binary(cubin.unpack())).ok()?;
         Some((module, LoadedCode::Cubin(name)))
     });
     match cubin {

@@ -2,6 +2,11 @@
 //! `kernels-gpu` when a kernel toolchain is present, otherwise the committed,
 //! hash-checked copy; and the committed cubins assembled from that PTX
 //! (`scripts/update-cubins.sh`), empty where they do not match it.
+//!
+//! Each is embedded as a zstd frame and unpacked only when its module is
+//! loaded: a binary carries 8.8 MB of kernels instead of 113 MB, and
+//! `FlashAttention::new` on an H200 host, which unpacks two cubins (14.2 MB),
+//! takes about 70 ms longer than with raw kernels (docs/perf-notes.md, v69).
 
 /// `"source"` when this build compiled the kernels, `"committed"` when it used
 /// the PTX committed under `kernels-gpu/ptx/`.
@@ -9,31 +14,60 @@ pub const PTX_SOURCE: &str = env!("FLASH_ATTN_PTX_ORIGIN");
 
 use flash_attn_kernels::config::PtxArch;
 
-const PTX_SM75: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm75.ptx"));
-const PTX_SM80: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.ptx"));
-const PTX_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.ptx"));
-const PTX_SM90A: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.ptx"));
+/// An embedded kernel image (PTX text or a cubin) as a zstd frame.
+#[derive(Clone, Copy, Debug)]
+pub struct Packed(&'static [u8]);
 
-/// The PTX text of a module; [`PtxArch::for_device`] picks the module.
-pub fn ptx_text(arch: PtxArch) -> &'static str {
-    match arch {
+impl Packed {
+    /// The image's bytes. build.rs embeds only frames that it wrote or
+    /// unpacked and hash-checked itself, so a failure here is a broken build.
+    pub fn unpack(self) -> Vec<u8> {
+        const CHECKED: &str = "build.rs embeds only zstd frames it has checked";
+        let mut frame = ruzstd::decoding::StreamingDecoder::new(self.0).expect(CHECKED);
+        // One allocation of the size the frame header records: growing the
+        // vector by doubling made unpacking 1.6x slower.
+        let mut out = Vec::with_capacity(frame.decoder.content_size() as usize);
+        std::io::Read::read_to_end(&mut frame, &mut out).expect(CHECKED);
+        out
+    }
+
+    /// The size of the frame as embedded.
+    pub fn packed_len(self) -> usize {
+        self.0.len()
+    }
+}
+
+macro_rules! embedded {
+    ($file:literal) => {
+        Packed(include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".zst")))
+    };
+}
+
+const PTX_SM75: Packed = embedded!("flash_attn_sm75.ptx");
+const PTX_SM80: Packed = embedded!("flash_attn_sm80.ptx");
+const PTX_SM90: Packed = embedded!("flash_attn_sm90.ptx");
+const PTX_SM90A: Packed = embedded!("flash_attn_sm90a.ptx");
+
+/// The PTX text of a module, unpacked on each call; [`PtxArch::for_device`]
+/// picks the module.
+pub fn ptx_text(arch: PtxArch) -> String {
+    let packed = match arch {
         PtxArch::Sm75 => PTX_SM75,
         PtxArch::Sm80 => PTX_SM80,
         PtxArch::Sm90 => PTX_SM90,
         PtxArch::Sm90a => PTX_SM90A,
-    }
+    };
+    String::from_utf8(packed.unpack()).expect("build.rs embeds PTX that is UTF-8")
 }
 
-const CUBIN_SM75: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm75.cubin"));
-const CUBIN_SM80: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm80.cubin"));
-const CUBIN_SM86: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm86.cubin"));
-const CUBIN_SM89: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm89.cubin"));
-const CUBIN_SM90: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.cubin"));
-const CUBIN_SM90_CU13: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90.cu13.cubin"));
-const CUBIN_SM90A: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.cubin"));
-const CUBIN_SM90A_CU13: &[u8] =
-    include_bytes!(concat!(env!("OUT_DIR"), "/flash_attn_sm90a.cu13.cubin"));
+const CUBIN_SM75: Packed = embedded!("flash_attn_sm75.cubin");
+const CUBIN_SM80: Packed = embedded!("flash_attn_sm80.cubin");
+const CUBIN_SM86: Packed = embedded!("flash_attn_sm86.cubin");
+const CUBIN_SM89: Packed = embedded!("flash_attn_sm89.cubin");
+const CUBIN_SM90: Packed = embedded!("flash_attn_sm90.cubin");
+const CUBIN_SM90_CU13: Packed = embedded!("flash_attn_sm90.cu13.cubin");
+const CUBIN_SM90A: Packed = embedded!("flash_attn_sm90a.cubin");
+const CUBIN_SM90A_CU13: Packed = embedded!("flash_attn_sm90a.cu13.cubin");
 
 /// Machine code of `arch`'s module for a GPU of compute capability
 /// `major.minor` that this build carries, in the order to try: SASS runs on
@@ -42,8 +76,8 @@ const CUBIN_SM90A_CU13: &[u8] =
 /// sm_90 2-3% faster) before the CUDA 12.4 one (R525+); every other cubin is
 /// CUDA 12.4's. Empty: the caller loads the PTX, which the driver
 /// JIT-compiles (the sm_75 module on a newer GPU, for one).
-pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, &'static [u8])> {
-    let candidates: &[(&'static str, &'static [u8])] = match (arch, major, minor) {
+pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, Packed)> {
+    let candidates: &[(&'static str, Packed)] = match (arch, major, minor) {
         (PtxArch::Sm75, 7, 5) => &[("sm_75/ptxas-12.4", CUBIN_SM75)],
         (PtxArch::Sm80, 8, 0 | 7) => &[("sm_80/ptxas-12.4", CUBIN_SM80)],
         (PtxArch::Sm80, 8, 6) => &[("sm_86/ptxas-12.4", CUBIN_SM86)],
@@ -61,6 +95,6 @@ pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, &
     candidates
         .iter()
         .copied()
-        .filter(|(_, bytes)| !bytes.is_empty())
+        .filter(|(_, cubin)| cubin.packed_len() > 0)
         .collect()
 }

@@ -43,7 +43,7 @@ build)
     cd "$root"
     before=$(mktemp -d)
     trap 'rm -rf "$before"' EXIT
-    for ptx in kernels-gpu/ptx/flash_attn_sm*.ptx; do
+    for ptx in kernels-gpu/ptx/flash_attn_sm*.ptx.zst; do
         git show "HEAD:$ptx" >"$before/$(basename "$ptx")"
     done
     scripts/update-ptx.sh

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Assembles the committed PTX (kernels-gpu/ptx/flash_attn_smXY.ptx) with
+# Assembles the committed PTX (kernels-gpu/ptx/flash_attn_smXY.ptx.zst) with
 # `ptxas -v -arch=sm_XY` and prints registers, stack frame and spills per entry.
 # Fails if an attention kernel or Hopper probe (flash_fwd_*, flash_wgmma_fwd_*, flash_decode_*,
 # flash_combine_*, flash_probe_*) has a stack frame or spills, if the PTX uses
 # local memory at all, or if ptxas reports a C75xx (wgmma/setmaxnreg) issue.
 # ptxas: see scripts/ptxas.sh. An optional argument names another folder of
-# flash_attn_smXY.ptx files (scripts/playground.sh reports HEAD's PTX so).
+# flash_attn_smXY.ptx or .ptx.zst files (scripts/playground.sh reports HEAD's
+# PTX so).
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -18,7 +19,11 @@ trap 'rm -rf "$tmp"' EXIT
 
 shopt -s nullglob
 ptx_dir=${1:-kernels-gpu/ptx}
-ptx_files=("$ptx_dir"/flash_attn_sm*.ptx)
+mkdir -p "$tmp/ptx"
+for zst in "$ptx_dir"/flash_attn_sm*.ptx.zst; do
+    scripts/artifact-zst.sh unpack "$zst" "$tmp/ptx/$(basename "$zst" .zst)"
+done
+ptx_files=("$ptx_dir"/flash_attn_sm*.ptx "$tmp/ptx"/flash_attn_sm*.ptx)
 if ((${#ptx_files[@]} == 0)); then
     echo "ptxas-check: no PTX in $ptx_dir (run scripts/update-ptx.sh)" >&2
     exit 1

@@ -11,6 +11,8 @@
 #  - ptxas, from the PyPI wheel nvidia-cuda-nvcc, into
 #    $FLASH_ATTN_TOOLS/nvcc (default ~/.cache/flash-attn-tools), unless
 #    scripts/ptxas.sh already finds one.
+#  - the `zstd` command (apt), which packs and unpacks the committed PTX and
+#    cubins (scripts/artifact-zst.sh).
 #
 # Note: the committed PTX is built with apt's rustc-web 1.96 on Debian bookworm
 # (bookworm-security); another rustc version generally emits different PTX, so
@@ -152,6 +154,12 @@ install_ptxas() {
     ptxas=$(FLASH_ATTN_TOOLS="$TOOLS" scripts/ptxas.sh) || die "installed $NVCC_WHEEL, but found no ptxas in it"
 }
 
+install_zstd() {
+    command -v zstd >/dev/null && return 0
+    have_apt || die "the zstd command is needed (scripts/artifact-zst.sh); install it"
+    apt_install --no-install-recommends zstd
+}
+
 kernel_rustc=""
 if [[ -n "${FLASH_ATTN_KERNEL_RUSTC:-}" ]]; then
     # build.rs checks that this rustc has rust-src.
@@ -166,6 +174,7 @@ else
 fi
 
 install_ptxas
+install_zstd
 
 echo
 echo "kernel rustc: $kernel_rustc ($("$kernel_rustc" -V))"

@@ -2,15 +2,15 @@
 # Assembles the committed PTX into cubins (SASS) for the GPUs people run, so
 # the first `FlashAttention::new` loads machine code instead of waiting ~30 s
 # (H100, 111 entries) for the driver to JIT-compile ~10 MB of PTX:
-#   kernels-gpu/ptx/flash_attn_sm75.ptx -> sm_75 (T4, RTX 20xx)
-#   kernels-gpu/ptx/flash_attn_sm80.ptx -> sm_80 (A100), sm_86 (RTX 30xx, A10),
-#                                          sm_89 (RTX 40xx, L4)
-#   kernels-gpu/ptx/flash_attn_sm90.ptx -> sm_90 (H100, H200), twice
-#   kernels-gpu/ptx/flash_attn_sm90a.ptx -> sm_90a (the Hopper forward), twice
+#   kernels-gpu/ptx/flash_attn_sm75.ptx.zst -> sm_75 (T4, RTX 20xx)
+#   kernels-gpu/ptx/flash_attn_sm80.ptx.zst -> sm_80 (A100), sm_86 (RTX 30xx, A10),
+#                                             sm_89 (RTX 40xx, L4)
+#   kernels-gpu/ptx/flash_attn_sm90.ptx.zst -> sm_90 (H100, H200), twice
+#   kernels-gpu/ptx/flash_attn_sm90a.ptx.zst -> sm_90a (the Hopper forward), twice
 # into kernels-cubin/cubin/ (the flash-attn-cubins package: sm_75 to sm_89)
 # and kernels-cubin-hopper/cubin/ (flash-attn-cubins-hopper: sm_90, sm_90a),
-# each with a manifest of hashes that build.rs checks: two packages, so that
-# each crate stays under crates.io's 10 MiB.
+# zstd-compressed (scripts/artifact-zst.sh), each with a manifest of the
+# unpacked files' hashes that build.rs checks.
 #
 #   scripts/update-cubins.sh          refresh the committed cubins (then commit)
 #   scripts/update-cubins.sh --check  fail if rebuilding them gives other bytes
@@ -23,7 +23,7 @@
 #   (docs/perf-notes.md, v11), so sm_90 also gets a `.cu13` cubin that the
 #   host tries first.
 # ptxas output is deterministic for a given version and input, so CI rebuilds
-# and compares byte for byte.
+# and compares the unpacked cubins byte for byte.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -76,13 +76,18 @@ declare -A jobs=(
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 
+mkdir -p "$tmp/ptx"
+for ptx in "$ptx_dir"/flash_attn_sm*.ptx.zst; do
+    scripts/artifact-zst.sh unpack "$ptx" "$tmp/ptx/$(basename "$ptx" .zst)"
+done
+
 pids=()
 for dir in "${cubin_dirs[@]}"; do
     mkdir -p "$tmp/$dir"
 done
 for cubin in "${!jobs[@]}"; do
     read -r arch module ptxas dir <<<"${jobs[$cubin]}"
-    "$ptxas" -arch="sm_$arch" "$ptx_dir/flash_attn_$module.ptx" -o "$tmp/$dir/$cubin" &
+    "$ptxas" -arch="sm_$arch" "$tmp/ptx/flash_attn_$module.ptx" -o "$tmp/$dir/$cubin" &
     pids+=($!)
 done
 for pid in "${pids[@]}"; do
@@ -105,23 +110,46 @@ for line in sys.stdin:
 for d, cubins in dirs.items():
     manifest = {"about": "cubins assembled from flash-attn-kernels ptx/ by scripts/update-cubins.sh", "ptxas": version, "cubins": cubins}
     open(f"{tmp}/{d}/manifest.json", "w").write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-' "$tmp" "$ptx_dir" "$version"
+' "$tmp" "$tmp/ptx" "$version"
+
+# The committed name of a file this script made: cubins as zstd frames.
+committed_name() {
+    case "$1" in
+    *.cubin) echo "$1.zst" ;;
+    *) echo "$1" ;;
+    esac
+}
+# Files in the directory $1 that this script does not make.
+strays() {
+    local f
+    for f in "$1"/*; do
+        [[ ! -e "$f" ]] && continue
+        case "$(basename "$f")" in
+        manifest.json) ;;
+        *.cubin.zst) [[ -e "$tmp/$1/$(basename "$f" .zst)" ]] || echo "$f" ;;
+        *) echo "$f" ;;
+        esac
+    done
+}
 
 if ((check)); then
     status=0
     for dir in "${cubin_dirs[@]}"; do
         for f in "$tmp/$dir"/*; do
             name=$(basename "$f")
-            if ! cmp -s "$f" "$dir/$name"; then
-                echo "update-cubins: $dir/$name differs from a rebuild with ptxas $version" >&2
-                status=1
+            committed="$dir/$(committed_name "$name")"
+            if [[ $name == *.cubin ]] && scripts/artifact-zst.sh same "$f" "$committed"; then
+                continue
             fi
+            if [[ $name != *.cubin ]] && cmp -s "$f" "$committed"; then
+                continue
+            fi
+            echo "update-cubins: $committed differs from a rebuild with ptxas $version" >&2
+            status=1
         done
-        for f in "$dir"/*; do
-            if [[ ! -e "$tmp/$dir/$(basename "$f")" ]]; then
-                echo "update-cubins: $f is not made by this script" >&2
-                status=1
-            fi
+        for f in $(strays "$dir"); do
+            echo "update-cubins: $f is not made by this script" >&2
+            status=1
         done
     done
     if ((status)); then
@@ -133,9 +161,18 @@ if ((check)); then
 fi
 
 for dir in "${cubin_dirs[@]}"; do
-    rm -f "$dir"/*.cubin "$dir"/manifest.json
     mkdir -p "$dir"
-    cp "$tmp/$dir"/* "$dir/"
-    ( cd "$dir" && ls -l --time-style=+ ./*.cubin | awk '{print $5, $NF}' )
+    strays "$dir" | xargs -r rm -f
+    pids=()
+    for f in "$tmp/$dir"/*.cubin; do
+        scripts/artifact-zst.sh pack "$f" "$dir/$(basename "$f").zst" &
+        pids+=($!)
+    done
+    for pid in "${pids[@]}"; do
+        wait "$pid"
+    done
+    cp "$tmp/$dir/manifest.json" "$dir/manifest.json"
+    ( cd "$tmp/$dir" && ls -l --time-style=+ ./*.cubin | awk '{print $5, $NF}' )
+    ( cd "$dir" && ls -l --time-style=+ ./*.cubin.zst | awk '{print $5, $NF}' )
     echo "update-cubins: wrote $dir (ptxas $version)"
 done

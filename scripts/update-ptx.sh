@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Rebuilds the PTX from source (build.rs with FLASH_ATTN_PTX=source) and copies
-# it, with its manifest, into kernels-gpu/ptx/.
+# Rebuilds the PTX from source (build.rs with FLASH_ATTN_PTX=source) and writes
+# it, zstd-compressed (scripts/artifact-zst.sh), with its manifest, into
+# kernels-gpu/ptx/.
 #
 #   scripts/update-ptx.sh          refresh the committed PTX (then commit it)
 #   scripts/update-ptx.sh --check  fail if the committed PTX differs from the
@@ -22,14 +23,7 @@ case "${1:-}" in
 esac
 
 ptx_dir=kernels-gpu/ptx
-# $OUT_DIR name -> committed name
-declare -A files=(
-    [flash_attn_sm75.ptx]=flash_attn_sm75.ptx
-    [flash_attn_sm80.ptx]=flash_attn_sm80.ptx
-    [flash_attn_sm90.ptx]=flash_attn_sm90.ptx
-    [flash_attn_sm90a.ptx]=flash_attn_sm90a.ptx
-    [ptx-manifest.json]=manifest.json
-)
+modules=(flash_attn_sm75.ptx flash_attn_sm80.ptx flash_attn_sm90.ptx flash_attn_sm90a.ptx)
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -64,27 +58,56 @@ PY
 )
 echo "update-ptx: build script output: $out_dir"
 
+# build.rs embeds a source build's PTX as zstd frames of raw (uncompressed) blocks.
+for module in "${modules[@]}"; do
+    scripts/artifact-zst.sh unpack "$out_dir/$module.zst" "$tmp/$module"
+done
+
+# What the directory should hold, and nothing else (it is the package's ptx/*).
+expected=(manifest.json "${modules[@]/%/.zst}")
+strays() {
+    for f in "$ptx_dir"/*; do
+        [[ -e "$f" && " ${expected[*]} " != *" $(basename "$f") "* ]] && echo "$f"
+    done
+    return 0
+}
+
 if ((check == 0)); then
     mkdir -p "$ptx_dir"
-    for src in "${!files[@]}"; do
-        cp "$out_dir/$src" "$ptx_dir/${files[$src]}"
+    strays | xargs -r rm -f
+    pids=()
+    for module in "${modules[@]}"; do
+        scripts/artifact-zst.sh pack "$tmp/$module" "$ptx_dir/$module.zst" &
+        pids+=($!)
     done
-    echo "update-ptx: updated $ptx_dir:"
-    (cd "$ptx_dir" && sha256sum "${files[@]}")
+    for pid in "${pids[@]}"; do
+        wait "$pid"
+    done
+    cp "$out_dir/ptx-manifest.json" "$ptx_dir/manifest.json"
+    echo "update-ptx: updated $ptx_dir (sha256 of the unpacked PTX):"
+    (cd "$tmp" && sha256sum "${modules[@]}")
     exit 0
 fi
 
 stale=0
-for src in "${!files[@]}"; do
-    committed="$ptx_dir/${files[$src]}"
+for module in "${modules[@]}"; do
+    committed="$ptx_dir/$module.zst"
     if [[ ! -f "$committed" ]]; then
         echo "update-ptx: $committed is missing" >&2
         stale=1
-    elif ! cmp -s "$out_dir/$src" "$committed"; then
+    elif ! scripts/artifact-zst.sh same "$tmp/$module" "$committed"; then
         echo "update-ptx: $committed differs from the PTX built from source" >&2
         stale=1
     fi
 done
+for f in $(strays); do
+    echo "update-ptx: $f is not made by this script" >&2
+    stale=1
+done
+if ! cmp -s "$out_dir/ptx-manifest.json" "$ptx_dir/manifest.json"; then
+    echo "update-ptx: $ptx_dir/manifest.json differs from the rebuilt one" >&2
+    stale=1
+fi
 if ((stale)); then
     echo "--- manifest: committed vs rebuilt ---" >&2
     diff -u "$ptx_dir/manifest.json" "$out_dir/ptx-manifest.json" >&2 || true

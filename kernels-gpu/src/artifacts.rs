@@ -4,12 +4,20 @@
 //! flash-attn's build.rs is the caller; nothing here runs on a GPU.
 //!
 //! Files:
-//! - this package's `ptx/flash_attn_sm{80,90,90a}.ptx` and
+//! - this package's `ptx/flash_attn_sm{75,80,90,90a}.ptx.zst` and
 //!   `ptx/manifest.json` ([`PtxManifest`]): written by
 //!   `scripts/update-ptx.sh` from a source build; CI rebuilds and compares.
 //! - the `flash-attn-cubins` (Turing to Ada) and `flash-attn-cubins-hopper`
-//!   packages' `cubin/*.cubin` and `cubin/manifest.json`: assembled from
+//!   packages' `cubin/*.cubin.zst` and `cubin/manifest.json`: assembled from
 //!   that PTX by `scripts/update-cubins.sh` with pinned ptxas versions.
+//!
+//! Every artifact is stored as a zstd frame ([`ZST_SUFFIX`]; level 19 with
+//! long-distance matching, `scripts/artifact-zst.sh`) and embedded as one:
+//! 113 MB of PTX and cubins take 8.8 MB, against 23 MB as gzip in the
+//! `.crate` files, whose 32 KiB window cannot reach the repeats between
+//! kernels. xz packs them into 7.3 MB but unpacks 2.5-3x slower, which every
+//! `FlashAttention::new` would pay (docs/perf-notes.md, v69). The manifests
+//! hash the unpacked bytes.
 
 extern crate std;
 
@@ -52,8 +60,12 @@ const DEBIAN_RUST_SRC: &str = "/usr/lib/rustlib/src/rust/library";
 /// the largest kernels, depending on what else the module holds.
 const INLINE_THRESHOLD: u32 = 10_000;
 
-/// `flash_attn_sm80.ptx` for `Sm80`: the name in [`PTX_DIR`], in `OUT_DIR`
-/// and in the host's `include_str!`.
+/// What every committed and embedded artifact's name ends with: the file
+/// holds a zstd frame of the named file.
+pub const ZST_SUFFIX: &str = ".zst";
+
+/// `flash_attn_sm80.ptx` for `Sm80`: the name in the manifests; with
+/// [`ZST_SUFFIX`], the file in [`PTX_DIR`] and in `OUT_DIR`.
 pub fn ptx_file_name(arch: PtxArch) -> String {
     format!("flash_attn_{}.ptx", arch.target_cpu().replace('_', ""))
 }
@@ -80,6 +92,30 @@ fn sha256_hex(bytes: &[u8]) -> String {
 
 fn read(path: &Path) -> Result<Vec<u8>, String> {
     fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))
+}
+
+/// The bytes the zstd frame `zst` holds.
+pub fn unzstd(zst: &[u8]) -> Result<Vec<u8>, String> {
+    let not_zstd = |e: &dyn core::fmt::Display| format!("not a zstd frame: {e}");
+    let mut frame = ruzstd::decoding::StreamingDecoder::new(zst).map_err(|e| not_zstd(&e))?;
+    let mut out = Vec::with_capacity(frame.decoder.content_size() as usize);
+    std::io::Read::read_to_end(&mut frame, &mut out).map_err(|e| not_zstd(&e))?;
+    Ok(out)
+}
+
+/// `bytes` as a zstd frame of raw (uncompressed) blocks: how a source build
+/// embeds its PTX. Compressing at level 19 takes half a minute, which kernel
+/// work would pay on every rebuild.
+pub fn zstd_stored(bytes: &[u8]) -> Vec<u8> {
+    ruzstd::encoding::compress_to_vec(bytes, ruzstd::encoding::CompressionLevel::Uncompressed)
+}
+
+/// Reads `dir/name` + [`ZST_SUFFIX`]: (the frame, the bytes it unpacks to).
+fn read_zst(dir: &Path, name: &str) -> Result<(Vec<u8>, Vec<u8>), String> {
+    let path = dir.join(format!("{name}{ZST_SUFFIX}"));
+    let zst = read(&path)?;
+    let bytes = unzstd(&zst).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((zst, bytes))
 }
 
 // ---------------------------------------------------------------------------
@@ -187,8 +223,18 @@ impl PtxManifest {
 pub struct PtxSet {
     /// What it was built from and the files' hashes.
     pub manifest: PtxManifest,
-    /// (module, PTX text).
-    pub modules: Vec<(PtxArch, String)>,
+    /// One per module.
+    pub modules: Vec<PtxModule>,
+}
+
+/// One module's PTX, as the zstd frame to embed: the committed file (checked
+/// against the manifest), or [`zstd_stored`] for a source build.
+#[derive(Clone, Debug)]
+pub struct PtxModule {
+    /// The target it was built for.
+    pub arch: PtxArch,
+    /// The zstd frame of the PTX text.
+    pub zst: Vec<u8>,
 }
 
 /// Why the committed PTX cannot be used.
@@ -239,7 +285,7 @@ pub fn committed_ptx(package_dir: &Path) -> Result<PtxSet, CommittedError> {
     let mut modules = Vec::new();
     for arch in PtxArch::ALL {
         let name = ptx_file_name(arch);
-        let bytes = read(&dir.join(&name)).map_err(broken)?;
+        let (zst, bytes) = read_zst(&dir, &name).map_err(broken)?;
         let recorded = manifest
             .ptx_sha256
             .get(&name)
@@ -250,14 +296,14 @@ pub fn committed_ptx(package_dir: &Path) -> Result<PtxSet, CommittedError> {
                 "{PTX_DIR}/{name} has sha256 {hash}, but {MANIFEST} records {recorded}"
             )));
         }
-        let text = String::from_utf8(bytes).map_err(|e| broken(format!("{name}: {e}")))?;
-        modules.push((arch, text));
+        std::str::from_utf8(&bytes).map_err(|e| broken(format!("{name}: {e}")))?;
+        modules.push(PtxModule { arch, zst });
     }
     Ok(PtxSet { manifest, modules })
 }
 
-/// Each of [`CUBINS`] with its bytes if the committed cubin in the first of
-/// `dirs` (the cubin packages') whose `manifest.json` lists it is intact
+/// Each of [`CUBINS`] with its zstd frame if the committed cubin in the first
+/// of `dirs` (the cubin packages') whose `manifest.json` lists it is intact
 /// and was assembled from the PTX in `ptx` (by the hashes in that
 /// manifest), else `None`: a kernel edit never runs stale machine code.
 pub fn matching_cubins(dirs: &[&Path], ptx: &PtxSet) -> Vec<(&'static str, Option<Vec<u8>>)> {
@@ -281,15 +327,15 @@ pub fn matching_cubins(dirs: &[&Path], ptx: &PtxSet) -> Vec<(&'static str, Optio
             else {
                 return (name, None);
             };
-            let ptx_text = ptx.modules.iter().find(|(a, _)| *a == arch).map(|(_, t)| t);
-            let ptx_matches = ptx_text.is_some_and(|t| {
-                entry["ptx"].as_str() == Some(&*ptx_file_name(arch))
-                    && entry["ptx_sha256"].as_str() == Some(&*sha256_hex(t.as_bytes()))
-            });
-            let bytes = fs::read(dir.join(name))
+            let ptx_name = ptx_file_name(arch);
+            let ptx_matches = entry["ptx"].as_str() == Some(&*ptx_name)
+                && entry["ptx_sha256"].as_str()
+                    == ptx.manifest.ptx_sha256.get(&ptx_name).map(String::as_str);
+            let zst = read_zst(dir, name)
                 .ok()
-                .filter(|b| ptx_matches && entry["sha256"].as_str() == Some(&*sha256_hex(b)));
-            (name, bytes)
+                .filter(|(_, b)| ptx_matches && entry["sha256"].as_str() == Some(&*sha256_hex(b)))
+                .map(|(zst, _)| zst);
+            (name, zst)
         })
         .collect()
 }
@@ -365,19 +411,19 @@ pub fn build_ptx(package_dir: &Path, rustc: &Path, target_root: &Path) -> Result
             .collect()
     });
     let mut modules = Vec::new();
+    let mut ptx_sha256 = BTreeMap::new();
     for (arch, result) in PtxArch::ALL.into_iter().zip(results) {
-        modules.push((
+        let text = result.map_err(|e| format!("{}: {e}", arch.target_cpu()))?;
+        ptx_sha256.insert(ptx_file_name(arch), sha256_hex(text.as_bytes()));
+        modules.push(PtxModule {
             arch,
-            result.map_err(|e| format!("{}: {e}", arch.target_cpu()))?,
-        ));
+            zst: zstd_stored(text.as_bytes()),
+        });
     }
     let manifest = PtxManifest {
         source_hash: source_hash(package_dir)?,
         rustc: rustc_version(rustc)?,
-        ptx_sha256: modules
-            .iter()
-            .map(|(arch, text)| (ptx_file_name(*arch), sha256_hex(text.as_bytes())))
-            .collect(),
+        ptx_sha256,
     };
     Ok(PtxSet { manifest, modules })
 }
