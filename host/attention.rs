@@ -1864,7 +1864,7 @@ pub(crate) fn kv_fold(p: &FoldProblem) -> usize {
     let allowed = p.elem_bytes == 2
         && p.heads_adjacent
         && FOLD_HEAD_DIMS.contains(&p.head_dim)
-        && p.kv_heads % KV_FOLD == 0
+        && p.kv_heads.is_multiple_of(KV_FOLD)
         && p.rows * KV_FOLD <= p.block_m;
     let wanted = match p.mode {
         KvFold::Off => false,

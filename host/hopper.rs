@@ -297,8 +297,8 @@ pub mod probes {
             // SW128 tiles hold whole 64-column groups: the kernel's shared
             // memory holds A [64, k] and B exactly only for these.
             let form_fits = match mode {
-                ProbeGemmParams::SS_K_MAJOR => k % SW128_ROW_ELEMS == 0,
-                ProbeGemmParams::RS_MN_MAJOR => n % SW128_ROW_ELEMS == 0,
+                ProbeGemmParams::SS_K_MAJOR => k.is_multiple_of(SW128_ROW_ELEMS),
+                ProbeGemmParams::RS_MN_MAJOR => n.is_multiple_of(SW128_ROW_ELEMS),
                 _ => false,
             };
             if !form_fits {
@@ -353,7 +353,7 @@ pub mod probes {
         ) -> Result<(), FlashAttnError> {
             let function = self.module.function(&format!("flash_probe_tma_hd{d}"))?;
             // Whole 8-row swizzle atoms, at most one box.
-            if rows == 0 || rows % 8 != 0 || rows > TMA_MAX_BOX_ROWS {
+            if rows == 0 || !rows.is_multiple_of(8) || rows > TMA_MAX_BOX_ROWS {
                 return Err(FlashAttnError::Unsupported {
                     what: "rows (a multiple of 8 up to 256)",
                     entry: "flash_probe_tma_*",

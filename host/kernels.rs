@@ -15,17 +15,19 @@ pub const PTX_SOURCE: &str = env!("FLASH_ATTN_PTX_ORIGIN");
 use flash_attn_kernels::config::PtxArch;
 
 /// An embedded kernel image (PTX text or a cubin) as a zstd frame.
-#[derive(Clone, Copy, Debug)]
-pub struct Packed(&'static [u8]);
+#[derive(Clone, Copy)]
+pub struct KernelImage(&'static [u8]);
 
-impl Packed {
+impl KernelImage {
     /// The image's bytes. build.rs embeds only frames that it wrote or
     /// unpacked and hash-checked itself, so a failure here is a broken build.
     pub fn unpack(self) -> Vec<u8> {
         const CHECKED: &str = "build.rs embeds only zstd frames it has checked";
         let mut frame = ruzstd::decoding::StreamingDecoder::new(self.0).expect(CHECKED);
-        // One allocation of the size the frame header records: growing the
-        // vector by doubling made unpacking 1.6x slower.
+        // One allocation of the size the header records (committed frames
+        // record it, and build.rs checked it; a source build's raw-block
+        // frames do not): growing the vector by doubling made unpacking 1.6x
+        // slower.
         let mut out = Vec::with_capacity(frame.decoder.content_size() as usize);
         std::io::Read::read_to_end(&mut frame, &mut out).expect(CHECKED);
         out
@@ -37,16 +39,22 @@ impl Packed {
     }
 }
 
+impl std::fmt::Debug for KernelImage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KernelImage({} bytes of zstd)", self.0.len())
+    }
+}
+
 macro_rules! embedded {
     ($file:literal) => {
-        Packed(include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".zst")))
+        KernelImage(include_bytes!(concat!(env!("OUT_DIR"), "/", $file, ".zst")))
     };
 }
 
-const PTX_SM75: Packed = embedded!("flash_attn_sm75.ptx");
-const PTX_SM80: Packed = embedded!("flash_attn_sm80.ptx");
-const PTX_SM90: Packed = embedded!("flash_attn_sm90.ptx");
-const PTX_SM90A: Packed = embedded!("flash_attn_sm90a.ptx");
+const PTX_SM75: KernelImage = embedded!("flash_attn_sm75.ptx");
+const PTX_SM80: KernelImage = embedded!("flash_attn_sm80.ptx");
+const PTX_SM90: KernelImage = embedded!("flash_attn_sm90.ptx");
+const PTX_SM90A: KernelImage = embedded!("flash_attn_sm90a.ptx");
 
 /// The PTX text of a module, unpacked on each call; [`PtxArch::for_device`]
 /// picks the module.
@@ -60,14 +68,14 @@ pub fn ptx_text(arch: PtxArch) -> String {
     String::from_utf8(packed.unpack()).expect("build.rs embeds PTX that is UTF-8")
 }
 
-const CUBIN_SM75: Packed = embedded!("flash_attn_sm75.cubin");
-const CUBIN_SM80: Packed = embedded!("flash_attn_sm80.cubin");
-const CUBIN_SM86: Packed = embedded!("flash_attn_sm86.cubin");
-const CUBIN_SM89: Packed = embedded!("flash_attn_sm89.cubin");
-const CUBIN_SM90: Packed = embedded!("flash_attn_sm90.cubin");
-const CUBIN_SM90_CU13: Packed = embedded!("flash_attn_sm90.cu13.cubin");
-const CUBIN_SM90A: Packed = embedded!("flash_attn_sm90a.cubin");
-const CUBIN_SM90A_CU13: Packed = embedded!("flash_attn_sm90a.cu13.cubin");
+const CUBIN_SM75: KernelImage = embedded!("flash_attn_sm75.cubin");
+const CUBIN_SM80: KernelImage = embedded!("flash_attn_sm80.cubin");
+const CUBIN_SM86: KernelImage = embedded!("flash_attn_sm86.cubin");
+const CUBIN_SM89: KernelImage = embedded!("flash_attn_sm89.cubin");
+const CUBIN_SM90: KernelImage = embedded!("flash_attn_sm90.cubin");
+const CUBIN_SM90_CU13: KernelImage = embedded!("flash_attn_sm90.cu13.cubin");
+const CUBIN_SM90A: KernelImage = embedded!("flash_attn_sm90a.cubin");
+const CUBIN_SM90A_CU13: KernelImage = embedded!("flash_attn_sm90a.cu13.cubin");
 
 /// Machine code of `arch`'s module for a GPU of compute capability
 /// `major.minor` that this build carries, in the order to try: SASS runs on
@@ -76,8 +84,8 @@ const CUBIN_SM90A_CU13: Packed = embedded!("flash_attn_sm90a.cu13.cubin");
 /// sm_90 2-3% faster) before the CUDA 12.4 one (R525+); every other cubin is
 /// CUDA 12.4's. Empty: the caller loads the PTX, which the driver
 /// JIT-compiles (the sm_75 module on a newer GPU, for one).
-pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, Packed)> {
-    let candidates: &[(&'static str, Packed)] = match (arch, major, minor) {
+pub fn cubins_for(arch: PtxArch, major: i32, minor: i32) -> Vec<(&'static str, KernelImage)> {
+    let candidates: &[(&'static str, KernelImage)] = match (arch, major, minor) {
         (PtxArch::Sm75, 7, 5) => &[("sm_75/ptxas-12.4", CUBIN_SM75)],
         (PtxArch::Sm80, 8, 0 | 7) => &[("sm_80/ptxas-12.4", CUBIN_SM80)],
         (PtxArch::Sm80, 8, 6) => &[("sm_86/ptxas-12.4", CUBIN_SM86)],

@@ -54,4 +54,4 @@ pub use validate::{
 };
 
 /// The PTX modules embedded in this build, one per target architecture.
-pub use kernels::{cubins_for, ptx_text, Packed, PTX_SOURCE};
+pub use kernels::{cubins_for, ptx_text, KernelImage, PTX_SOURCE};

@@ -230,7 +230,7 @@ impl<'a> Problem<'a> {
         k: &'a [f64],
     ) -> Self {
         assert!(
-            kv_heads > 0 && heads % kv_heads == 0,
+            kv_heads > 0 && heads.is_multiple_of(kv_heads),
             "reference: {heads} heads cannot share {kv_heads} KV heads"
         );
         if let Some(slopes) = extras.alibi_slopes {

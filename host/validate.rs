@@ -317,7 +317,7 @@ fn check_tensor(name: &'static str, t: &TensorInfo) -> Result<(), FlashAttnError
             stride: t.layout.strides[3],
         });
     }
-    if t.addr % REQUIRED_ALIGN_BYTES as u64 != 0 {
+    if !t.addr.is_multiple_of(REQUIRED_ALIGN_BYTES as u64) {
         return Err(FlashAttnError::Misaligned {
             tensor: name,
             what: "the base address",
@@ -426,7 +426,7 @@ fn check_heads_and_scale(
             supported: &SUPPORTED_HEAD_DIMS,
         });
     }
-    if heads % kv_heads != 0 {
+    if !heads.is_multiple_of(kv_heads) {
         return Err(FlashAttnError::HeadsNotDivisible { heads, kv_heads });
     }
     if heads > MAX_GRID_YZ {
@@ -631,7 +631,7 @@ fn expect_v_shape(
 /// V's head dim: a positive multiple of 8 within Q/K's (the kernel of Q/K's
 /// head dim loads V's missing columns as zeros).
 pub fn check_v_head_dim(head_dim: usize, v_head_dim: usize) -> Result<(), FlashAttnError> {
-    if v_head_dim == 0 || v_head_dim % CHUNK_ELEMS != 0 || v_head_dim > head_dim {
+    if v_head_dim == 0 || !v_head_dim.is_multiple_of(CHUNK_ELEMS) || v_head_dim > head_dim {
         return Err(FlashAttnError::UnsupportedVHeadDim {
             v: v_head_dim,
             qk: head_dim,

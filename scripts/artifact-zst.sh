@@ -9,8 +9,9 @@
 #
 # Level 19 with long-distance matching: the repeats between kernels of one
 # module lie further apart than level 19's own 8 MiB window. Each file is one
-# frame whose window is its own size, which the build script and the host
-# unpack with the ruzstd crate.
+# frame (the build script and the host read one frame and refuse anything
+# after it) whose window is its own size, which they unpack with the ruzstd
+# crate. Do not raise --long above 27: ruzstd refuses windows over 128 MiB.
 set -euo pipefail
 
 usage() {
@@ -22,7 +23,9 @@ command -v zstd >/dev/null || {
     exit 1
 }
 same() {
-    [[ -f "$2" ]] && zstd -dcq -- "$2" 2>/dev/null | cmp -s - "$1"
+    [[ -f "$2" ]] &&
+        zstd -lv -- "$2" 2>/dev/null | grep -qx '# Zstandard Frames: 1' &&
+        zstd -dcq -- "$2" 2>/dev/null | cmp -s - "$1"
 }
 
 (($# == 3)) || usage

@@ -23,7 +23,11 @@ mkdir -p "$tmp/ptx"
 for zst in "$ptx_dir"/flash_attn_sm*.ptx.zst; do
     scripts/artifact-zst.sh unpack "$zst" "$tmp/ptx/$(basename "$zst" .zst)"
 done
-ptx_files=("$ptx_dir"/flash_attn_sm*.ptx "$tmp/ptx"/flash_attn_sm*.ptx)
+ptx_files=("$tmp/ptx"/flash_attn_sm*.ptx)
+# A folder given as the argument may hold raw PTX instead.
+if (($# > 0)); then
+    ptx_files+=("$ptx_dir"/flash_attn_sm*.ptx)
+fi
 if ((${#ptx_files[@]} == 0)); then
     echo "ptxas-check: no PTX in $ptx_dir (run scripts/update-ptx.sh)" >&2
     exit 1

@@ -162,7 +162,7 @@ fi
 
 for dir in "${cubin_dirs[@]}"; do
     mkdir -p "$dir"
-    strays "$dir" | xargs -r rm -f
+    strays "$dir" | xargs -r -d '\n' rm -f --
     pids=()
     for f in "$tmp/$dir"/*.cubin; do
         scripts/artifact-zst.sh pack "$f" "$dir/$(basename "$f").zst" &

@@ -74,7 +74,7 @@ strays() {
 
 if ((check == 0)); then
     mkdir -p "$ptx_dir"
-    strays | xargs -r rm -f
+    strays | xargs -r -d '\n' rm -f --
     pids=()
     for module in "${modules[@]}"; do
         scripts/artifact-zst.sh pack "$tmp/$module" "$ptx_dir/$module.zst" &

@@ -2856,7 +2856,10 @@ mod config {
             // strided copies split the threads into whole rows of chunk lanes
             // that cover a block in whole passes.
             let padded = smem_row_chunks(hd);
-            assert!(padded >= chunks && padded % SWIZZLE_ROWS == 0, "hd{hd}");
+            assert!(
+                padded >= chunks && padded.is_multiple_of(SWIZZLE_ROWS),
+                "hd{hd}"
+            );
             assert_eq!(t.smem_row_bytes(), padded * CHUNK_BYTES);
             let lanes = copy_row_lanes(hd);
             assert!(lanes >= chunks && lanes.is_power_of_two(), "hd{hd}");
@@ -3020,7 +3023,8 @@ mod config {
     fn cubins_cover_the_gpus_people_run() {
         use flash_attn::cubins_for;
         // Same major, same or higher minor: sm_87 (Orin) runs sm_80's SASS.
-        let picks: [(PtxArch, i32, i32, &[&str]); 7] = [
+        let picks: [(PtxArch, i32, i32, &[&str]); 9] = [
+            (PtxArch::Sm75, 7, 5, &["sm_75/ptxas-12.4"]),
             (PtxArch::Sm80, 8, 0, &["sm_80/ptxas-12.4"]),
             (PtxArch::Sm80, 8, 6, &["sm_86/ptxas-12.4"]),
             (PtxArch::Sm80, 8, 7, &["sm_80/ptxas-12.4"]),
@@ -3031,13 +3035,19 @@ mod config {
                 0,
                 &["sm_90/ptxas-13.0", "sm_90/ptxas-12.4"],
             ),
+            (
+                PtxArch::Sm90a,
+                9,
+                0,
+                &["sm_90a/ptxas-13.0", "sm_90a/ptxas-12.4"],
+            ),
             (PtxArch::Sm90, 10, 0, &[]),
             (PtxArch::Sm80, 12, 0, &[]),
         ];
         // A build whose PTX is the committed one embeds every cubin (build.rs
         // leaves out the ones whose PTX changed, during kernel work).
         let root = env!("CARGO_MANIFEST_DIR");
-        let committed = |arch: PtxArch| {
+        let is_committed = |arch: PtxArch| {
             let name = format!(
                 "{root}/kernels-gpu/ptx/flash_attn_{}.ptx.zst",
                 arch.target_cpu().replace('_', "")
@@ -3052,10 +3062,12 @@ mod config {
             std::io::Read::read_to_end(&mut frame, &mut text).expect("a zstd frame");
             text == flash_attn::ptx_text(arch).as_bytes()
         };
+        let committed: Vec<(PtxArch, bool)> =
+            PtxArch::ALL.iter().map(|&a| (a, is_committed(a))).collect();
         for (arch, major, minor, want) in picks {
             let got = cubins_for(arch, major, minor);
             let names: Vec<&str> = got.iter().map(|&(name, _)| name).collect();
-            if committed(arch) {
+            if committed.contains(&(arch, true)) {
                 assert_eq!(names, want, "{arch:?} {major}.{minor}");
             }
             assert!(names.iter().all(|n| want.contains(n)));
@@ -4053,7 +4065,7 @@ mod index {
                     for c in 0..cols / 8 {
                         let o = sw128_offset(r, c, rows);
                         assert!(
-                            o % 16 == 0 && o < bytes,
+                            o.is_multiple_of(16) && o < bytes,
                             "rows {rows} cols {cols}: ({r}, {c}) -> {o}"
                         );
                         assert!(!std::mem::replace(&mut seen[(o / 16) as usize], true));

@@ -163,7 +163,7 @@ fn gapped_layout(shape: [usize; 4]) -> Layout {
 /// one case in four a multiple of 8 below `d` drawn from the seed (V's
 /// missing columns load as zeros; DeepSeek's MLA prefill is 192 / 128).
 fn v_dim(d: usize, given: Option<usize>, seed: u64) -> usize {
-    given.unwrap_or(if seed % 4 == 0 {
+    given.unwrap_or(if seed.is_multiple_of(4) {
         8 * (1 + (seed >> 32) as usize % (d / 8))
     } else {
         d

@@ -15,9 +15,9 @@
 //! long-distance matching, `scripts/artifact-zst.sh`) and embedded as one:
 //! 113 MB of PTX and cubins take 8.8 MB, against 23 MB as gzip in the
 //! `.crate` files, whose 32 KiB window cannot reach the repeats between
-//! kernels. xz packs them into 7.3 MB but unpacks 2.5-3x slower, which every
-//! `FlashAttention::new` would pay (docs/perf-notes.md, v69). The manifests
-//! hash the unpacked bytes.
+//! kernels. xz (preset 9e) packs them into 7.3 MB but unpacks about 3x
+//! slower, which every `FlashAttention::new` would pay (docs/perf-notes.md,
+//! v69). The manifests hash the unpacked bytes.
 
 extern crate std;
 
@@ -94,12 +94,29 @@ fn read(path: &Path) -> Result<Vec<u8>, String> {
     fs::read(path).map_err(|e| format!("reading {}: {e}", path.display()))
 }
 
-/// The bytes the zstd frame `zst` holds.
+/// Capacity [`unzstd`] reserves from a frame header's recorded size at
+/// most: above any module (the largest, sm_90a's PTX, is 28 MB), so a
+/// corrupt header cannot make the allocation fail.
+const UNPACK_RESERVE_LIMIT: usize = 1 << 28;
+
+/// The bytes the zstd frame `zst` holds. An error if anything follows the
+/// frame (the host reads one) or if its header records another size than
+/// it holds (the host reserves what the header records).
 pub fn unzstd(zst: &[u8]) -> Result<Vec<u8>, String> {
     let not_zstd = |e: &dyn core::fmt::Display| format!("not a zstd frame: {e}");
     let mut frame = ruzstd::decoding::StreamingDecoder::new(zst).map_err(|e| not_zstd(&e))?;
-    let mut out = Vec::with_capacity(frame.decoder.content_size() as usize);
+    let recorded = frame.decoder.content_size();
+    let mut out = Vec::with_capacity((recorded as usize).min(UNPACK_RESERVE_LIMIT));
     std::io::Read::read_to_end(&mut frame, &mut out).map_err(|e| not_zstd(&e))?;
+    if !frame.into_inner().is_empty() {
+        return Err("more than one zstd frame".to_string());
+    }
+    if recorded != 0 && recorded != out.len() as u64 {
+        return Err(format!(
+            "the frame records {recorded} bytes but holds {}",
+            out.len()
+        ));
+    }
     Ok(out)
 }
 
@@ -293,7 +310,7 @@ pub fn committed_ptx(package_dir: &Path) -> Result<PtxSet, CommittedError> {
         let hash = sha256_hex(&bytes);
         if recorded != hash {
             return Err(broken(format!(
-                "{PTX_DIR}/{name} has sha256 {hash}, but {MANIFEST} records {recorded}"
+                "{PTX_DIR}/{name}{ZST_SUFFIX} unpacks to sha256 {hash}, but {MANIFEST} records {recorded}"
             )));
         }
         std::str::from_utf8(&bytes).map_err(|e| broken(format!("{name}: {e}")))?;
@@ -329,11 +346,17 @@ pub fn matching_cubins(dirs: &[&Path], ptx: &PtxSet) -> Vec<(&'static str, Optio
             };
             let ptx_name = ptx_file_name(arch);
             let ptx_matches = entry["ptx"].as_str() == Some(&*ptx_name)
-                && entry["ptx_sha256"].as_str()
-                    == ptx.manifest.ptx_sha256.get(&ptx_name).map(String::as_str);
+                && ptx
+                    .manifest
+                    .ptx_sha256
+                    .get(&ptx_name)
+                    .is_some_and(|h| entry["ptx_sha256"].as_str() == Some(h));
+            if !ptx_matches {
+                return (name, None);
+            }
             let zst = read_zst(dir, name)
                 .ok()
-                .filter(|(_, b)| ptx_matches && entry["sha256"].as_str() == Some(&*sha256_hex(b)))
+                .filter(|(_, b)| entry["sha256"].as_str() == Some(&*sha256_hex(b)))
                 .map(|(zst, _)| zst);
             (name, zst)
         })

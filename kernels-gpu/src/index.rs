@@ -400,7 +400,7 @@ pub const fn persistent_step(
         return Some((m, pair, step + 1));
     }
     let pair = 2 * (unit - twins) + second as u32;
-    if m_blocks % 2 == 0 || pair >= pairs {
+    if m_blocks.is_multiple_of(2) || pair >= pairs {
         return None;
     }
     let alone = !second && pair + 1 == pairs;
