@@ -603,6 +603,45 @@ pub(crate) fn load_module(
     }
 }
 
+/// `arch`'s module for the context's device ([`load_module`]) and a kernel
+/// for each of its entries, with its shared-memory limit raised where the
+/// tile needs more than the default and its occupancy.
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    arch: PtxArch,
+    choice: ModuleChoice,
+) -> Result<(HashMap<&'static str, Kernel>, LoadedCode), FlashAttnError> {
+    let (module, loaded) = load_module(ctx, arch, choice)?;
+    let mut kernels = HashMap::new();
+    for entry in arch.entries() {
+        let function = module
+            .load_function(entry.name)
+            .map_err(|_| FlashAttnError::MissingKernel(entry.name))?;
+        let smem = entry.smem_bytes(arch);
+        if smem > DEFAULT_SMEM_LIMIT {
+            function.set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem as i32,
+            )?;
+        }
+        let ctas_per_sm = function.occupancy_max_active_blocks_per_multiprocessor(
+            entry.threads(arch) as u32,
+            smem,
+            None,
+        )? as usize;
+        kernels.insert(
+            entry.name,
+            Kernel {
+                function,
+                entry,
+                arch,
+                ctas_per_sm: ctas_per_sm.max(1),
+            },
+        );
+    }
+    Ok((kernels, loaded))
+}
+
 impl FlashAttention {
     /// Loads the kernels for the context's device (its cubin when this build
     /// has one, else the PTX) and caches every entry point. Fails with
@@ -621,41 +660,28 @@ impl FlashAttention {
         let native = PtxArch::for_device(major, minor, smem_optin.max(0) as usize)
             .ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
         let arch = if forced_sm75() { PtxArch::Sm75 } else { native };
-        let (module, loaded) = load_module(ctx, arch, choice)?;
         let num_sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
-        let mut kernels = HashMap::new();
-        for entry in arch.entries() {
-            let function = module
-                .load_function(entry.name)
-                .map_err(|_| FlashAttnError::MissingKernel(entry.name))?;
-            let smem = entry.smem_bytes(arch);
-            if smem > DEFAULT_SMEM_LIMIT {
-                function.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    smem as i32,
-                )?;
-            }
-            let ctas_per_sm = function.occupancy_max_active_blocks_per_multiprocessor(
-                entry.threads(arch) as u32,
-                smem,
-                None,
-            )? as usize;
-            kernels.insert(
-                entry.name,
-                Kernel {
-                    function,
-                    entry,
-                    arch,
-                    ctas_per_sm: ctas_per_sm.max(1),
-                },
-            );
-        }
-        let hopper = if hopper::forced_off() || arch == PtxArch::Sm75 {
-            None
-        } else {
-            HopperModule::load(ctx, choice)?
-        };
+        let want_hopper = !(hopper::forced_off() || arch == PtxArch::Sm75);
+        // The Hopper module unpacks and loads on a thread of its own while
+        // this one does: unpacking the two cubins is most of `new` on Hopper
+        // since the kernels are embedded as zstd frames (docs/perf-notes.md, v69).
+        let (main, hopper) = std::thread::scope(|s| {
+            let hopper = s.spawn(|| match want_hopper {
+                true => ctx
+                    .bind_to_thread()
+                    .map_err(FlashAttnError::from)
+                    .and_then(|()| HopperModule::load(ctx, choice)),
+                false => Ok(None),
+            });
+            let main = load_kernels(ctx, arch, choice);
+            let hopper = hopper
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            (main, hopper)
+        });
+        let (kernels, loaded) = main?;
+        let hopper = hopper?;
         Ok(FlashAttention {
             ctx: ctx.clone(),
             kernels,

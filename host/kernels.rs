@@ -5,8 +5,9 @@
 //!
 //! Each is embedded as a zstd frame and unpacked only when its module is
 //! loaded: a binary carries 8.8 MB of kernels instead of 113 MB, and
-//! `FlashAttention::new` on an H200 host, which unpacks two cubins (14.2 MB),
-//! takes about 70 ms longer than with raw kernels (docs/perf-notes.md, v69).
+//! `FlashAttention::new` on an H200 host, which unpacks two cubins (14.2 MB,
+//! one per thread), takes about 20 ms longer than with raw kernels
+//! (docs/perf-notes.md, v69).
 
 /// `"source"` when this build compiled the kernels, `"committed"` when it used
 /// the PTX committed under `kernels-gpu/ptx/`.
