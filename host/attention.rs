@@ -13,12 +13,13 @@ use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_groups, combine_shape, find_entry, find_hopper_entry, AttnTile, Dtype, Entry,
     HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind,
-    APPEND_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS,
-    WGMMA_M,
+    APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES,
+    MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
-    AppendParams, AttnParams, BshStrides, CombineParams, HopperFwdMaps, MergeParams, TensorMap,
+    AppendParams, AttnParams, BshStrides, BwdParams, CombineParams, HopperFwdMaps, MergeParams,
+    TensorMap,
 };
 
 use crate::error::FlashAttnError;
@@ -26,9 +27,9 @@ use crate::hopper::{self, encode_tensor_map, HopperModule, TiledTensor};
 use crate::kernels::{cubins_for, ptx_text};
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
-    check_decode, check_dtype, check_forward, check_kvcache, check_merge, check_varlen,
-    check_varlen_paged, AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape,
-    Operands, Paging, TensorInfo, VarlenShape, Window,
+    check_backward, check_decode, check_dtype, check_forward, check_kvcache, check_merge,
+    check_varlen, check_varlen_paged, AlibiSlopes, AttnOptions, BackwardOperands, DecodeShape,
+    ForwardShape, KvCacheShape, Operands, Paging, TensorInfo, VarlenShape, Window,
 };
 
 /// Set to `1`, [`FlashAttention::new`] loads the Turing (`sm_75`) module on
@@ -51,6 +52,7 @@ unsafe impl DeviceRepr for ByValue<AttnParams> {}
 unsafe impl DeviceRepr for ByValue<CombineParams> {}
 unsafe impl DeviceRepr for ByValue<AppendParams> {}
 unsafe impl DeviceRepr for ByValue<MergeParams> {}
+unsafe impl DeviceRepr for ByValue<BwdParams> {}
 
 /// Shared memory a CTA may use without opting in.
 const DEFAULT_SMEM_LIMIT: usize = 48 * 1024;
@@ -234,6 +236,35 @@ impl<'a, T> Out<'a, T> {
     pub fn with_lse(o: TensorMut<'a, T>, lse: CudaViewMut<'a, f32>) -> Self {
         Self { o, lse: Some(lse) }
     }
+}
+
+/// What [`FlashAttention::backward`] reads besides Q, K and V: the forward
+/// call's O and LSE (asked for with [`Out::with_lse`]), and dO.
+pub struct BackwardInputs<'a, T> {
+    /// The forward's O [B, Sq, H, D].
+    pub o: &'a TensorRef<'a, T>,
+    /// The forward's f32 LSE [B, H, Sq] (natural log).
+    pub lse: &'a CudaView<'a, f32>,
+    /// dO [B, Sq, H, D]: the gradient of the loss with respect to O.
+    pub d_o: &'a TensorRef<'a, T>,
+}
+
+impl<T> Clone for BackwardInputs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T> Copy for BackwardInputs<'_, T> {}
+
+/// What [`FlashAttention::backward`] writes: the gradients of Q, K and V,
+/// each shaped (any one-to-one strides) like its tensor.
+pub struct Grads<'a, T> {
+    /// dQ [B, Sq, H, D].
+    pub dq: TensorMut<'a, T>,
+    /// dK [B, Skv, Hkv, D].
+    pub dk: TensorMut<'a, T>,
+    /// dV [B, Skv, Hkv, D].
+    pub dv: TensorMut<'a, T>,
 }
 
 /// One attention state for [`FlashAttention::merge_states`]: O over some set
@@ -1174,6 +1205,128 @@ impl FlashAttention {
         let maps = HopperFwdMaps { q, k, v, o: o_map };
         module.launch_forward(stream, entry, maps, params, grid)?;
         Ok(true)
+    }
+
+    /// The backward pass of [`Self::forward`] (FlashAttention-2's Algorithm
+    /// 2): given dO, the gradient of a loss with respect to O, writes dQ, dK
+    /// and dV. With GQA/MQA, dK and dV sum over the query heads that share a
+    /// KV head. Takes the forward's masks (`causal`, `window`) and
+    /// `softmax_scale`; softcap, ALiBi and sinks, a V head dim of its own,
+    /// f32 and head dims outside [`BWD_HEAD_DIMS`] are refused with a typed
+    /// error. Three launches on `stream` (`delta = rowsum(dO ∘ O)`, the
+    /// key-block kernel, dQ from an f32 buffer that the key blocks add to
+    /// with atomics, so dQ's rounding may differ from run to run); the
+    /// call allocates that buffer, 4 · B · H · Sq · D bytes, on `stream`.
+    /// Nothing is launched and the gradients stay untouched when validation
+    /// fails.
+    ///
+    /// [`BWD_HEAD_DIMS`]: flash_attn_kernels::config::BWD_HEAD_DIMS
+    pub fn backward<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        Qkv { q, k, v }: Qkv<'_, T>,
+        saved: BackwardInputs<'_, T>,
+        mut grads: Grads<'_, T>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        let kinds = [
+            KernelKind::Backward,
+            KernelKind::BackwardPrep,
+            KernelKind::BackwardDq,
+        ];
+        check_dtype(self.arch, T::DTYPE, &kinds, "backward")?;
+        let (q_ptr, _q_sync) = q.data.device_ptr(stream);
+        let (k_ptr, _k_sync) = k.data.device_ptr(stream);
+        let (v_ptr, _v_sync) = v.data.device_ptr(stream);
+        let (o_ptr, _o_sync) = saved.o.data.device_ptr(stream);
+        let (lse_ptr, _lse_sync) = saved.lse.device_ptr(stream);
+        let (do_ptr, _do_sync) = saved.d_o.data.device_ptr(stream);
+        let (dq_len, dk_len, dv_len) = (
+            grads.dq.data.len(),
+            grads.dk.data.len(),
+            grads.dv.data.len(),
+        );
+        let (dq_ptr, _dq_sync) = grads.dq.data.device_ptr_mut(stream);
+        let (dk_ptr, _dk_sync) = grads.dk.data.device_ptr_mut(stream);
+        let (dv_ptr, _dv_sync) = grads.dv.data.device_ptr_mut(stream);
+        let ops = BackwardOperands {
+            fwd: Operands {
+                q: info(q.layout, q.data.len(), q_ptr),
+                k: info(k.layout, k.data.len(), k_ptr),
+                v: info(v.layout, v.data.len(), v_ptr),
+                o: info(saved.o.layout, saved.o.data.len(), o_ptr),
+                lse_len: Some(saved.lse.len()),
+            },
+            d_o: info(saved.d_o.layout, saved.d_o.data.len(), do_ptr),
+            dq: info(grads.dq.layout, dq_len, dq_ptr),
+            dk: info(grads.dk.layout, dk_len, dk_ptr),
+            dv: info(grads.dv.layout, dv_len, dv_ptr),
+        };
+        let shape = check_backward(&ops, opts)?;
+        let rows = shape.batch * shape.heads * shape.seqlen_q;
+        let dq_accum = stream.alloc_zeros::<f32>(rows * shape.head_dim)?;
+        let delta = stream.alloc_zeros::<f32>(rows)?;
+        let (dq_accum_ptr, _accum_sync) = dq_accum.device_ptr(stream);
+        let (delta_ptr, _delta_sync) = delta.device_ptr(stream);
+        let mask = shape.mask();
+        let params = BwdParams {
+            q: q_ptr,
+            k: k_ptr,
+            v: v_ptr,
+            o: o_ptr,
+            d_o: do_ptr,
+            lse: lse_ptr,
+            dq: dq_ptr,
+            dk: dk_ptr,
+            dv: dv_ptr,
+            dq_accum: dq_accum_ptr,
+            delta: delta_ptr,
+            q_strides: strides::<T>(&q.layout),
+            k_strides: strides::<T>(&k.layout),
+            v_strides: strides::<T>(&v.layout),
+            o_strides: strides::<T>(&saved.o.layout),
+            do_strides: strides::<T>(&saved.d_o.layout),
+            dq_strides: strides::<T>(&grads.dq.layout),
+            dk_strides: strides::<T>(&grads.dk.layout),
+            dv_strides: strides::<T>(&grads.dv.layout),
+            batch: shape.batch as u32,
+            heads: shape.heads as u32,
+            kv_heads: shape.kv_heads as u32,
+            seqlen_q: shape.seqlen_q as u32,
+            seqlen_k: shape.seqlen_k as u32,
+            head_dim: shape.head_dim as u32,
+            scale: shape.softmax_scale,
+            scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
+            window_left: window_bound(mask.left),
+            window_right: window_bound(mask.right),
+        };
+        let policies = Policies {
+            mask: mask_kind(mask),
+            ..Policies::PLAIN
+        };
+        let chunks = rows * shape.head_dim / CHUNK_ELEMS;
+        let prep = self.kernel(KernelKind::BackwardPrep, T::DTYPE, 0, Policies::PLAIN);
+        let main = self.kernel(KernelKind::Backward, T::DTYPE, shape.head_dim, policies);
+        let dq = self.kernel(KernelKind::BackwardDq, T::DTYPE, 0, Policies::PLAIN);
+        let key_blocks = shape.seqlen_k.div_ceil(BWD_BLOCK_N) as u32;
+        self.launch(
+            stream,
+            prep,
+            (rows.div_ceil(BWD_THREADS) as u32, 1, 1),
+            ByValue(params),
+        )?;
+        self.launch(
+            stream,
+            main,
+            (key_blocks, shape.kv_heads as u32, shape.batch as u32),
+            ByValue(params),
+        )?;
+        self.launch(
+            stream,
+            dq,
+            (chunks.div_ceil(BWD_THREADS) as u32, 1, 1),
+            ByValue(params),
+        )
     }
 
     /// Merges two attention states over disjoint key sets into the state over

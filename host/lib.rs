@@ -1,5 +1,5 @@
 #![warn(missing_docs)]
-//! flash-attn: FlashAttention forward and decode kernels written in Rust,
+//! flash-attn: FlashAttention forward, decode and backward kernels written in Rust,
 //! compiled to PTX at build time (or taken from the committed, hash-checked
 //! PTX), and launched through `cudarc`'s driver API.
 //!
@@ -42,15 +42,16 @@ mod tensor;
 pub mod validate;
 
 pub use attention::{
-    BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, KvCache, KvFold, LoadedCode,
-    ModuleChoice, Out, PagedVarlen, Qkv, State, Varlen, FORCE_SM75_ENV,
+    BackwardInputs, BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, Grads, KvCache,
+    KvFold, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv, State, Varlen, FORCE_SM75_ENV,
 };
 pub use driver::cuda_device_count;
 pub use error::FlashAttnError;
-pub use flash_attn_kernels::config::{Dtype, PtxArch, SUPPORTED_HEAD_DIMS};
+pub use flash_attn_kernels::config::{Dtype, PtxArch, BWD_HEAD_DIMS, SUPPORTED_HEAD_DIMS};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};
 pub use validate::{
-    AlibiSlopes, AttnOptions, DecodeShape, ForwardShape, KvCacheShape, Paging, VarlenShape, Window,
+    AlibiSlopes, AttnOptions, BackwardOperands, DecodeShape, ForwardShape, KvCacheShape, Paging,
+    VarlenShape, Window,
 };
 
 /// The PTX modules embedded in this build, one per target architecture.

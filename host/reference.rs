@@ -22,8 +22,9 @@
 //!
 //! Entry points: [`attention`]/[`attention_ext`] (fixed layout),
 //! [`decode`]/[`decode_ext`] (a cache with per-sequence lengths), [`varlen`]
-//! (packed sequences), [`probabilities`] (P itself) and [`merge_states`] (the
-//! exact combination of two partial results over disjoint keys); each row is
+//! (packed sequences), [`probabilities`] (P itself), [`merge_states`] (the
+//! exact combination of two partial results over disjoint keys) and
+//! [`attention_backward`] (the gradients of [`attention`]); each row is
 //! [`softmax_row`]/[`output_row`], public for inputs read on demand.
 use crate::validate::{DecodeShape, ForwardShape, VarlenShape, Window};
 use std::ops::Range;
@@ -452,6 +453,86 @@ pub fn probabilities(shape: &ForwardShape, q: &[f64], k: &[f64]) -> Vec<f64> {
         }
     }
     out
+}
+
+/// Gradients of [`attention`] for a loss whose gradient with respect to O
+/// is `d_o`, in the layouts of q, k and v.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefGrads {
+    /// dQ [B, Sq, H, D].
+    pub dq: Vec<f64>,
+    /// dK [B, Skv, Hkv, D].
+    pub dk: Vec<f64>,
+    /// dV [B, Skv, Hkv, D].
+    pub dv: Vec<f64>,
+}
+
+/// The backward pass of [`attention`] with plain scores (mask, window and
+/// GQA as there): with logits `s = scale · q·k` and P their softmax,
+/// `dV_j = Σ_i P_ij dO_i`, `dP_ij = dO_i·V_j`, `dS_ij = P_ij (dP_ij - Σ_l
+/// P_il dP_il)`, `dQ_i = scale Σ_j dS_ij K_j`, `dK_j = scale Σ_i dS_ij Q_i`,
+/// a KV head summing over the query heads that share it. q, d_o: [B, Sq, H,
+/// D]; k, v: [B, Skv, Hkv, D] (V with Q's head dim), contiguous row-major.
+///
+/// Panics if a slice is shorter than `shape` requires, or if the shape has
+/// a softcap or a V head dim of its own.
+pub fn attention_backward(
+    shape: &ForwardShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+) -> RefGrads {
+    assert!(
+        shape.softcap.is_none(),
+        "the reference backward takes plain scores"
+    );
+    assert_eq!(
+        shape.v_dim(),
+        shape.head_dim,
+        "the reference backward takes V of Q's head dim"
+    );
+    let (b, sq, skv, h, hkv, d) = (
+        shape.batch,
+        shape.seqlen_q,
+        shape.seqlen_k,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+    );
+    assert!(d_o.len() >= b * sq * h * d, "d_o is shorter than the shape");
+    let p = probabilities(shape, q, k);
+    let scale = shape.softmax_scale as f64;
+    let group = h / hkv;
+    let q_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
+    let k_at = |bi: usize, j: usize, hk: usize| ((bi * skv + j) * hkv + hk) * d;
+    let mut g = RefGrads {
+        dq: vec![0.0; b * sq * h * d],
+        dk: vec![0.0; b * skv * hkv * d],
+        dv: vec![0.0; b * skv * hkv * d],
+    };
+    for bi in 0..b {
+        for hi in 0..h {
+            let hk = hi / group;
+            for i in 0..sq {
+                let row = &p[((bi * h + hi) * sq + i) * skv..][..skv];
+                let doi = &d_o[q_at(bi, i, hi)..][..d];
+                let dp: Vec<f64> = (0..skv)
+                    .map(|j| (0..d).map(|e| doi[e] * v[k_at(bi, j, hk) + e]).sum())
+                    .collect();
+                let delta: f64 = (0..skv).map(|j| row[j] * dp[j]).sum();
+                for j in (0..skv).filter(|&j| row[j] != 0.0) {
+                    let ds = row[j] * (dp[j] - delta);
+                    for e in 0..d {
+                        g.dv[k_at(bi, j, hk) + e] += row[j] * doi[e];
+                        g.dq[q_at(bi, i, hi) + e] += scale * ds * k[k_at(bi, j, hk) + e];
+                        g.dk[k_at(bi, j, hk) + e] += scale * ds * q[q_at(bi, i, hi) + e];
+                    }
+                }
+            }
+        }
+    }
+    g
 }
 
 /// Decode with the shape's mask and softcap and no extras; the same as

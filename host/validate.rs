@@ -5,8 +5,9 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, Dtype, Entry, KernelKind, PtxArch, CHUNK_ELEMS, ELEM_BYTES, HOPPER_ENTRIES,
-    MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES, SUPPORTED_HEAD_DIMS,
+    AttnTile, Dtype, Entry, KernelKind, PtxArch, BWD_HEAD_DIMS, CHUNK_ELEMS, ELEM_BYTES,
+    HOPPER_ENTRIES, MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES,
+    SUPPORTED_HEAD_DIMS,
 };
 
 /// A sliding window around each query's diagonal (FlashAttention 2.6
@@ -984,6 +985,86 @@ fn check_packed(
         window: opts.window,
         softcap: opts.softcap,
     })
+}
+
+/// The tensors of a backward call as validation sees them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BackwardOperands {
+    /// Q, K, V, the forward's O and its LSE's length.
+    pub fwd: Operands,
+    /// dO, shaped like O.
+    pub d_o: TensorInfo,
+    /// dQ, shaped like Q.
+    pub dq: TensorInfo,
+    /// dK, shaped like K.
+    pub dk: TensorInfo,
+    /// dV, shaped like V.
+    pub dv: TensorInfo,
+}
+
+/// Validates a backward call: the forward's tensors and options as
+/// [`check_forward`] takes them (the LSE required), dO shaped like O, and
+/// one-to-one dQ, dK and dV shaped like Q, K and V. The backward kernels
+/// take the masks (causal, window) and GQA; softcap, ALiBi, sinks, a V head
+/// dim of its own and head dims outside [`BWD_HEAD_DIMS`] are refused.
+pub fn check_backward(
+    t: &BackwardOperands,
+    opts: &AttnOptions,
+) -> Result<ForwardShape, FlashAttnError> {
+    const ENTRY: &str = "backward";
+    refuse("num_splits", opts.num_splits, ENTRY)?;
+    refuse("hopper_rows", opts.hopper_rows, ENTRY)?;
+    refuse("hopper_keys", opts.hopper_keys, ENTRY)?;
+    if t.fwd.lse_len.is_none() {
+        return Err(FlashAttnError::Unsupported {
+            what: "a call without the forward's LSE",
+            entry: ENTRY,
+        });
+    }
+    let shape = check_dense(&t.fwd, opts)?;
+    if !BWD_HEAD_DIMS.contains(&shape.head_dim) {
+        return Err(FlashAttnError::UnsupportedHeadDim {
+            got: shape.head_dim,
+            supported: &BWD_HEAD_DIMS,
+        });
+    }
+    let unsupported = [
+        (shape.v_dim() != shape.head_dim, "a V head dim of its own"),
+        (opts.softcap.is_some(), "softcap"),
+        (opts.alibi_slopes.is_some(), "alibi_slopes"),
+        (opts.sinks.is_some(), "sinks"),
+    ];
+    if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
+        return Err(FlashAttnError::Unsupported { what, entry: ENTRY });
+    }
+    check_tensor("d_o", &t.d_o)?;
+    expect_shape("d_o", t.fwd.o.layout.shape, t.d_o.layout.shape)?;
+    for (name, grad, like) in [
+        ("dq", &t.dq, &t.fwd.q),
+        ("dk", &t.dk, &t.fwd.k),
+        ("dv", &t.dv, &t.fwd.v),
+    ] {
+        check_tensor(name, grad)?;
+        check_one_to_one(name, &grad.layout)?;
+        expect_shape(name, like.layout.shape, grad.layout.shape)?;
+    }
+    if shape.kv_heads > MAX_GRID_YZ {
+        return Err(FlashAttnError::TooLarge {
+            what: "kv_heads",
+            value: shape.kv_heads,
+            limit: MAX_GRID_YZ,
+        });
+    }
+    // The prep and dQ kernels index rows and 8-column chunks in u32 threads.
+    let chunks = shape.batch * shape.heads * shape.seqlen_q * shape.head_dim / CHUNK_ELEMS;
+    if chunks > u32::MAX as usize {
+        return Err(FlashAttnError::TooLarge {
+            what: "query elements / 8",
+            value: chunks,
+            limit: u32::MAX as usize,
+        });
+    }
+    Ok(shape)
 }
 
 /// Validates a `merge_states` call: three O tensors of one [B, S, H, D]

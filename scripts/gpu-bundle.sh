@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the GPU test, CPU test, benchmark and example binaries (release) and
-# puts them in DIR with run-tests.sh and run-bench.sh, so they run on a GPU host
-# that has no Rust toolchain:
+# Builds the GPU test, CPU test, benchmark (bench, bench-backward) and example
+# binaries (release) and puts them in DIR with run-tests.sh and run-bench.sh,
+# so they run on a GPU host that has no Rust toolchain:
 #   scripts/gpu-bundle.sh bundle && (cd bundle && ./run-tests.sh && ./run-bench.sh --quick)
 # With --candle, also the candle integration's tests and example (candle-tests,
 # example-candle_llama_attention), built with nvcc from
@@ -24,7 +24,7 @@ trap 'rm -f "$log"' EXIT
 
 build() {
   cargo test --release --no-run --message-format=json-render-diagnostics --test gpu --test cpu
-  cargo bench --no-run --message-format=json-render-diagnostics --bench attention
+  cargo bench --no-run --message-format=json-render-diagnostics --bench attention --bench backward
   cargo build --release --message-format=json-render-diagnostics --examples
   if [ "$candle" = --candle ]; then
     (
@@ -52,6 +52,7 @@ build 2>/dev/null | python3 scripts/cargo-executables.py | while read -r name ex
     cpu) cp "$exe" "$dir/cpu-tests" ;;
     candle) cp "$exe" "$dir/candle-tests" ;;
     attention) cp "$exe" "$dir/bench" ;;
+    backward) cp "$exe" "$dir/bench-backward" ;;
     *) cp "$exe" "$dir/example-$name" ;;
   esac
 done

@@ -1796,8 +1796,11 @@ mod config {
             KernelKind::Forward => "fwd",
             KernelKind::Decode => "decode",
             KernelKind::Combine => "combine",
+            KernelKind::Backward => "bwd",
             KernelKind::Append => return "flash_append_kv".into(),
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
+            KernelKind::BackwardPrep => return format!("flash_bwd_prep_{}", e.dtype.name()),
+            KernelKind::BackwardDq => return format!("flash_bwd_dq_{}", e.dtype.name()),
             KernelKind::Probe | KernelKind::WgmmaForward => {
                 panic!("{e:?} belongs to HOPPER_ENTRIES, not ENTRIES")
             }
@@ -2680,7 +2683,10 @@ mod config {
             );
             match e.kind {
                 // Move bytes or merge rows: one entry per dtype for every head dim.
-                KernelKind::Append | KernelKind::Merge => {
+                KernelKind::Append
+                | KernelKind::Merge
+                | KernelKind::BackwardPrep
+                | KernelKind::BackwardDq => {
                     assert_eq!((e.head_dim, e.policies), (0, Policies::PLAIN), "{e:?}")
                 }
                 KernelKind::Combine => {
@@ -3007,6 +3013,19 @@ mod config {
                     assert_eq!(e.threads(a), MERGE_THREADS);
                     assert_eq!(e.smem_bytes(a), 0);
                     assert_eq!(e.min_ctas_per_sm(a), None);
+                }
+                KernelKind::BackwardPrep | KernelKind::BackwardDq => {
+                    assert_eq!(e.threads(a), BWD_THREADS);
+                    assert_eq!(e.smem_bytes(a), 0);
+                    assert_eq!(e.min_ctas_per_sm(a), None);
+                }
+                KernelKind::Backward => {
+                    let t = BwdTile::of(e.head_dim);
+                    assert!(BWD_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+                    assert_eq!(e.threads(a), BWD_THREADS);
+                    assert_eq!(e.smem_bytes(a), t.smem_bytes());
+                    assert!(t.smem_bytes() <= a.max_smem_bytes(), "{e:?} on {a:?}");
+                    assert_eq!(e.min_ctas_per_sm(a), Some(1));
                 }
                 _ => {
                     let t = AttnTile::of_variant(e.kind, e.head_dim, e.policies, a);
@@ -3604,6 +3623,29 @@ mod index {
             for i in 0..sq {
                 for j in 0..sk + 3 {
                     prop_assert_eq!(keys.sees(i as u32, j as u32), sees(sq, sk, w, i, j), "i={} j={}", i, j);
+                }
+            }
+        }
+
+        /// The backward CTA of key block n visits exactly the query blocks
+        /// holding a token that sees one of its keys.
+        #[test]
+        fn query_blocks_are_the_blocks_that_see_a_key_block(
+            sq in 1usize..140, sk in 1usize..200, left in bound(), right in bound(),
+            bm in prop::sample::select(vec![32u32, 64]),
+        ) {
+            let bn = 64u32;
+            let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
+            let w = Window { left, right };
+            for n in 0..(sk as u32).div_ceil(bn) {
+                let (m_lo, m_hi) = query_blocks(&keys, n, bn, bm);
+                prop_assert!(m_lo <= m_hi && m_hi as usize <= sq.div_ceil(bm as usize));
+                for m in 0..sq.div_ceil(bm as usize) as u32 {
+                    let seen = (m * bm..((m + 1) * bm).min(sq as u32)).any(|t| {
+                        (n * bn..((n + 1) * bn).min(sk as u32))
+                            .any(|j| sees(sq, sk, w, t as usize, j as usize))
+                    });
+                    prop_assert_eq!((m_lo..m_hi).contains(&m), seen, "n={} m={}", n, m);
                 }
             }
         }
@@ -4318,5 +4360,212 @@ mod varlen_paged_validation {
         let mut c = Case::valid();
         c.q = t([2, TOTAL_Q, H, D], c.q.addr);
         assert!(c.check().is_err());
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Backward: the reference's gradients, and validation
+// ---------------------------------------------------------------------------
+
+mod backward_reference {
+    use super::{forward_shape, qkv, random_vec, window};
+    use flash_attn::reference;
+    use flash_attn::validate::ForwardShape;
+    use proptest::prelude::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// The loss whose gradient with respect to O is `d_o`: Σ O ∘ dO.
+    fn loss(s: &ForwardShape, q: &[f64], k: &[f64], v: &[f64], d_o: &[f64]) -> f64 {
+        let o = reference::attention(s, q, k, v).o;
+        o.iter().zip(d_o).map(|(a, b)| a * b).sum()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// `attention_backward` against central differences of the forward
+        /// reference at random coordinates of Q, K and V, with masks,
+        /// windows, GQA and rows that see no key.
+        #[test]
+        fn reference_gradients_match_finite_differences(
+            s in forward_shape(None), w in window(), seed in any::<u64>(),
+        ) {
+            let s = ForwardShape { window: w, head_dim: s.head_dim.min(16), ..s };
+            let x = qkv(&s, seed);
+            let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+            let d_o = random_vec(&mut rng, x.q.len());
+            let g = reference::attention_backward(&s, &x.q, &x.k, &x.v, &d_o);
+            let h = 1e-5;
+            for (which, grad) in [(0, &g.dq), (1, &g.dk), (2, &g.dv)] {
+                for _ in 0..6 {
+                    let mut t = [x.q.clone(), x.k.clone(), x.v.clone()];
+                    let i = rng.random_range(0..t[which].len());
+                    t[which][i] += h;
+                    let up = loss(&s, &t[0], &t[1], &t[2], &d_o);
+                    t[which][i] -= 2.0 * h;
+                    let down = loss(&s, &t[0], &t[1], &t[2], &d_o);
+                    let fd = (up - down) / (2.0 * h);
+                    prop_assert!(
+                        (fd - grad[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                        "tensor {} element {}: finite difference {} vs {}", which, i, fd, grad[i]
+                    );
+                }
+            }
+        }
+    }
+
+    /// A key no query sees has zero gradients, and dQ of a row that sees
+    /// no key is zero (causal with more queries than keys).
+    #[test]
+    fn unseen_keys_and_rows_have_zero_gradients() {
+        let s = ForwardShape {
+            batch: 1,
+            seqlen_q: 6,
+            seqlen_k: 4,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 8,
+            causal: true,
+            softmax_scale: 0.3,
+            window: flash_attn::Window {
+                left: Some(1),
+                right: None,
+            },
+            ..Default::default()
+        };
+        let x = qkv(&s, 7);
+        let mut rng = StdRng::seed_from_u64(8);
+        let d_o = random_vec(&mut rng, x.q.len());
+        let g = reference::attention_backward(&s, &x.q, &x.k, &x.v, &d_o);
+        // Query i sees keys i - 2 - 1 ..= i - 2: rows 0 and 1 see none.
+        assert!(g.dq[..2 * 2 * 8].iter().all(|&x| x == 0.0));
+        assert!(g.dq[2 * 2 * 8..].iter().any(|&x| x != 0.0));
+        assert!(g.dk.iter().chain(&g.dv).any(|&x| x != 0.0));
+    }
+}
+
+mod backward_validation {
+    use super::kvcache_validation::t;
+    use flash_attn::validate::{check_backward, AttnOptions, BackwardOperands, Operands};
+    use flash_attn::{FlashAttnError, Layout, BWD_HEAD_DIMS};
+
+    fn ops(d: usize) -> BackwardOperands {
+        let (q, kv) = ([2, 100, 8, d], [2, 70, 2, d]);
+        BackwardOperands {
+            fwd: Operands {
+                q: t(q, 1 << 24),
+                k: t(kv, 2 << 24),
+                v: t(kv, 3 << 24),
+                o: t(q, 4 << 24),
+                lse_len: Some(2 * 8 * 100),
+            },
+            d_o: t(q, 5 << 24),
+            dq: t(q, 6 << 24),
+            dk: t(kv, 7 << 24),
+            dv: t(kv, 8 << 24),
+        }
+    }
+
+    #[test]
+    fn valid_backward_passes_with_masks() {
+        let opts = AttnOptions {
+            causal: true,
+            window: flash_attn::Window {
+                left: Some(30),
+                right: None,
+            },
+            ..Default::default()
+        };
+        for d in BWD_HEAD_DIMS {
+            let s = check_backward(&ops(d), &opts).unwrap();
+            assert_eq!(
+                (s.batch, s.seqlen_q, s.seqlen_k, s.heads, s.kv_heads, s.head_dim),
+                (2, 100, 70, 8, 2, d)
+            );
+        }
+    }
+
+    #[test]
+    fn backward_refuses_what_its_kernels_lack() {
+        let opts = AttnOptions::default();
+        for d in [192, 256] {
+            assert!(matches!(
+                check_backward(&ops(d), &opts),
+                Err(FlashAttnError::UnsupportedHeadDim { got, .. }) if got == d
+            ));
+        }
+        let softcap = AttnOptions {
+            softcap: Some(30.0),
+            ..Default::default()
+        };
+        assert!(matches!(
+            check_backward(&ops(64), &softcap),
+            Err(FlashAttnError::Unsupported {
+                what: "softcap",
+                entry: "backward"
+            })
+        ));
+        let mut no_lse = ops(64);
+        no_lse.fwd.lse_len = None;
+        assert!(matches!(
+            check_backward(&no_lse, &opts),
+            Err(FlashAttnError::Unsupported { .. })
+        ));
+        let mut v_dim = ops(64);
+        v_dim.fwd.v = t([2, 70, 2, 32], 3 << 24);
+        v_dim.fwd.o = t([2, 100, 8, 32], 4 << 24);
+        v_dim.d_o = t([2, 100, 8, 32], 5 << 24);
+        v_dim.dv = t([2, 70, 2, 32], 8 << 24);
+        assert!(matches!(
+            check_backward(&v_dim, &opts),
+            Err(FlashAttnError::Unsupported {
+                what: "a V head dim of its own",
+                ..
+            })
+        ));
+        let splits = AttnOptions {
+            num_splits: Some(2),
+            ..Default::default()
+        };
+        assert!(matches!(
+            check_backward(&ops(64), &splits),
+            Err(FlashAttnError::Unsupported { .. })
+        ));
+        // ALiBi slopes and sinks live on the device: the GPU suite checks
+        // their refusal (`backward_refuses_device_options`).
+    }
+
+    #[test]
+    fn backward_checks_every_gradient_and_d_o() {
+        let opts = AttnOptions::default();
+        let mut lse = ops(64);
+        lse.fwd.lse_len = Some(7);
+        assert!(matches!(
+            check_backward(&lse, &opts),
+            Err(FlashAttnError::LseLength { .. })
+        ));
+        for name in ["d_o", "dq", "dk", "dv"] {
+            let mut o = ops(64);
+            let wrong = t([2, 99, 8, 64], 9 << 24);
+            match name {
+                "d_o" => o.d_o = wrong,
+                "dq" => o.dq = wrong,
+                "dk" => o.dk = wrong,
+                _ => o.dv = wrong,
+            }
+            assert!(
+                matches!(check_backward(&o, &opts), Err(FlashAttnError::ShapeMismatch { tensor, .. }) if tensor == name),
+                "{name}"
+            );
+        }
+        // A broadcast gradient (head stride 0) would add two heads' rows into one.
+        let mut o = ops(64);
+        let mut layout = Layout::contiguous([2, 70, 2, 64]);
+        layout.strides[2] = 0;
+        o.dk.layout = layout;
+        assert!(matches!(
+            check_backward(&o, &opts),
+            Err(FlashAttnError::OverlappingOutput { tensor: "dk" })
+        ));
     }
 }

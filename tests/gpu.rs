@@ -20,9 +20,9 @@ use flash_attn::hopper::probes::Probes;
 use flash_attn::reference;
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
-    AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, Dtype, FlashAttention,
-    FlashAttnError, KvCache, KvFold, Layout, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv,
-    State, TensorMut, TensorRef, Varlen, Window,
+    AlibiSlopes, AttnElement, AttnOptions, BackwardInputs, BlockTable, DecodeStep, Dtype,
+    FlashAttention, FlashAttnError, Grads, KvCache, KvFold, Layout, LoadedCode, ModuleChoice, Out,
+    PagedVarlen, Qkv, State, TensorMut, TensorRef, Varlen, Window,
 };
 use flash_attn_kernels::config::{
     find_hopper_entry, hopper_line_head_dim, hopper_padded_short, AttnTile, HopperCall, HopperPick,
@@ -3607,6 +3607,322 @@ fn bf16_refused(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// A backward problem: the forward's policies that the backward takes.
+#[derive(Clone, Debug)]
+struct BwdCase {
+    batch: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    causal: bool,
+    window: Window,
+    softmax_scale: Option<f32>,
+    seed: u64,
+}
+
+fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
+    let bound =
+        prop_oneof![2 => Just(None), 1 => Just(Some(0usize)), 2 => (1usize..=200).prop_map(Some)];
+    (
+        (1usize..=2, seqlen(), seqlen(), head_counts()),
+        prop::sample::select(flash_attn::BWD_HEAD_DIMS.to_vec()),
+        (any::<bool>(), bound.clone(), bound),
+        proptest::option::of(0.05f32..2.0),
+        any::<u64>(),
+    )
+        .prop_map(
+            |(
+                (batch, seqlen_q, seqlen_k, (heads, kv_heads)),
+                head_dim,
+                (causal, left, right),
+                softmax_scale,
+                seed,
+            )| {
+                BwdCase {
+                    batch,
+                    // The f64 reference is O(B·H·Sq·Skv·D): keep it to seconds.
+                    seqlen_q: seqlen_q.min(400),
+                    seqlen_k: seqlen_k.min(400),
+                    heads,
+                    kv_heads,
+                    head_dim,
+                    causal,
+                    window: Window { left, right },
+                    softmax_scale,
+                    seed,
+                }
+            },
+        )
+}
+
+/// The backward against the f64 reference of the same (rounded) inputs,
+/// row by row. The forward that makes O and the LSE is ours. Tolerance per
+/// row of each gradient, from the dtype's unit roundoff u (2^-11 f16, 2^-8
+/// bf16; f32 accumulation is exact by comparison): P and dS are rounded to
+/// the dtype before their products, `delta` is taken from the rounded O,
+/// and each gradient is rounded once. With M_ij = P_ij times the sum of
+/// |dP_ij|, |delta_i| and Σ|dO_i ∘ O_i|, the bounds are 2u · Σ_i P_ij
+/// max|dO_i| for dV_j, 2u · scale · Σ_i M_ij max|Q_i| for dK_j and 2u ·
+/// scale · Σ_j M_ij max|K_j| for dQ_i, each plus u times the row's largest
+/// reference value. dQ is written through strides with a gap after each
+/// head, which must stay untouched; every gradient starts as NaN.
+fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
+    let (b, sq, sk, h, hkv, d) = (
+        c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.kv_heads, c.head_dim,
+    );
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let s = &gpu.stream;
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let (ql, kl) = (
+        Layout::contiguous([b, sq, h, d]),
+        Layout::contiguous([b, sk, hkv, d]),
+    );
+    let x = random_inputs::<T>(gpu, &mut rng, [&ql, &kl, &kl])?;
+    let opts = AttnOptions {
+        causal: c.causal,
+        window: c.window,
+        softmax_scale: c.softmax_scale,
+        ..Default::default()
+    };
+    let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
+    forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ql), &mut lse, &opts)?;
+    let do_host = random_values::<T>(&mut rng, b * sq * h * d);
+    let d_o = s.clone_htod(&do_host).map_err(e)?;
+    let dql = gapped_layout([b, sq, h, d]);
+    let mut dq = poisoned::<T>(gpu, dql.span().unwrap())?;
+    let mut dk = poisoned::<T>(gpu, b * sk * hkv * d)?;
+    let mut dv = poisoned::<T>(gpu, b * sk * hkv * d)?;
+    gpu.fa
+        .backward(
+            s,
+            Qkv {
+                q: &TensorRef::new(x.q.as_view(), ql),
+                k: &TensorRef::new(x.k.as_view(), kl),
+                v: &TensorRef::new(x.v.as_view(), kl),
+            },
+            BackwardInputs {
+                o: &TensorRef::new(o.as_view(), ql),
+                lse: &lse.as_view(),
+                d_o: &TensorRef::new(d_o.as_view(), ql),
+            },
+            Grads {
+                dq: TensorMut::new(dq.as_view_mut(), dql),
+                dk: TensorMut::new(dk.as_view_mut(), kl),
+                dv: TensorMut::new(dv.as_view_mut(), kl),
+            },
+            &opts,
+        )
+        .map_err(|x| x.to_string())?;
+    let (dq_got, dk_got, dv_got) = (
+        s.clone_dtoh(&dq).map_err(e)?,
+        s.clone_dtoh(&dk).map_err(e)?,
+        s.clone_dtoh(&dv).map_err(e)?,
+    );
+    let o_host = to_f64(&s.clone_dtoh(&o).map_err(e)?);
+    check_untouched_outside(&dq_got, &dql, "dq")?;
+
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: hkv,
+        head_dim: d,
+        causal: c.causal,
+        softmax_scale: c.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt()),
+        window: c.window,
+        ..Default::default()
+    };
+    let (q64, k64, v64, do64) = (
+        to_f64(&x.q_host),
+        to_f64(&x.k_host),
+        to_f64(&x.v_host),
+        to_f64(&do_host),
+    );
+    let want = reference::attention_backward(&shape, &q64, &k64, &v64, &do64);
+    let p = reference::probabilities(&shape, &q64, &k64);
+    let u = abs_tol(T::DTYPE) / 4.0;
+    let scale = shape.softmax_scale as f64;
+    let group = h / hkv;
+    let row_max = |t: &[f64], at: usize| t[at..at + d].iter().fold(0f64, |m, x| m.max(x.abs()));
+    let (q_at, k_at) = (
+        |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d,
+        |bi: usize, j: usize, hk: usize| ((bi * sk + j) * hkv + hk) * d,
+    );
+    // Error bounds, accumulated per row.
+    let mut tol_dq = vec![0f64; b * sq * h];
+    let mut tol_dk = vec![0f64; b * sk * hkv];
+    let mut tol_dv = vec![0f64; b * sk * hkv];
+    for bi in 0..b {
+        for hi in 0..h {
+            let hk = hi / group;
+            for i in 0..sq {
+                let prow = &p[((bi * h + hi) * sq + i) * sk..][..sk];
+                let (qa, dmax, qmax) = (
+                    q_at(bi, i, hi),
+                    row_max(&do64, q_at(bi, i, hi)),
+                    row_max(&q64, q_at(bi, i, hi)),
+                );
+                let dp: Vec<f64> = (0..sk)
+                    .map(|j| {
+                        (0..d)
+                            .map(|t| do64[qa + t] * v64[k_at(bi, j, hk) + t])
+                            .sum()
+                    })
+                    .collect();
+                let delta: f64 = (0..sk).map(|j| prow[j] * dp[j]).sum();
+                let od: f64 = (0..d).map(|t| (do64[qa + t] * o_host[qa + t]).abs()).sum();
+                for j in (0..sk).filter(|&j| prow[j] != 0.0) {
+                    let m = prow[j] * (dp[j].abs() + delta.abs() + od);
+                    let kr = (bi * sk + j) * hkv + hk;
+                    tol_dv[kr] += 2.0 * u * prow[j] * dmax;
+                    tol_dk[kr] += 2.0 * u * scale * m * qmax;
+                    tol_dq[(bi * sq + i) * h + hi] +=
+                        2.0 * u * scale * m * row_max(&k64, k_at(bi, j, hk));
+                }
+            }
+        }
+    }
+    let check = |name: &str,
+                 got: &[T],
+                 layout: &Layout,
+                 want: &[f64],
+                 tol: &[f64]|
+     -> Result<(), String> {
+        let [nb, ns, nh, _] = layout.shape;
+        for bi in 0..nb {
+            for si in 0..ns {
+                for hi in 0..nh {
+                    let row = (bi * ns + si) * nh + hi;
+                    let at =
+                        bi * layout.strides[0] + si * layout.strides[1] + hi * layout.strides[2];
+                    let bound = tol[row] + u * row_max(want, row * d) + 1e-6;
+                    for t in 0..d {
+                        let (g, w) = (got[at + t].to_f64(), want[row * d + t]);
+                        let err = (g - w).abs();
+                        if err.is_nan() || err > bound {
+                            return Err(format!(
+                                "{name} (b {bi}, token {si}, head {hi}, col {t}): got {g}, want {w}, row bound {bound:.3e}"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    };
+    check("dv", &dv_got, &kl, &want.dv, &tol_dv)?;
+    check("dk", &dk_got, &kl, &want.dk, &tol_dk)?;
+    check("dq", &dq_got, &dql, &want.dq, &tol_dq)
+}
+
+/// The backward's typed refusals on the GPU: the device-side options (ALiBi
+/// slopes, sinks) and f32, each before any launch, the gradients untouched.
+fn backward_refuses_device_options(gpu: &Gpu) -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let s = &gpu.stream;
+    let (b, sq, h, d) = (1, 20, 2, 64);
+    let l = Layout::contiguous([b, sq, h, d]);
+    let x = s
+        .clone_htod(&vec![f16::from_f32(0.5); b * sq * h * d])
+        .map_err(e)?;
+    let lse = s.clone_htod(&vec![0f32; b * h * sq]).map_err(e)?;
+    let slopes = s.clone_htod(&vec![0.5f32; h]).map_err(e)?;
+    let (slopes, sinks) = (slopes.as_view(), slopes.as_view());
+    let cases = [
+        (
+            AttnOptions {
+                alibi_slopes: Some(AlibiSlopes::PerHead(&slopes)),
+                ..Default::default()
+            },
+            "alibi_slopes",
+        ),
+        (
+            AttnOptions {
+                sinks: Some(&sinks),
+                ..Default::default()
+            },
+            "sinks",
+        ),
+    ];
+    for (opts, what) in cases {
+        let n = b * sq * h * d;
+        let mut g = [
+            poisoned::<f16>(gpu, n)?,
+            poisoned::<f16>(gpu, n)?,
+            poisoned::<f16>(gpu, n)?,
+        ];
+        let [dq, dk, dv] = &mut g;
+        let (dq, dk, dv) = (dq.as_view_mut(), dk.as_view_mut(), dv.as_view_mut());
+        let t = TensorRef::new(x.as_view(), l);
+        let got = gpu.fa.backward(
+            s,
+            Qkv {
+                q: &t,
+                k: &t,
+                v: &t,
+            },
+            BackwardInputs {
+                o: &t,
+                lse: &lse.as_view(),
+                d_o: &t,
+            },
+            Grads {
+                dq: TensorMut::new(dq, l),
+                dk: TensorMut::new(dk, l),
+                dv: TensorMut::new(dv, l),
+            },
+            &opts,
+        );
+        match got {
+            Err(FlashAttnError::Unsupported {
+                what: w,
+                entry: "backward",
+            }) if w == what => {}
+            other => return Err(format!("{what}: expected Unsupported, got {other:?}")),
+        }
+        for buf in &g {
+            if !s.clone_dtoh(buf).map_err(e)?.iter().all(|v| v.is_nan()) {
+                return Err(format!("{what}: a refused call wrote a gradient"));
+            }
+        }
+    }
+    let x32 = s.clone_htod(&vec![0.5f32; b * sq * h * d]).map_err(e)?;
+    let n = b * sq * h * d;
+    let (mut dq, mut dk, mut dv) = (
+        poisoned::<f32>(gpu, n)?,
+        poisoned::<f32>(gpu, n)?,
+        poisoned::<f32>(gpu, n)?,
+    );
+    let (dq, dk, dv) = (dq.as_view_mut(), dk.as_view_mut(), dv.as_view_mut());
+    let t = TensorRef::new(x32.as_view(), l);
+    match gpu.fa.backward(
+        s,
+        Qkv {
+            q: &t,
+            k: &t,
+            v: &t,
+        },
+        BackwardInputs {
+            o: &t,
+            lse: &lse.as_view(),
+            d_o: &t,
+        },
+        Grads {
+            dq: TensorMut::new(dq, l),
+            dk: TensorMut::new(dk, l),
+            dv: TensorMut::new(dv, l),
+        },
+        &AttnOptions::default(),
+    ) {
+        Err(FlashAttnError::UnsupportedDtype { .. }) => Ok(()),
+        other => Err(format!("f32: expected UnsupportedDtype, got {other:?}")),
+    }
+}
+
 fn main() {
     let args = Arguments::from_args();
     let gpu = Arc::new(open_gpu());
@@ -3842,6 +4158,24 @@ fn main() {
         policy_fwd_strategy(),
         run_merge::<f16>
     );
+    random_trial!(
+        "backward_random_",
+        "f16",
+        case_count().div_ceil(2),
+        bwd_strategy(),
+        run_backward::<f16>
+    );
+    random_trial!(
+        "backward_random_",
+        "bf16",
+        case_count().div_ceil(2),
+        bwd_strategy(),
+        run_backward::<bf16>
+    );
+    let g = gpu.clone();
+    trials.push(Trial::test("backward_refuses_device_options", move || {
+        backward_refuses_device_options(g.as_ref().as_ref().unwrap()).map_err(Failed::from)
+    }));
     random_trial!(
         "merge_states_random_",
         "bf16",

@@ -27,6 +27,11 @@ pub const REQUIRED_ALIGN_BYTES: usize = CHUNK_BYTES;
 /// plus its lines in `attention_variants`.
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 
+/// Head dimensions with compiled backward kernels (`bwd` lines of
+/// `attention_variants`): at D = 192 and 256 the dK and dV accumulators of
+/// a warp's 16 keys alone would take 192-256 registers.
+pub const BWD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+
 /// Largest head dim of any kernel.
 pub const MAX_HEAD_DIM: usize = 256;
 
@@ -565,6 +570,16 @@ pub enum KernelKind {
     /// The Hopper forward (`Sm90a` module): TMA loads, `wgmma`, a producer
     /// warpgroup and [`HopperTile`]'s `consumers` consumer warpgroups.
     WgmmaForward,
+    /// The backward pass: one CTA per (key block, KV head, batch) accumulates
+    /// dK and dV over the query blocks that see its keys, and adds its share
+    /// of dQ to an f32 buffer ([`BwdTile`]).
+    Backward,
+    /// Before [`KernelKind::Backward`]: each query row's `delta = dO·O` and
+    /// a zeroed row of the dQ buffer; any head dim (a multiple of 8).
+    BackwardPrep,
+    /// After [`KernelKind::Backward`]: dQ = softmax_scale times the f32 dQ
+    /// buffer, in the element type; any head dim (a multiple of 8).
+    BackwardDq,
 }
 
 /// Which keys a query row sees (see `kernels::policy`). Ordered from the most
@@ -694,6 +709,7 @@ impl Entry {
             KernelKind::Merge => MERGE_THREADS,
             KernelKind::Probe => PROBE_THREADS,
             KernelKind::WgmmaForward => self.hopper_tile().threads(),
+            KernelKind::Backward | KernelKind::BackwardPrep | KernelKind::BackwardDq => BWD_THREADS,
             _ => self.tile(arch).threads(),
         }
     }
@@ -704,6 +720,8 @@ impl Entry {
             KernelKind::Append | KernelKind::Merge => 0,
             KernelKind::Probe => PtxArch::Sm90a.max_smem_bytes(),
             KernelKind::WgmmaForward => self.hopper_tile().smem_bytes(),
+            KernelKind::Backward => BwdTile::of(self.head_dim).smem_bytes(),
+            KernelKind::BackwardPrep | KernelKind::BackwardDq => 0,
             _ => self.tile(arch).smem_bytes(),
         }
     }
@@ -711,7 +729,8 @@ impl Entry {
     pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
-            KernelKind::Probe => Some(1),
+            KernelKind::BackwardPrep | KernelKind::BackwardDq => None,
+            KernelKind::Probe | KernelKind::Backward => Some(1),
             KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
@@ -892,6 +911,14 @@ macro_rules! attention_variants {
             combine f32 128 full plain dense;
             combine f32 192 full plain dense;
             combine f32 256 full plain dense;
+            bwd f16 32 local plain dense;
+            bwd f16 64 local plain dense;
+            bwd f16 96 local plain dense;
+            bwd f16 128 local plain dense;
+            bwd bf16 32 local plain dense;
+            bwd bf16 64 local plain dense;
+            bwd bf16 96 local plain dense;
+            bwd bf16 128 local plain dense;
         }
     };
 }
@@ -909,6 +936,9 @@ macro_rules! table_word {
     };
     (kind combine) => {
         KernelKind::Combine
+    };
+    (kind bwd) => {
+        KernelKind::Backward
     };
     (dtype f16) => {
         Dtype::F16
@@ -1000,6 +1030,10 @@ macro_rules! entry_rows {
             Entry { name: "flash_append_kv", kind: KernelKind::Append, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_merge_f16", kind: KernelKind::Merge, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_merge_bf16", kind: KernelKind::Merge, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_prep_f16", kind: KernelKind::BackwardPrep, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_prep_bf16", kind: KernelKind::BackwardPrep, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_dq_f16", kind: KernelKind::BackwardDq, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_dq_bf16", kind: KernelKind::BackwardDq, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
         ];
     };
 }
@@ -1032,6 +1066,72 @@ const fn count_entries(arch: PtxArch) -> usize {
         i += 1;
     }
     n
+}
+
+/// Keys per backward CTA: a warp per 16 keys ([`MMA_M`] rows of Sᵀ).
+pub const BWD_BLOCK_N: usize = 64;
+/// Threads of every backward kernel's CTA: the main kernel's four warps.
+pub const BWD_THREADS: usize = BWD_BLOCK_N / MMA_M * WARP_SIZE;
+/// Padding after each shared-memory row of the backward tiles: rows then
+/// start 16 bytes apart modulo 128, so the eight rows of an `ldmatrix`
+/// phase, and the eight row groups of a fragment store, hit distinct banks.
+pub const BWD_ROW_PAD_BYTES: usize = 16;
+
+/// The backward CTA's shared memory: the K and V rows of its key block
+/// (read by every query block), the Q and dO rows of the current query
+/// block, dSᵀ of that block (keys x queries, for dQ = dS·K) and the block's
+/// LSE (log2 units) and `delta` rows in f32. No tile is double-buffered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BwdTile {
+    /// Q/K head dim.
+    pub head_dim: usize,
+    /// Query rows per step: 64 up to D = 64; 32 above, which keeps Sᵀ and dPᵀ
+    /// (2 x 16 registers) beside the dK and dV accumulators (2 x D / 2) in
+    /// 255 registers and the tile in sm_75's 64 KB.
+    pub block_m: usize,
+}
+
+impl BwdTile {
+    /// The tile of head dim `head_dim`.
+    pub const fn of(head_dim: usize) -> BwdTile {
+        BwdTile {
+            head_dim,
+            block_m: if head_dim <= 64 { 64 } else { 32 },
+        }
+    }
+    /// Bytes of a padded row of `elems` 16-bit elements.
+    pub const fn row_bytes(elems: usize) -> usize {
+        elems * ELEM_BYTES + BWD_ROW_PAD_BYTES
+    }
+    /// Offset of V's tile (K's is 0).
+    pub const fn v_offset(&self) -> usize {
+        BWD_BLOCK_N * Self::row_bytes(self.head_dim)
+    }
+    /// Offset of Q's tile.
+    pub const fn q_offset(&self) -> usize {
+        2 * self.v_offset()
+    }
+    /// Offset of dO's tile.
+    pub const fn do_offset(&self) -> usize {
+        self.q_offset() + self.block_m * Self::row_bytes(self.head_dim)
+    }
+    /// Offset of dSᵀ ([`BWD_BLOCK_N`] rows of `block_m` elements).
+    pub const fn ds_offset(&self) -> usize {
+        self.do_offset() + self.block_m * Self::row_bytes(self.head_dim)
+    }
+    /// Offset of the LSE row, then `delta`'s (f32 each).
+    pub const fn stats_offset(&self) -> usize {
+        self.ds_offset() + BWD_BLOCK_N * Self::row_bytes(self.block_m)
+    }
+    /// Dynamic shared memory of the CTA.
+    pub const fn smem_bytes(&self) -> usize {
+        self.stats_offset() + 2 * self.block_m * 4
+    }
+    /// Warps that share one 16-row query tile in the dQ step (each takes
+    /// `head_dim / dq_parts` columns): all four warps work on every block.
+    pub const fn dq_parts(&self) -> usize {
+        BWD_BLOCK_N / self.block_m
+    }
 }
 
 /// Threads of a probe CTA: one warpgroup.
@@ -2025,7 +2125,14 @@ pub fn find_entry(
     ENTRIES.iter().find(|e| {
         e.kind == kind
             && (e.dtype == dtype || kind == KernelKind::Append)
-            && (e.head_dim == head_dim || matches!(kind, KernelKind::Append | KernelKind::Merge))
+            && (e.head_dim == head_dim
+                || matches!(
+                    kind,
+                    KernelKind::Append
+                        | KernelKind::Merge
+                        | KernelKind::BackwardPrep
+                        | KernelKind::BackwardDq
+                ))
             && e.policies.covers(need)
     })
 }

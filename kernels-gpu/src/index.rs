@@ -88,6 +88,40 @@ pub fn key_blocks(
     (n_lo, n_hi)
 }
 
+/// Query blocks `[m_lo, m_hi)` of `block_m` tokens holding a token that
+/// sees some key of key block `n` (`block_n` keys): the blocks a backward
+/// CTA of key block `n` visits. Both ends of the visible range move right
+/// with the token, so the tokens that see the block are one range.
+#[inline(always)]
+pub fn query_blocks(keys: &KeyWindow, n: u32, block_n: u32, block_m: u32) -> (u32, u32) {
+    let (k_lo, k_hi) = (
+        n as i64 * block_n as i64,
+        (n as i64 + 1) * block_n as i64 - 1,
+    );
+    let k_hi = k_hi.min(keys.seqlen_k as i64 - 1);
+    let diag = keys.diag as i64;
+    // Token t sees a key of [k_lo, k_hi] when last(t) >= k_lo and first(t) <= k_hi.
+    let t_lo = if keys.right < 0 {
+        0
+    } else {
+        k_lo - diag - keys.right as i64
+    };
+    let t_hi = if keys.left < 0 {
+        keys.seqlen_q as i64 - 1
+    } else {
+        k_hi - diag + keys.left as i64
+    };
+    let t_lo = t_lo.max(0);
+    let t_hi = t_hi.min(keys.seqlen_q as i64 - 1);
+    if k_lo > k_hi || t_lo > t_hi {
+        return (0, 0);
+    }
+    (
+        (t_lo / block_m as i64) as u32,
+        (t_hi / block_m as i64) as u32 + 1,
+    )
+}
+
 /// Whether key block `n` holds a key that some token of `t_first..=t_last`
 /// does not see (or lies past the sequence's end), so that only those
 /// blocks pay for the element-wise mask.

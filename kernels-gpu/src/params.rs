@@ -273,6 +273,77 @@ pub struct MergeParams {
     pub row_chunks: u32,
 }
 
+/// Parameters of the three backward kernels (`BackwardPrep`, `Backward`,
+/// `BackwardDq`), FlashAttention-2's Algorithm 2 over a fixed batch. With
+/// logits `S = scale · Q·Kᵀ`, `P = exp(S - LSE)` and `delta = rowsum(dO ∘ O)`:
+/// `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - delta)`, `dQ = scale · dS·K`,
+/// `dK = scale · dSᵀ·Q`; query head `h` adds its share to KV head
+/// `h / (heads / kv_heads)`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct BwdParams {
+    /// Q [B, Sq, H, D].
+    pub q: u64,
+    /// K [B, Skv, Hkv, D].
+    pub k: u64,
+    /// V [B, Skv, Hkv, D].
+    pub v: u64,
+    /// The forward's O [B, Sq, H, D].
+    pub o: u64,
+    /// dO [B, Sq, H, D]: the gradient of the loss with respect to O.
+    pub d_o: u64,
+    /// The forward's f32 LSE [B, H, Sq] (natural log; -inf: the row saw no key).
+    pub lse: u64,
+    /// dQ [B, Sq, H, D], written by `BackwardDq`.
+    pub dq: u64,
+    /// dK [B, Skv, Hkv, D].
+    pub dk: u64,
+    /// dV [B, Skv, Hkv, D].
+    pub dv: u64,
+    /// f32 [B, H, Sq, D] workspace: `BackwardPrep` zeroes it, every
+    /// `Backward` CTA adds its dS·K to it.
+    pub dq_accum: u64,
+    /// f32 [B, H, Sq] workspace: each row's `delta`.
+    pub delta: u64,
+    /// Element strides of `q`.
+    pub q_strides: BshStrides,
+    /// Element strides of `k`.
+    pub k_strides: BshStrides,
+    /// Element strides of `v`.
+    pub v_strides: BshStrides,
+    /// Element strides of `o`.
+    pub o_strides: BshStrides,
+    /// Element strides of `d_o`.
+    pub do_strides: BshStrides,
+    /// Element strides of `dq`.
+    pub dq_strides: BshStrides,
+    /// Element strides of `dk`.
+    pub dk_strides: BshStrides,
+    /// Element strides of `dv`.
+    pub dv_strides: BshStrides,
+    /// Sequences B.
+    pub batch: u32,
+    /// Query heads H.
+    pub heads: u32,
+    /// K/V heads Hkv (divides `heads`).
+    pub kv_heads: u32,
+    /// Query tokens per sequence.
+    pub seqlen_q: u32,
+    /// Keys per sequence.
+    pub seqlen_k: u32,
+    /// Head dim D (a multiple of 8): the row length of `BackwardPrep` and
+    /// `BackwardDq`, which serve every head dim.
+    pub head_dim: u32,
+    /// The softmax scale applied to q·k.
+    pub scale: f32,
+    /// `scale · log2(e)`: the kernels work in the exp2 domain.
+    pub scale_log2: f32,
+    /// As [`AttnParams::window_left`].
+    pub window_left: i32,
+    /// As [`AttnParams::window_right`].
+    pub window_right: i32,
+}
+
 /// A TMA tensor map (`CUtensorMap`), as `cuTensorMapEncodeTiled` writes it:
 /// 128 opaque bytes. TMA needs it 64-byte aligned (CUDA 13's header declares
 /// 128, and nvcc's PTX says `.align 128`); rustc's nvptx calling convention

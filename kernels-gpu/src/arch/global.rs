@@ -22,6 +22,23 @@ pub fn st_v2_b32(p: u64, a: u32, b: u32) {
     }
 }
 
+/// `st.global.b32 [p], v;` 4 bytes (a pair of 16-bit elements), `p` 4-byte aligned.
+#[inline(always)]
+pub fn st_b32(p: u64, v: u32) {
+    unsafe {
+        asm!("st.global.b32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
+    }
+}
+
+/// `red.global.add.f32 [p], v;` an atomic add (relaxed, GPU scope) that
+/// returns nothing.
+#[inline(always)]
+pub fn red_add_f32(p: u64, v: f32) {
+    unsafe {
+        asm!("red.global.add.f32 [{p}], {v};", p = in(reg64) p, v = in(reg32) v, options(nostack));
+    }
+}
+
 /// `st.global.f32 [p], v;`
 #[inline(always)]
 pub fn st_f32(p: u64, v: f32) {

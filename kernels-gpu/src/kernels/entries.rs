@@ -45,14 +45,15 @@ macro_rules! ty {
 #[cfg(not(target_feature = "sm_90a"))]
 mod sm80 {
     use super::super::append::append_kv;
+    use super::super::backward::{self, backward};
     use super::super::combine::combine;
     use super::super::decode::decode;
     use super::super::element::F16;
     use super::super::mainloop::attention;
     use super::super::merge::merge;
     use super::super::policy::policies;
-    use crate::config::{attention_variants, AttnTile, KernelKind, PtxArch};
-    use crate::params::{AppendParams, AttnParams, CombineParams, MergeParams};
+    use crate::config::{attention_variants, AttnTile, BwdTile, KernelKind, PtxArch};
+    use crate::params::{AppendParams, AttnParams, BwdParams, CombineParams, MergeParams};
 
     /// The forward tile of a table line.
     macro_rules! forward_tile {
@@ -87,6 +88,17 @@ mod sm80 {
         (combine, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
             combine::<ty!($t), $d>(&$p)
         };
+        (bwd, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
+            backward::<
+                ty!($t),
+                $d,
+                { BwdTile::of($d).block_m },
+                { $d / 16 },
+                { $d / 8 },
+                { BwdTile::of($d).block_m / 8 },
+                { $d / 8 / BwdTile::of($d).dq_parts() },
+            >(&$p)
+        };
     }
 
     macro_rules! entry_params {
@@ -98,6 +110,9 @@ mod sm80 {
         };
         (combine) => {
             CombineParams
+        };
+        (bwd) => {
+            BwdParams
         };
     }
 
@@ -140,10 +155,30 @@ mod sm80 {
         merge::<F16>(&p)
     }
 
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_bwd_prep_f16(p: BwdParams) {
+        backward::prep::<F16>(&p)
+    }
+
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_bwd_dq_f16(p: BwdParams) {
+        backward::dq::<F16>(&p)
+    }
+
     for_dtype! { bf16,
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn flash_merge_bf16(p: MergeParams) {
             merge::<super::super::element::Bf16>(&p)
+        }
+
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn flash_bwd_prep_bf16(p: BwdParams) {
+            backward::prep::<super::super::element::Bf16>(&p)
+        }
+
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn flash_bwd_dq_bf16(p: BwdParams) {
+            backward::dq::<super::super::element::Bf16>(&p)
         }
     }
 }

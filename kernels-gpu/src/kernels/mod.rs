@@ -1,7 +1,8 @@
 //! Attention kernels, organised as in FlashAttention-2: block info (which rows
 //! and keys a CTA owns), policies (mask, score modifiers, sequence layout),
 //! the K/V ring, online softmax, the forward mainloop and the decode
-//! schedule, epilogues, the split-KV combine and state merging. `entries`
+//! schedule, epilogues, the split-KV combine, state merging and the
+//! backward pass. `entries`
 //! instantiates them as named PTX entry points.
 //! The `sm_90a` module (`PtxArch::Sm90a`) compiles `hopper` and the pieces
 //! it shares with the sm_80 kernels (block info, policies, mask, online
@@ -10,6 +11,8 @@
 
 #[cfg(not(target_feature = "sm_90a"))]
 mod append;
+#[cfg(not(target_feature = "sm_90a"))]
+mod backward;
 mod block_info;
 #[cfg(not(target_feature = "sm_90a"))]
 mod combine;

@@ -1,0 +1,254 @@
+//! The backward pass's speed: `cargo bench --bench backward`.
+//!
+//! Each row times `FlashAttention::backward` (its three launches and its two
+//! workspace allocations, as a training step runs it) on random inputs,
+//! after the forward that makes O and the LSE: the median over batches of
+//! back-to-back calls timed with CUDA events. TFLOP/s counts the backward's
+//! five GEMMs over the visible (query, key) pairs: 2.5x the forward's four
+//! FLOPs per pair and head-dim element, FlashAttention's convention. Prints
+//! a table and writes one JSON object per row to `--json PATH` (default
+//! `target/flash-attn-backward.jsonl`), which `scripts/compare-torch-backward.py`
+//! reads to time PyTorch's SDPA backends on the same shapes. Without a GPU
+//! it says so and exits 0. `--filter SUBSTR` picks rows by label; `--quick`
+//! takes fewer samples.
+use std::io::Write;
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use flash_attn::{
+    AttnElement, AttnOptions, BackwardInputs, Dtype, FlashAttention, Grads, Layout, Out, Qkv,
+    TensorMut, TensorRef,
+};
+use half::{bf16, f16};
+
+/// One benchmark row: (B, S, H, Hkv, D, causal, dtype); Sq = Skv = S.
+#[derive(Clone, Copy, Debug)]
+struct Row {
+    batch: usize,
+    seqlen: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    causal: bool,
+    dtype: Dtype,
+}
+
+impl Row {
+    fn label(&self) -> String {
+        format!(
+            "backward {} B={} S={} H={}/{} D={}{}",
+            self.dtype.name(),
+            self.batch,
+            self.seqlen,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            if self.causal { " causal" } else { "" }
+        )
+    }
+
+    /// FLOPs of the five GEMMs over the visible pairs.
+    fn flops(&self) -> f64 {
+        let s = self.seqlen as f64;
+        let pairs = if self.causal {
+            s * (s + 1.0) / 2.0
+        } else {
+            s * s
+        };
+        2.5 * 4.0 * (self.batch * self.heads * self.head_dim) as f64 * pairs
+    }
+}
+
+/// 16k tokens per batch at every head dim, causal and not, plus GQA rows.
+fn rows() -> Vec<Row> {
+    let mut v = Vec::new();
+    for dtype in [Dtype::F16, Dtype::Bf16] {
+        for head_dim in flash_attn::BWD_HEAD_DIMS {
+            for seqlen in [1024, 4096] {
+                for causal in [false, true] {
+                    let heads = 2048 / head_dim;
+                    v.push(Row {
+                        batch: 16384 / seqlen,
+                        seqlen,
+                        heads,
+                        kv_heads: heads,
+                        head_dim,
+                        causal,
+                        dtype,
+                    });
+                }
+            }
+        }
+        // Llama-3-8B's attention (GQA 32/8, D = 128) on a 4k prompt.
+        v.push(Row {
+            batch: 1,
+            seqlen: 4096,
+            heads: 32,
+            kv_heads: 8,
+            head_dim: 128,
+            causal: true,
+            dtype,
+        });
+    }
+    v
+}
+
+fn random<T: AttnElement>(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<T> {
+    // A xorshift stream in [-1, 1): the values only need to be ordinary.
+    let mut x = seed | 1;
+    let host: Vec<T> = (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            T::from_f64((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
+        })
+        .collect();
+    stream.clone_htod(&host).expect("upload")
+}
+
+/// Median milliseconds per call over `reps` batches of calls.
+fn time_median(stream: &Arc<CudaStream>, reps: usize, mut call: impl FnMut()) -> f64 {
+    let event = || {
+        stream
+            .context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .expect("event")
+    };
+    let mut batch = |n: usize| {
+        let (start, end) = (event(), event());
+        start.record(stream).expect("record");
+        for _ in 0..n {
+            call();
+        }
+        end.record(stream).expect("record");
+        end.synchronize().expect("sync");
+        start.elapsed_ms(&end).expect("elapsed") as f64 / n as f64
+    };
+    let n = ((20.0 / batch(2)).ceil() as usize).clamp(1, 50);
+    let mut samples: Vec<f64> = (0..reps).map(|_| batch(n)).collect();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, reps: usize) -> f64 {
+    let (b, s, h, hkv, d) = (r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim);
+    let (ql, kl) = (
+        Layout::contiguous([b, s, h, d]),
+        Layout::contiguous([b, s, hkv, d]),
+    );
+    let (q, k, v) = (
+        random::<T>(stream, b * s * h * d, 1),
+        random::<T>(stream, b * s * hkv * d, 2),
+        random::<T>(stream, b * s * hkv * d, 3),
+    );
+    let d_o = random::<T>(stream, b * s * h * d, 4);
+    let mut o = stream.alloc_zeros::<T>(b * s * h * d).expect("alloc");
+    let mut lse = stream.alloc_zeros::<f32>(b * h * s).expect("alloc");
+    let mut dq = stream.alloc_zeros::<T>(b * s * h * d).expect("alloc");
+    let mut dk = stream.alloc_zeros::<T>(b * s * hkv * d).expect("alloc");
+    let mut dv = stream.alloc_zeros::<T>(b * s * hkv * d).expect("alloc");
+    let opts = AttnOptions {
+        causal: r.causal,
+        ..Default::default()
+    };
+    let (qr, kr, vr) = (
+        TensorRef::new(q.as_view(), ql),
+        TensorRef::new(k.as_view(), kl),
+        TensorRef::new(v.as_view(), kl),
+    );
+    let qkv = Qkv {
+        q: &qr,
+        k: &kr,
+        v: &vr,
+    };
+    fa.forward(
+        stream,
+        qkv,
+        Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut()),
+        &opts,
+    )
+    .expect("forward");
+    let (or, dor, lv) = (
+        TensorRef::new(o.as_view(), ql),
+        TensorRef::new(d_o.as_view(), ql),
+        lse.as_view(),
+    );
+    time_median(stream, reps, || {
+        fa.backward(
+            stream,
+            qkv,
+            BackwardInputs {
+                o: &or,
+                lse: &lv,
+                d_o: &dor,
+            },
+            Grads {
+                dq: TensorMut::new(dq.as_view_mut(), ql),
+                dk: TensorMut::new(dk.as_view_mut(), kl),
+                dv: TensorMut::new(dv.as_view_mut(), kl),
+            },
+            &opts,
+        )
+        .expect("backward")
+    })
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let value_of = |flag: &str| {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .cloned()
+    };
+    let filter = value_of("--filter");
+    let reps = if args.iter().any(|a| a == "--quick") {
+        7
+    } else {
+        21
+    };
+    let json_path = value_of("--json").unwrap_or_else(|| {
+        let dir = std::env::var("CARGO_TARGET_DIR").unwrap_or_else(|_| "target".into());
+        format!("{dir}/flash-attn-backward.jsonl")
+    });
+    if flash_attn::cuda_device_count().expect("the CUDA driver is present but fails") < 1 {
+        println!("no CUDA GPU: nothing to time");
+        return;
+    }
+    let ctx = CudaContext::new(0).expect("context");
+    let stream = ctx.default_stream();
+    let fa = FlashAttention::new(&ctx).expect("module");
+    let gpu = ctx.name().unwrap_or_default();
+    let mut json = std::fs::File::create(&json_path).expect("json file");
+    println!("{gpu}: backward, median ms of CUDA-event-timed batches");
+    println!("{:<48} {:>10} {:>9}", "row", "ms", "TFLOP/s");
+    for r in rows() {
+        if filter.as_deref().is_some_and(|f| !r.label().contains(f)) {
+            continue;
+        }
+        let ms = match r.dtype {
+            Dtype::F16 => run::<f16>(&fa, &stream, &r, reps),
+            _ => run::<bf16>(&fa, &stream, &r, reps),
+        };
+        let tflops = r.flops() / (ms * 1e-3) / 1e12;
+        println!("{:<48} {:>10.4} {:>9.1}", r.label(), ms, tflops);
+        writeln!(
+            json,
+            "{{\"label\":\"{}\",\"dtype\":\"{}\",\"batch\":{},\"seqlen\":{},\"heads\":{},\"kv_heads\":{},\"head_dim\":{},\"causal\":{},\"median_ms\":{},\"tflops\":{},\"gpu\":\"{}\"}}",
+            r.label(),
+            r.dtype.name(),
+            r.batch,
+            r.seqlen,
+            r.heads,
+            r.kv_heads,
+            r.head_dim,
+            r.causal,
+            ms,
+            tflops,
+            gpu
+        )
+        .expect("json line");
+    }
+}

@@ -1,0 +1,402 @@
+//! The backward pass (FlashAttention-2, Algorithm 2) in three kernels:
+//! [`prep`] (`delta = rowsum(dO ∘ O)`, the dQ buffer zeroed), [`backward`]
+//! (one CTA per key block accumulates dK and dV in registers over every query
+//! block that sees its keys, and adds its dQ share to the f32 buffer) and
+//! [`dq`] (the buffer, scaled, in the element type).
+//!
+//! The CTA's warp `w` owns keys `16w..16w+16` of the block, so it computes
+//! Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with keys as rows: Pᵀ and dSᵀ are then, packed
+//! to 16 bits, the A fragments of dV += Pᵀ·dO and dK += dSᵀ·Q (as P is in
+//! the forward's P·V). dQ = dS·K needs dS with queries as rows, so dSᵀ goes
+//! through shared memory and comes back transposed by `ldmatrix.trans`.
+//! Tiles are row-major with a padded row (`BwdTile`), not swizzled.
+use super::copy;
+use super::element::Element;
+use crate::arch::{barrier, global, ldmatrix, math, smem, special};
+use crate::config::{
+    BwdTile, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
+};
+use crate::index::{block_needs_mask, query_blocks, KeyWindow};
+use crate::params::{BshStrides, BwdParams};
+use crate::unroll::unroll;
+
+const LOG2_E: f32 = core::f32::consts::LOG2_E;
+
+/// Byte address of (`row`, 16-bit column `col`) of a padded row-major tile.
+#[inline(always)]
+fn at(tile: u32, row_bytes: u32, row: u32, col: u32) -> u32 {
+    tile + row * row_bytes + col * 2
+}
+
+/// Global byte address of token `t`, head `h` of sequence `b`.
+#[inline(always)]
+fn row_ptr(base: u64, s: &BshStrides, b: u32, t: u32, h: u32) -> u64 {
+    base + 2 * (b as i64 * s.batch + t as i64 * s.row + h as i64 * s.head) as u64
+}
+
+/// The `[B, H, Sq]` index of a query row (LSE, `delta`; times D: the dQ buffer).
+#[inline(always)]
+fn stat_row(p: &BwdParams, b: u32, h: u32, t: u32) -> u64 {
+    (b as u64 * p.heads as u64 + h as u64) * p.seqlen_q as u64 + t as u64
+}
+
+/// Stages tokens `t0..t0 + rows` of head `h` into a padded tile; tokens at
+/// or past `limit` are zeros.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+fn load_rows<T: Element, const D: usize>(
+    tile: u32,
+    rows: u32,
+    tid: u32,
+    base: u64,
+    s: &BshStrides,
+    b: u32,
+    t0: u32,
+    limit: u32,
+    h: u32,
+) {
+    let chunks = (D / CHUNK_ELEMS) as u32;
+    let row_bytes = BwdTile::row_bytes(D) as u32;
+    let mut i = tid;
+    while i < rows * chunks {
+        let (r, c) = (i / chunks, i % chunks);
+        let valid = t0 + r < limit;
+        let src = if valid {
+            row_ptr(base, s, b, t0 + r, h) + (c * CHUNK_BYTES as u32) as u64
+        } else {
+            base
+        };
+        T::stage(at(tile, row_bytes, r, c * CHUNK_ELEMS as u32), src, valid);
+        i += BWD_THREADS as u32;
+    }
+}
+
+/// A lane's `ldmatrix.x4` row and column (16-bit units) within a 16 x 16
+/// block when matrix `i = lane / 8` sits at (8·(i % 2), 8·(i / 2)): the A
+/// operand from row-major [m][k] storage, and (with `.trans`) two n-tiles of
+/// the B operand from row-major [k][n] storage.
+#[inline(always)]
+fn rows_first(lane: u32) -> (u32, u32) {
+    (8 * ((lane / 8) % 2) + lane % 8, 8 * (lane / 16))
+}
+
+/// As [`rows_first`] with matrix `i` at (8·(i / 2), 8·(i % 2)): two n-tiles
+/// of the B operand from row-major [n][k] storage, and (with `.trans`) the A
+/// operand from row-major [k][m] storage.
+#[inline(always)]
+fn cols_first(lane: u32) -> (u32, u32) {
+    (8 * (lane / 16) + lane % 8, 8 * ((lane / 8) % 2))
+}
+
+/// Packs the C fragments of n-tiles `lo` and `hi` (16 columns) into the A
+/// fragment whose k runs over those columns.
+#[inline(always)]
+fn a_fragment<T: Element>(lo: &[f32; 4], hi: &[f32; 4]) -> [u32; 4] {
+    [
+        T::pack(lo[0], lo[1]),
+        T::pack(lo[2], lo[3]),
+        T::pack(hi[0], hi[1]),
+        T::pack(hi[2], hi[3]),
+    ]
+}
+
+/// One backward CTA: key block `blockIdx.x` of KV head `blockIdx.y` of
+/// sequence `blockIdx.z`. `QK = D/16`, `OT = D/8` (n-tiles of dK, dV),
+/// `ST = BM/8` (query n-tiles of Sᵀ), `QOT` = the n-tiles of dQ a warp
+/// computes; checked against the tile at compile time.
+#[inline(always)]
+pub fn backward<
+    T: Element,
+    const D: usize,
+    const BM: usize,
+    const QK: usize,
+    const OT: usize,
+    const ST: usize,
+    const QOT: usize,
+>(
+    p: &BwdParams,
+) {
+    let tile = const { BwdTile::of(D) };
+    const {
+        let t = BwdTile::of(D);
+        assert!(BM == t.block_m && QK * MMA_K == D && OT * 8 == D && ST * 8 == BM);
+        assert!(QOT * 8 * t.dq_parts() == D && QOT % 2 == 0 && OT % 2 == 0 && ST % 2 == 0);
+    }
+    let tid = special::thread_idx_x();
+    let (warp, lane) = (tid / WARP_SIZE as u32, tid % WARP_SIZE as u32);
+    let (g, pair) = (lane / 4, lane % 4);
+    let (n, kv_head, b) = (
+        special::block_idx_x(),
+        special::block_idx_y(),
+        special::block_idx_z(),
+    );
+    let base = smem::base();
+    let rb = BwdTile::row_bytes(D) as u32;
+    let ds_rb = BwdTile::row_bytes(BM) as u32;
+    let (k_s, v_s) = (base, base + tile.v_offset() as u32);
+    let (q_s, do_s) = (
+        base + tile.q_offset() as u32,
+        base + tile.do_offset() as u32,
+    );
+    let ds_s = base + tile.ds_offset() as u32;
+    let lse_s = base + tile.stats_offset() as u32;
+    let delta_s = lse_s + BM as u32 * 4;
+
+    let bn = BWD_BLOCK_N as u32;
+    let key0 = n * bn;
+    load_rows::<T, D>(
+        k_s,
+        bn,
+        tid,
+        p.k,
+        &p.k_strides,
+        b,
+        key0,
+        p.seqlen_k,
+        kv_head,
+    );
+    load_rows::<T, D>(
+        v_s,
+        bn,
+        tid,
+        p.v,
+        &p.v_strides,
+        b,
+        key0,
+        p.seqlen_k,
+        kv_head,
+    );
+    copy::commit();
+
+    let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    let (m_lo, m_hi) = query_blocks(&keys, n, bn, BM as u32);
+    let group = p.heads / p.kv_heads;
+    let (a_row, a_col) = rows_first(lane);
+    let (b_row, b_col) = cols_first(lane);
+    let warp_key = warp * MMA_M as u32;
+    let mut dk = [[0f32; 4]; OT];
+    let mut dv = [[0f32; 4]; OT];
+
+    let mut h = kv_head * group;
+    while h < (kv_head + 1) * group {
+        let mut m = m_lo;
+        while m < m_hi {
+            let q0 = m * BM as u32;
+            // The previous block's reads of Q, dO, dSᵀ and the stats are done.
+            barrier::sync_cta();
+            load_rows::<T, D>(q_s, BM as u32, tid, p.q, &p.q_strides, b, q0, p.seqlen_q, h);
+            load_rows::<T, D>(
+                do_s,
+                BM as u32,
+                tid,
+                p.d_o,
+                &p.do_strides,
+                b,
+                q0,
+                p.seqlen_q,
+                h,
+            );
+            copy::commit();
+            if tid < BM as u32 {
+                // Rows past the sequence have Q = dO = 0, so whatever their
+                // P, they add nothing to dV = Pᵀ·dO or to dS = P ∘ (dPᵀ -
+                // delta): any finite LSE serves. A row that saw no key (LSE =
+                // -inf) has every key of the block cut, so `masked` holds
+                // and its P is set to 0 below.
+                let (lse, delta) = if q0 + tid < p.seqlen_q {
+                    let row = stat_row(p, b, h, q0 + tid) * 4;
+                    let lse = global::ld_nc_f32(p.lse + row) * LOG2_E;
+                    (lse, global::ld_nc_f32(p.delta + row))
+                } else {
+                    (0.0, 0.0)
+                };
+                smem::st_b32(lse_s + tid * 4, lse.to_bits());
+                smem::st_b32(delta_s + tid * 4, delta.to_bits());
+            }
+            copy::wait_all();
+            barrier::sync_cta();
+
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warp's 16 keys.
+            let mut s = [[0f32; 4]; ST];
+            let mut dp = [[0f32; 4]; ST];
+            unroll::<QK>(|kk| {
+                let col = kk as u32 * MMA_K as u32;
+                let ak = ldmatrix::x4(at(k_s, rb, warp_key + a_row, col + a_col));
+                let av = ldmatrix::x4(at(v_s, rb, warp_key + a_row, col + a_col));
+                unroll::<ST>(|j| {
+                    if j % 2 == 0 {
+                        let row = j as u32 * 8 + b_row;
+                        let bq = ldmatrix::x4(at(q_s, rb, row, col + b_col));
+                        T::mma(&mut s[j], &ak, bq[0], bq[1]);
+                        T::mma(&mut s[j + 1], &ak, bq[2], bq[3]);
+                        let bo = ldmatrix::x4(at(do_s, rb, row, col + b_col));
+                        T::mma(&mut dp[j], &av, bo[0], bo[1]);
+                        T::mma(&mut dp[j + 1], &av, bo[2], bo[3]);
+                    }
+                });
+            });
+
+            // Pᵀ = exp(S - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), masked.
+            let masked = block_needs_mask(&keys, q0, q0 + BM as u32 - 1, n, bn);
+            unroll::<ST>(|j| {
+                unroll::<4>(|e| {
+                    let col = j as u32 * 8 + 2 * pair + (e % 2) as u32;
+                    let key = key0 + warp_key + g + 8 * (e / 2) as u32;
+                    let lse = f32::from_bits(smem::ld_b32(lse_s + col * 4));
+                    let delta = f32::from_bits(smem::ld_b32(delta_s + col * 4));
+                    let mut pv = math::ex2(s[j][e] * p.scale_log2 - lse);
+                    if masked && !keys.sees(q0 + col, key) {
+                        pv = 0.0;
+                    }
+                    s[j][e] = pv;
+                    dp[j][e] = pv * (dp[j][e] - delta);
+                });
+            });
+
+            // dV += Pᵀ·dO and dK += dSᵀ·Q.
+            unroll::<ST>(|j| {
+                if j % 2 == 0 {
+                    let row = j as u32 * 8 + a_row;
+                    let ap = a_fragment::<T>(&s[j], &s[j + 1]);
+                    let ads = a_fragment::<T>(&dp[j], &dp[j + 1]);
+                    unroll::<OT>(|d| {
+                        if d % 2 == 0 {
+                            let col = d as u32 * 8 + a_col;
+                            let bo = ldmatrix::x4_trans(at(do_s, rb, row, col));
+                            T::mma(&mut dv[d], &ap, bo[0], bo[1]);
+                            T::mma(&mut dv[d + 1], &ap, bo[2], bo[3]);
+                            let bq = ldmatrix::x4_trans(at(q_s, rb, row, col));
+                            T::mma(&mut dk[d], &ads, bq[0], bq[1]);
+                            T::mma(&mut dk[d + 1], &ads, bq[2], bq[3]);
+                        }
+                    });
+                }
+            });
+
+            // dSᵀ to shared memory, keys as rows.
+            unroll::<ST>(|j| {
+                let col = j as u32 * 8 + 2 * pair;
+                let row = warp_key + g;
+                smem::st_b32(at(ds_s, ds_rb, row, col), T::pack(dp[j][0], dp[j][1]));
+                smem::st_b32(at(ds_s, ds_rb, row + 8, col), T::pack(dp[j][2], dp[j][3]));
+            });
+            barrier::sync_cta();
+
+            // dQ share = dS·K: warp w takes query tile w % (BM/16) and the
+            // (w / (BM/16))-th of dQ's column parts, over all 64 keys.
+            let q_tile = warp % (BM / MMA_M) as u32;
+            let d0 = (warp / (BM / MMA_M) as u32) * (QOT * 8) as u32;
+            let mut dq = [[0f32; 4]; QOT];
+            unroll::<{ BWD_BLOCK_N / MMA_K }>(|kk| {
+                let key = kk as u32 * MMA_K as u32;
+                let a = ldmatrix::x4_trans(at(ds_s, ds_rb, key + b_row, q_tile * 16 + b_col));
+                unroll::<QOT>(|d| {
+                    if d % 2 == 0 {
+                        let bk =
+                            ldmatrix::x4_trans(at(k_s, rb, key + a_row, d0 + d as u32 * 8 + a_col));
+                        T::mma(&mut dq[d], &a, bk[0], bk[1]);
+                        T::mma(&mut dq[d + 1], &a, bk[2], bk[3]);
+                    }
+                });
+            });
+            unroll::<2>(|r| {
+                let t = q0 + q_tile * 16 + g + 8 * r as u32;
+                if t < p.seqlen_q {
+                    let dst =
+                        p.dq_accum + (stat_row(p, b, h, t) * D as u64 + (d0 + 2 * pair) as u64) * 4;
+                    unroll::<QOT>(|d| {
+                        global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
+                        global::red_add_f32(dst + d as u64 * 32 + 4, dq[d][2 * r + 1]);
+                    });
+                }
+            });
+            m += 1;
+        }
+        h += 1;
+    }
+    // A CTA that visits no query block still has its K/V copies in flight.
+    copy::wait_all();
+
+    unroll::<2>(|r| {
+        let key = key0 + warp_key + g + 8 * r as u32;
+        if key < p.seqlen_k {
+            let dk_row = row_ptr(p.dk, &p.dk_strides, b, key, kv_head) + 4 * pair as u64;
+            let dv_row = row_ptr(p.dv, &p.dv_strides, b, key, kv_head) + 4 * pair as u64;
+            unroll::<OT>(|d| {
+                let (c0, c1) = (dk[d][2 * r], dk[d][2 * r + 1]);
+                global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));
+                global::st_b32(
+                    dv_row + d as u64 * 16,
+                    T::pack(dv[d][2 * r], dv[d][2 * r + 1]),
+                );
+            });
+        }
+    });
+}
+
+/// The query row of thread `blockIdx.x · BWD_THREADS + threadIdx.x`, as
+/// (b, h, t) in `[B, H, Sq]` order, or `None` past the last row.
+#[inline(always)]
+fn thread_row(p: &BwdParams, per_row: u32) -> Option<(u64, u32, u32, u32, u32)> {
+    let i = special::block_idx_x() as u64 * BWD_THREADS as u64 + special::thread_idx_x() as u64;
+    let rows = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
+    if i >= rows * per_row as u64 {
+        return None;
+    }
+    let (row, part) = (i / per_row as u64, (i % per_row as u64) as u32);
+    let t = (row % p.seqlen_q as u64) as u32;
+    let bh = row / p.seqlen_q as u64;
+    Some((
+        row,
+        part,
+        (bh / p.heads as u64) as u32,
+        (bh % p.heads as u64) as u32,
+        t,
+    ))
+}
+
+/// `delta` of one query row per thread, and its row of the dQ buffer zeroed.
+#[inline(always)]
+pub fn prep<T: Element>(p: &BwdParams) {
+    let Some((row, _, b, h, t)) = thread_row(p, 1) else {
+        return;
+    };
+    let (o, d_o) = (
+        row_ptr(p.o, &p.o_strides, b, t, h),
+        row_ptr(p.d_o, &p.do_strides, b, t, h),
+    );
+    let zero = p.dq_accum + row * p.head_dim as u64 * 4;
+    let mut delta = 0f32;
+    let mut c = 0;
+    while c < p.head_dim / CHUNK_ELEMS as u32 {
+        let off = (c * CHUNK_BYTES as u32) as u64;
+        let (x, y) = (
+            global::ld_nc_v4_b32(o + off),
+            global::ld_nc_v4_b32(d_o + off),
+        );
+        unroll::<4>(|e| {
+            let ((x0, x1), (y0, y1)) = (T::unpack(x[e]), T::unpack(y[e]));
+            delta = math::fma(x0, y0, math::fma(x1, y1, delta));
+        });
+        global::st_v4_b32(zero + 2 * off, [0; 4]);
+        global::st_v4_b32(zero + 2 * off + 16, [0; 4]);
+        c += 1;
+    }
+    global::st_f32(p.delta + row * 4, delta);
+}
+
+/// One 8-column chunk of dQ per thread: `scale` times the dQ buffer.
+#[inline(always)]
+pub fn dq<T: Element>(p: &BwdParams) {
+    let chunks = p.head_dim / CHUNK_ELEMS as u32;
+    let Some((row, c, b, h, t)) = thread_row(p, chunks) else {
+        return;
+    };
+    let src = p.dq_accum + (row * p.head_dim as u64 + (c * CHUNK_ELEMS as u32) as u64) * 4;
+    let (lo, hi) = (global::ld_nc_v4_f32(src), global::ld_nc_v4_f32(src + 16));
+    let v = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]].map(|x| x * p.scale);
+    T::store_chunk(
+        row_ptr(p.dq, &p.dq_strides, b, t, h) + (c * CHUNK_BYTES as u32) as u64,
+        v,
+    );
+}

@@ -1,0 +1,103 @@
+#!/usr/bin/env python3
+"""Time PyTorch SDPA's backward (FlashAttention-2 and cuDNN backends) on the
+shapes of our backward bench, with the same method: CUDA events around
+batches of back-to-back calls, the median over batches.
+
+    cargo bench --bench backward -- --json ours.jsonl      # on a GPU host
+    python3 scripts/compare-torch-backward.py --ours ours.jsonl --out DIR
+
+Each PyTorch call is ``torch.autograd.grad(O, (Q, K, V), dO, retain_graph=True)``
+after one forward: the backward kernels, their workspace and autograd's
+dispatch, as a training step runs them. Writes DIR/compare-backward.md
+(also printed) and DIR/compare-backward.json.
+"""
+import argparse
+import json
+import os
+import statistics
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = {"FA2": SDPBackend.FLASH_ATTENTION, "cuDNN": SDPBackend.CUDNN_ATTENTION}
+
+
+def time_median(call, reps):
+    def batch(n):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(n):
+            call()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / n
+
+    n = max(1, min(50, int(20.0 / batch(2)) + 1))
+    return statistics.median_high([batch(n) for _ in range(reps)])
+
+
+def torch_ms(row, backend, reps):
+    dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[row["dtype"]]
+    b, s, h, hkv, d = row["batch"], row["seqlen"], row["heads"], row["kv_heads"], row["head_dim"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(heads):
+        x = torch.rand(b, heads, s, d, device="cuda", dtype=torch.float32, generator=gen) * 2 - 1
+        return x.to(dtype).requires_grad_(True)
+
+    q, k, v = rand(h), rand(hkv), rand(hkv)
+    d_o = torch.rand(b, h, s, d, device="cuda", generator=gen).to(dtype) * 2 - 1
+    try:
+        with sdpa_kernel([backend]):
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=row["causal"], enable_gqa=(h != hkv)
+            )
+            grad = lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
+            grad()
+            torch.cuda.synchronize()
+            return time_median(grad, reps)
+    except RuntimeError as e:
+        return f"n/a ({str(e).splitlines()[0][:60]})"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ours", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--reps", type=int, default=21)
+    a = ap.parse_args()
+    rows = [json.loads(line) for line in open(a.ours) if line.strip()]
+    os.makedirs(a.out, exist_ok=True)
+    out = []
+    for r in rows:
+        t = {name: torch_ms(r, be, a.reps) for name, be in BACKENDS.items()}
+        out.append({"ours": r, "torch_ms": t})
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        f"# backward on {gpu} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
+        "",
+        "| row | ours ms | ours TFLOP/s | FA2 ms | cuDNN ms | ours / FA2 | ours / cuDNN |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def ratio(x, ours):
+        return f"{x / ours:.3f}" if isinstance(x, float) else "-"
+
+    def ms(x):
+        return f"{x:.4f}" if isinstance(x, float) else x
+
+    for o in out:
+        r, t = o["ours"], o["torch_ms"]
+        lines.append(
+            f"| {r['label']} | {r['median_ms']:.4f} | {r['tflops']:.1f} | {ms(t['FA2'])} | "
+            f"{ms(t['cuDNN'])} | {ratio(t['FA2'], r['median_ms'])} | {ratio(t['cuDNN'], r['median_ms'])} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    open(os.path.join(a.out, "compare-backward.md"), "w").write(text)
+    json.dump({"gpu": gpu, "rows": out}, open(os.path.join(a.out, "compare-backward.json"), "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
