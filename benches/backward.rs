@@ -221,6 +221,9 @@ fn main() {
     let stream = ctx.default_stream();
     let fa = FlashAttention::new(&ctx).expect("module");
     let gpu = ctx.name().unwrap_or_default();
+    if let Some(dir) = std::path::Path::new(&json_path).parent() {
+        std::fs::create_dir_all(dir).expect("the JSON file's folder");
+    }
     let mut json = std::fs::File::create(&json_path).expect("json file");
     println!("{gpu}: backward, median ms of CUDA-event-timed batches");
     println!("{:<48} {:>10} {:>9}", "row", "ms", "TFLOP/s");

@@ -3020,12 +3020,12 @@ mod config {
                     assert_eq!(e.min_ctas_per_sm(a), None);
                 }
                 KernelKind::Backward => {
-                    let t = BwdTile::of(e.head_dim);
+                    let t = BwdTile::of(e.head_dim, a);
                     assert!(BWD_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
                     assert_eq!(e.threads(a), BWD_THREADS);
                     assert_eq!(e.smem_bytes(a), t.smem_bytes());
                     assert!(t.smem_bytes() <= a.max_smem_bytes(), "{e:?} on {a:?}");
-                    assert_eq!(e.min_ctas_per_sm(a), Some(1));
+                    assert_eq!(e.min_ctas_per_sm(a), Some(t.ctas_per_sm));
                 }
                 _ => {
                     let t = AttnTile::of_variant(e.kind, e.head_dim, e.policies, a);

@@ -720,7 +720,7 @@ impl Entry {
             KernelKind::Append | KernelKind::Merge => 0,
             KernelKind::Probe => PtxArch::Sm90a.max_smem_bytes(),
             KernelKind::WgmmaForward => self.hopper_tile().smem_bytes(),
-            KernelKind::Backward => BwdTile::of(self.head_dim).smem_bytes(),
+            KernelKind::Backward => BwdTile::of(self.head_dim, arch).smem_bytes(),
             KernelKind::BackwardPrep | KernelKind::BackwardDq => 0,
             _ => self.tile(arch).smem_bytes(),
         }
@@ -730,7 +730,8 @@ impl Entry {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
             KernelKind::BackwardPrep | KernelKind::BackwardDq => None,
-            KernelKind::Probe | KernelKind::Backward => Some(1),
+            KernelKind::Backward => Some(BwdTile::of(self.head_dim, arch).ctas_per_sm),
+            KernelKind::Probe => Some(1),
             KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
@@ -1078,25 +1079,45 @@ pub const BWD_THREADS: usize = BWD_BLOCK_N / MMA_M * WARP_SIZE;
 pub const BWD_ROW_PAD_BYTES: usize = 16;
 
 /// The backward CTA's shared memory: the K and V rows of its key block
-/// (read by every query block), the Q and dO rows of the current query
-/// block, dSᵀ of that block (keys x queries, for dQ = dS·K) and the block's
-/// LSE (log2 units) and `delta` rows in f32. No tile is double-buffered.
+/// (read by every query block), `q_stages` buffers of a query block's Q and
+/// dO rows and its LSE and `delta` (f32), and dSᵀ of the current block (keys
+/// x queries, for dQ = dS·K). With two stages the next block's copies run
+/// under the current block's GEMMs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdTile {
     /// Q/K head dim.
     pub head_dim: usize,
     /// Query rows per step: 64 up to D = 64; 32 above, which keeps Sᵀ and dPᵀ
     /// (2 x 16 registers) beside the dK and dV accumulators (2 x D / 2) in
-    /// 255 registers and the tile in sm_75's 64 KB.
+    /// 255 registers.
     pub block_m: usize,
+    /// Query-block buffers: 2 where they fit the module's shared memory
+    /// (all but sm_75 at D = 128), else 1.
+    pub q_stages: usize,
+    /// CTAs per SM the PTX asks for (`.minnctapersm`), which caps the
+    /// registers: 3 (170 registers) at D <= 64 in the sm_90 module, whose
+    /// SMs hold three such tiles; 1 elsewhere (255 registers).
+    pub ctas_per_sm: usize,
 }
 
 impl BwdTile {
-    /// The tile of head dim `head_dim`.
-    pub const fn of(head_dim: usize) -> BwdTile {
-        BwdTile {
+    /// The tile of head dim `head_dim` in `arch`'s module.
+    pub const fn of(head_dim: usize, arch: PtxArch) -> BwdTile {
+        let one = BwdTile {
             head_dim,
             block_m: if head_dim <= 64 { 64 } else { 32 },
+            q_stages: 1,
+            ctas_per_sm: if head_dim <= 64 && matches!(arch, PtxArch::Sm90) {
+                3
+            } else {
+                1
+            },
+        };
+        let two = BwdTile { q_stages: 2, ..one };
+        if two.smem_bytes() <= arch.max_smem_bytes() {
+            two
+        } else {
+            one
         }
     }
     /// Bytes of a padded row of `elems` 16-bit elements.
@@ -1107,25 +1128,25 @@ impl BwdTile {
     pub const fn v_offset(&self) -> usize {
         BWD_BLOCK_N * Self::row_bytes(self.head_dim)
     }
-    /// Offset of Q's tile.
-    pub const fn q_offset(&self) -> usize {
-        2 * self.v_offset()
+    /// Bytes of one query-block stage: Q, dO, then the LSE and `delta` rows.
+    pub const fn stage_bytes(&self) -> usize {
+        2 * self.block_m * Self::row_bytes(self.head_dim) + 2 * self.block_m * 4
     }
-    /// Offset of dO's tile.
-    pub const fn do_offset(&self) -> usize {
-        self.q_offset() + self.block_m * Self::row_bytes(self.head_dim)
+    /// Offset of Q's tile in stage `stage`; dO's follows it.
+    pub const fn q_offset(&self, stage: usize) -> usize {
+        2 * self.v_offset() + stage * self.stage_bytes()
+    }
+    /// Offset of stage `stage`'s LSE row (natural log, f32), then `delta`'s.
+    pub const fn stats_offset(&self, stage: usize) -> usize {
+        self.q_offset(stage) + 2 * self.block_m * Self::row_bytes(self.head_dim)
     }
     /// Offset of dSᵀ ([`BWD_BLOCK_N`] rows of `block_m` elements).
     pub const fn ds_offset(&self) -> usize {
-        self.do_offset() + self.block_m * Self::row_bytes(self.head_dim)
-    }
-    /// Offset of the LSE row, then `delta`'s (f32 each).
-    pub const fn stats_offset(&self) -> usize {
-        self.ds_offset() + BWD_BLOCK_N * Self::row_bytes(self.block_m)
+        self.q_offset(self.q_stages)
     }
     /// Dynamic shared memory of the CTA.
     pub const fn smem_bytes(&self) -> usize {
-        self.stats_offset() + 2 * self.block_m * 4
+        self.ds_offset() + BWD_BLOCK_N * Self::row_bytes(self.block_m)
     }
     /// Warps that share one 16-row query tile in the dQ step (each takes
     /// `head_dim / dq_parts` columns): all four warps work on every block.

@@ -17,6 +17,21 @@ pub fn cg_16(dst: u32, src: u64, src_bytes: u32) {
     }
 }
 
+/// `cp.async.ca.shared.global [dst], [src], 4, src_bytes;`
+///
+/// Copies 4 bytes (through L1: `.cg` takes 16 only); `src_bytes == 0` writes
+/// zeros without reading `src`, as [`cg_16`].
+#[inline(always)]
+pub fn ca_4(dst: u32, src: u64, src_bytes: u32) {
+    unsafe {
+        asm!(
+            "cp.async.ca.shared.global [{d}], [{s}], 4, {n};",
+            d = in(reg32) dst, s = in(reg64) src, n = in(reg32) src_bytes,
+            options(nostack),
+        );
+    }
+}
+
 /// `cp.async.commit_group;` closes the group of copies issued so far.
 #[inline(always)]
 pub fn commit() {

@@ -14,7 +14,7 @@ use super::copy;
 use super::element::Element;
 use crate::arch::{barrier, global, ldmatrix, math, smem, special};
 use crate::config::{
-    BwdTile, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
+    BwdTile, PtxArch, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
 };
 use crate::index::{block_needs_mask, query_blocks, KeyWindow};
 use crate::params::{BshStrides, BwdParams};
@@ -40,33 +40,34 @@ fn stat_row(p: &BwdParams, b: u32, h: u32, t: u32) -> u64 {
     (b as u64 * p.heads as u64 + h as u64) * p.seqlen_q as u64 + t as u64
 }
 
-/// Stages tokens `t0..t0 + rows` of head `h` into a padded tile; tokens at
-/// or past `limit` are zeros.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn load_rows<T: Element, const D: usize>(
-    tile: u32,
-    rows: u32,
-    tid: u32,
+/// Tokens `first..` of head `head` of sequence `batch` in a [B, S, H, D]
+/// tensor; tokens at or past `limit` read as zeros.
+#[derive(Clone, Copy)]
+struct Rows<'a> {
     base: u64,
-    s: &BshStrides,
-    b: u32,
-    t0: u32,
+    strides: &'a BshStrides,
+    batch: u32,
+    head: u32,
+    first: u32,
     limit: u32,
-    h: u32,
-) {
+}
+
+/// Stages `count` tokens of `src` into a padded tile.
+#[inline(always)]
+fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, tid: u32, src: Rows) {
     let chunks = (D / CHUNK_ELEMS) as u32;
     let row_bytes = BwdTile::row_bytes(D) as u32;
     let mut i = tid;
-    while i < rows * chunks {
+    while i < count * chunks {
         let (r, c) = (i / chunks, i % chunks);
-        let valid = t0 + r < limit;
-        let src = if valid {
-            row_ptr(base, s, b, t0 + r, h) + (c * CHUNK_BYTES as u32) as u64
+        let t = src.first + r;
+        let valid = t < src.limit;
+        let from = if valid {
+            row_ptr(src.base, src.strides, src.batch, t, src.head) + (c * CHUNK_BYTES as u32) as u64
         } else {
-            base
+            src.base
         };
-        T::stage(at(tile, row_bytes, r, c * CHUNK_ELEMS as u32), src, valid);
+        T::stage(at(tile, row_bytes, r, c * CHUNK_ELEMS as u32), from, valid);
         i += BWD_THREADS as u32;
     }
 }
@@ -116,9 +117,9 @@ pub fn backward<
 >(
     p: &BwdParams,
 ) {
-    let tile = const { BwdTile::of(D) };
+    let tile = const { BwdTile::of(D, PtxArch::TARGET) };
     const {
-        let t = BwdTile::of(D);
+        let t = BwdTile::of(D, PtxArch::TARGET);
         assert!(BM == t.block_m && QK * MMA_K == D && OT * 8 == D && ST * 8 == BM);
         assert!(QOT * 8 * t.dq_parts() == D && QOT % 2 == 0 && OT % 2 == 0 && ST % 2 == 0);
     }
@@ -134,185 +135,195 @@ pub fn backward<
     let rb = BwdTile::row_bytes(D) as u32;
     let ds_rb = BwdTile::row_bytes(BM) as u32;
     let (k_s, v_s) = (base, base + tile.v_offset() as u32);
-    let (q_s, do_s) = (
-        base + tile.q_offset() as u32,
-        base + tile.do_offset() as u32,
-    );
     let ds_s = base + tile.ds_offset() as u32;
-    let lse_s = base + tile.stats_offset() as u32;
-    let delta_s = lse_s + BM as u32 * 4;
 
     let bn = BWD_BLOCK_N as u32;
     let key0 = n * bn;
-    load_rows::<T, D>(
-        k_s,
-        bn,
-        tid,
-        p.k,
-        &p.k_strides,
-        b,
-        key0,
-        p.seqlen_k,
-        kv_head,
-    );
-    load_rows::<T, D>(
-        v_s,
-        bn,
-        tid,
-        p.v,
-        &p.v_strides,
-        b,
-        key0,
-        p.seqlen_k,
-        kv_head,
-    );
+    let kv_rows = |base, strides| Rows {
+        base,
+        strides,
+        batch: b,
+        head: kv_head,
+        first: key0,
+        limit: p.seqlen_k,
+    };
+    load_rows::<T, D>(k_s, bn, tid, kv_rows(p.k, &p.k_strides));
+    load_rows::<T, D>(v_s, bn, tid, kv_rows(p.v, &p.v_strides));
     copy::commit();
 
+    // The (query head, query block) pairs that see the key block, in one
+    // sequence so that step i + 1's copies can be issued during step i.
     let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
     let (m_lo, m_hi) = query_blocks(&keys, n, bn, BM as u32);
     let group = p.heads / p.kv_heads;
+    let blocks = m_hi - m_lo;
+    let steps = group * blocks;
+    let step_of = |i: u32| (kv_head * group + i / blocks, m_lo + i % blocks);
+    let stages = tile.q_stages as u32;
+    // Q and dO rows, and the LSE and `delta` rows, of step i into `stage`.
+    // Rows past the sequence are zeros: with Q = dO = 0 they add nothing
+    // to dV = Pᵀ·dO or to dS = P ∘ (dPᵀ - delta), whatever their P. A row
+    // that saw no key (LSE = -inf) has every key of the block cut, so
+    // `masked` holds and its P is set to 0.
+    let issue = |i: u32, stage: u32| {
+        let (h, m) = step_of(i);
+        let q0 = m * BM as u32;
+        let q_s = base + tile.q_offset(stage as usize) as u32;
+        let do_s = q_s + (BM * BwdTile::row_bytes(D)) as u32;
+        let q_rows = |base, strides| Rows {
+            base,
+            strides,
+            batch: b,
+            head: h,
+            first: q0,
+            limit: p.seqlen_q,
+        };
+        load_rows::<T, D>(q_s, BM as u32, tid, q_rows(p.q, &p.q_strides));
+        load_rows::<T, D>(do_s, BM as u32, tid, q_rows(p.d_o, &p.do_strides));
+        if tid < 2 * BM as u32 {
+            let (r, src) = (
+                tid % BM as u32,
+                if tid < BM as u32 { p.lse } else { p.delta },
+            );
+            let valid = q0 + r < p.seqlen_q;
+            let row = if valid { stat_row(p, b, h, q0 + r) } else { 0 };
+            copy::word(
+                base + tile.stats_offset(stage as usize) as u32 + tid * 4,
+                src + row * 4,
+                valid,
+            );
+        }
+    };
+    if steps > 0 && stages > 1 {
+        issue(0, 0);
+        copy::commit();
+    }
     let (a_row, a_col) = rows_first(lane);
     let (b_row, b_col) = cols_first(lane);
     let warp_key = warp * MMA_M as u32;
     let mut dk = [[0f32; 4]; OT];
     let mut dv = [[0f32; 4]; OT];
 
-    let mut h = kv_head * group;
-    while h < (kv_head + 1) * group {
-        let mut m = m_lo;
-        while m < m_hi {
-            let q0 = m * BM as u32;
-            // The previous block's reads of Q, dO, dSᵀ and the stats are done.
-            barrier::sync_cta();
-            load_rows::<T, D>(q_s, BM as u32, tid, p.q, &p.q_strides, b, q0, p.seqlen_q, h);
-            load_rows::<T, D>(
-                do_s,
-                BM as u32,
-                tid,
-                p.d_o,
-                &p.do_strides,
-                b,
-                q0,
-                p.seqlen_q,
-                h,
-            );
-            copy::commit();
-            if tid < BM as u32 {
-                // Rows past the sequence have Q = dO = 0, so whatever their
-                // P, they add nothing to dV = Pᵀ·dO or to dS = P ∘ (dPᵀ -
-                // delta): any finite LSE serves. A row that saw no key (LSE =
-                // -inf) has every key of the block cut, so `masked` holds
-                // and its P is set to 0 below.
-                let (lse, delta) = if q0 + tid < p.seqlen_q {
-                    let row = stat_row(p, b, h, q0 + tid) * 4;
-                    let lse = global::ld_nc_f32(p.lse + row) * LOG2_E;
-                    (lse, global::ld_nc_f32(p.delta + row))
-                } else {
-                    (0.0, 0.0)
-                };
-                smem::st_b32(lse_s + tid * 4, lse.to_bits());
-                smem::st_b32(delta_s + tid * 4, delta.to_bits());
+    let mut i = 0;
+    while i < steps {
+        let (h, m) = step_of(i);
+        let q0 = m * BM as u32;
+        let stage = i % stages;
+        // Every warp is done with the stage the next copies overwrite
+        // (step i - 1's with two stages, this one's with one) and with dSᵀ.
+        barrier::sync_cta();
+        if stages > 1 {
+            if i + 1 < steps {
+                issue(i + 1, (i + 1) % stages);
             }
+            copy::commit();
+            copy::wait_pending(1);
+        } else {
+            issue(i, 0);
+            copy::commit();
             copy::wait_all();
-            barrier::sync_cta();
+        }
+        barrier::sync_cta();
+        let q_s = base + tile.q_offset(stage as usize) as u32;
+        let do_s = q_s + (BM * BwdTile::row_bytes(D)) as u32;
+        let lse_s = base + tile.stats_offset(stage as usize) as u32;
+        let delta_s = lse_s + BM as u32 * 4;
 
-            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warp's 16 keys.
-            let mut s = [[0f32; 4]; ST];
-            let mut dp = [[0f32; 4]; ST];
-            unroll::<QK>(|kk| {
-                let col = kk as u32 * MMA_K as u32;
-                let ak = ldmatrix::x4(at(k_s, rb, warp_key + a_row, col + a_col));
-                let av = ldmatrix::x4(at(v_s, rb, warp_key + a_row, col + a_col));
-                unroll::<ST>(|j| {
-                    if j % 2 == 0 {
-                        let row = j as u32 * 8 + b_row;
-                        let bq = ldmatrix::x4(at(q_s, rb, row, col + b_col));
-                        T::mma(&mut s[j], &ak, bq[0], bq[1]);
-                        T::mma(&mut s[j + 1], &ak, bq[2], bq[3]);
-                        let bo = ldmatrix::x4(at(do_s, rb, row, col + b_col));
-                        T::mma(&mut dp[j], &av, bo[0], bo[1]);
-                        T::mma(&mut dp[j + 1], &av, bo[2], bo[3]);
-                    }
-                });
-            });
-
-            // Pᵀ = exp(S - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), masked.
-            let masked = block_needs_mask(&keys, q0, q0 + BM as u32 - 1, n, bn);
-            unroll::<ST>(|j| {
-                unroll::<4>(|e| {
-                    let col = j as u32 * 8 + 2 * pair + (e % 2) as u32;
-                    let key = key0 + warp_key + g + 8 * (e / 2) as u32;
-                    let lse = f32::from_bits(smem::ld_b32(lse_s + col * 4));
-                    let delta = f32::from_bits(smem::ld_b32(delta_s + col * 4));
-                    let mut pv = math::ex2(s[j][e] * p.scale_log2 - lse);
-                    if masked && !keys.sees(q0 + col, key) {
-                        pv = 0.0;
-                    }
-                    s[j][e] = pv;
-                    dp[j][e] = pv * (dp[j][e] - delta);
-                });
-            });
-
-            // dV += Pᵀ·dO and dK += dSᵀ·Q.
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warp's 16 keys.
+        let mut s = [[0f32; 4]; ST];
+        let mut dp = [[0f32; 4]; ST];
+        unroll::<QK>(|kk| {
+            let col = kk as u32 * MMA_K as u32;
+            let ak = ldmatrix::x4(at(k_s, rb, warp_key + a_row, col + a_col));
+            let av = ldmatrix::x4(at(v_s, rb, warp_key + a_row, col + a_col));
             unroll::<ST>(|j| {
                 if j % 2 == 0 {
-                    let row = j as u32 * 8 + a_row;
-                    let ap = a_fragment::<T>(&s[j], &s[j + 1]);
-                    let ads = a_fragment::<T>(&dp[j], &dp[j + 1]);
-                    unroll::<OT>(|d| {
-                        if d % 2 == 0 {
-                            let col = d as u32 * 8 + a_col;
-                            let bo = ldmatrix::x4_trans(at(do_s, rb, row, col));
-                            T::mma(&mut dv[d], &ap, bo[0], bo[1]);
-                            T::mma(&mut dv[d + 1], &ap, bo[2], bo[3]);
-                            let bq = ldmatrix::x4_trans(at(q_s, rb, row, col));
-                            T::mma(&mut dk[d], &ads, bq[0], bq[1]);
-                            T::mma(&mut dk[d + 1], &ads, bq[2], bq[3]);
-                        }
-                    });
+                    let row = j as u32 * 8 + b_row;
+                    let bq = ldmatrix::x4(at(q_s, rb, row, col + b_col));
+                    T::mma(&mut s[j], &ak, bq[0], bq[1]);
+                    T::mma(&mut s[j + 1], &ak, bq[2], bq[3]);
+                    let bo = ldmatrix::x4(at(do_s, rb, row, col + b_col));
+                    T::mma(&mut dp[j], &av, bo[0], bo[1]);
+                    T::mma(&mut dp[j + 1], &av, bo[2], bo[3]);
                 }
             });
+        });
 
-            // dSᵀ to shared memory, keys as rows.
-            unroll::<ST>(|j| {
-                let col = j as u32 * 8 + 2 * pair;
-                let row = warp_key + g;
-                smem::st_b32(at(ds_s, ds_rb, row, col), T::pack(dp[j][0], dp[j][1]));
-                smem::st_b32(at(ds_s, ds_rb, row + 8, col), T::pack(dp[j][2], dp[j][3]));
+        // Pᵀ = exp(S - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), masked.
+        let masked = block_needs_mask(&keys, q0, q0 + BM as u32 - 1, n, bn);
+        unroll::<ST>(|j| {
+            unroll::<4>(|e| {
+                let col = j as u32 * 8 + 2 * pair + (e % 2) as u32;
+                let key = key0 + warp_key + g + 8 * (e / 2) as u32;
+                let lse = f32::from_bits(smem::ld_b32(lse_s + col * 4)) * LOG2_E;
+                let delta = f32::from_bits(smem::ld_b32(delta_s + col * 4));
+                let mut pv = math::ex2(s[j][e] * p.scale_log2 - lse);
+                if masked && !keys.sees(q0 + col, key) {
+                    pv = 0.0;
+                }
+                s[j][e] = pv;
+                dp[j][e] = pv * (dp[j][e] - delta);
             });
-            barrier::sync_cta();
+        });
 
-            // dQ share = dS·K: warp w takes query tile w % (BM/16) and the
-            // (w / (BM/16))-th of dQ's column parts, over all 64 keys.
-            let q_tile = warp % (BM / MMA_M) as u32;
-            let d0 = (warp / (BM / MMA_M) as u32) * (QOT * 8) as u32;
-            let mut dq = [[0f32; 4]; QOT];
-            unroll::<{ BWD_BLOCK_N / MMA_K }>(|kk| {
-                let key = kk as u32 * MMA_K as u32;
-                let a = ldmatrix::x4_trans(at(ds_s, ds_rb, key + b_row, q_tile * 16 + b_col));
-                unroll::<QOT>(|d| {
+        // dV += Pᵀ·dO and dK += dSᵀ·Q.
+        unroll::<ST>(|j| {
+            if j % 2 == 0 {
+                let row = j as u32 * 8 + a_row;
+                let ap = a_fragment::<T>(&s[j], &s[j + 1]);
+                let ads = a_fragment::<T>(&dp[j], &dp[j + 1]);
+                unroll::<OT>(|d| {
                     if d % 2 == 0 {
-                        let bk =
-                            ldmatrix::x4_trans(at(k_s, rb, key + a_row, d0 + d as u32 * 8 + a_col));
-                        T::mma(&mut dq[d], &a, bk[0], bk[1]);
-                        T::mma(&mut dq[d + 1], &a, bk[2], bk[3]);
+                        let col = d as u32 * 8 + a_col;
+                        let bo = ldmatrix::x4_trans(at(do_s, rb, row, col));
+                        T::mma(&mut dv[d], &ap, bo[0], bo[1]);
+                        T::mma(&mut dv[d + 1], &ap, bo[2], bo[3]);
+                        let bq = ldmatrix::x4_trans(at(q_s, rb, row, col));
+                        T::mma(&mut dk[d], &ads, bq[0], bq[1]);
+                        T::mma(&mut dk[d + 1], &ads, bq[2], bq[3]);
                     }
                 });
-            });
-            unroll::<2>(|r| {
-                let t = q0 + q_tile * 16 + g + 8 * r as u32;
-                if t < p.seqlen_q {
-                    let dst =
-                        p.dq_accum + (stat_row(p, b, h, t) * D as u64 + (d0 + 2 * pair) as u64) * 4;
-                    unroll::<QOT>(|d| {
-                        global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
-                        global::red_add_f32(dst + d as u64 * 32 + 4, dq[d][2 * r + 1]);
-                    });
+            }
+        });
+
+        // dSᵀ to shared memory, keys as rows.
+        unroll::<ST>(|j| {
+            let col = j as u32 * 8 + 2 * pair;
+            let row = warp_key + g;
+            smem::st_b32(at(ds_s, ds_rb, row, col), T::pack(dp[j][0], dp[j][1]));
+            smem::st_b32(at(ds_s, ds_rb, row + 8, col), T::pack(dp[j][2], dp[j][3]));
+        });
+        barrier::sync_cta();
+
+        // dQ share = dS·K: warp w takes query tile w % (BM/16) and the
+        // (w / (BM/16))-th of dQ's column parts, over all 64 keys.
+        let q_tile = warp % (BM / MMA_M) as u32;
+        let d0 = (warp / (BM / MMA_M) as u32) * (QOT * 8) as u32;
+        let mut dq = [[0f32; 4]; QOT];
+        unroll::<{ BWD_BLOCK_N / MMA_K }>(|kk| {
+            let key = kk as u32 * MMA_K as u32;
+            let a = ldmatrix::x4_trans(at(ds_s, ds_rb, key + b_row, q_tile * 16 + b_col));
+            unroll::<QOT>(|d| {
+                if d % 2 == 0 {
+                    let bk =
+                        ldmatrix::x4_trans(at(k_s, rb, key + a_row, d0 + d as u32 * 8 + a_col));
+                    T::mma(&mut dq[d], &a, bk[0], bk[1]);
+                    T::mma(&mut dq[d + 1], &a, bk[2], bk[3]);
                 }
             });
-            m += 1;
-        }
-        h += 1;
+        });
+        unroll::<2>(|r| {
+            let t = q0 + q_tile * 16 + g + 8 * r as u32;
+            if t < p.seqlen_q {
+                let dst =
+                    p.dq_accum + (stat_row(p, b, h, t) * D as u64 + (d0 + 2 * pair) as u64) * 4;
+                unroll::<QOT>(|d| {
+                    global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
+                    global::red_add_f32(dst + d as u64 * 32 + 4, dq[d][2 * r + 1]);
+                });
+            }
+        });
+        i += 1;
     }
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();

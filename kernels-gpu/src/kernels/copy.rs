@@ -25,6 +25,17 @@ pub fn chunk(dst: u32, src: u64, src_bytes: u32) {
     }
 }
 
+/// Copies the 4 bytes at `src` to `dst`, or zeros when `valid` is false
+/// (`src` is then not read).
+#[inline(always)]
+pub fn word(dst: u32, src: u64, valid: bool) {
+    if ASYNC {
+        cp_async::ca_4(dst, src, if valid { 4 } else { 0 });
+    } else {
+        smem::st_b32(dst, if valid { global::ld_nc_b32(src) } else { 0 });
+    }
+}
+
 /// Closes the group of copies issued so far.
 #[inline(always)]
 pub fn commit() {

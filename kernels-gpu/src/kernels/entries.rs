@@ -92,11 +92,11 @@ mod sm80 {
             backward::<
                 ty!($t),
                 $d,
-                { BwdTile::of($d).block_m },
+                { BwdTile::of($d, PtxArch::TARGET).block_m },
                 { $d / 16 },
                 { $d / 8 },
-                { BwdTile::of($d).block_m / 8 },
-                { $d / 8 / BwdTile::of($d).dq_parts() },
+                { BwdTile::of($d, PtxArch::TARGET).block_m / 8 },
+                { $d / 8 / BwdTile::of($d, PtxArch::TARGET).dq_parts() },
             >(&$p)
         };
     }
