@@ -1216,7 +1216,8 @@ impl FlashAttention {
     /// error. Three launches on `stream` (`delta = rowsum(dO ∘ O)`, the
     /// key-block kernel, dQ from an f32 buffer that the key blocks add to
     /// with atomics, so dQ's rounding may differ from run to run); the
-    /// call allocates that buffer, 4 · B · H · Sq · D bytes, on `stream`.
+    /// call allocates that buffer, 4 · B · H · Sq · D bytes, and the `delta`
+    /// rows, 4 · B · H · Sq bytes, zeroed on `stream`.
     /// Nothing is launched and the gradients stay untouched when validation
     /// fails.
     ///

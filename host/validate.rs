@@ -5,8 +5,8 @@ use crate::error::FlashAttnError;
 use crate::tensor::Layout;
 use cudarc::driver::CudaView;
 use flash_attn_kernels::config::{
-    AttnTile, Dtype, Entry, KernelKind, PtxArch, BWD_HEAD_DIMS, CHUNK_ELEMS, ELEM_BYTES,
-    HOPPER_ENTRIES, MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES,
+    AttnTile, Dtype, Entry, KernelKind, PtxArch, BWD_HEAD_DIMS, BWD_THREADS, CHUNK_ELEMS,
+    ELEM_BYTES, HOPPER_ENTRIES, MAX_HEAD_DIM, MAX_SPLITS, PAGE_SIZE_MULTIPLE, REQUIRED_ALIGN_BYTES,
     SUPPORTED_HEAD_DIMS,
 };
 
@@ -1048,20 +1048,16 @@ pub fn check_backward(
         check_one_to_one(name, &grad.layout)?;
         expect_shape(name, like.layout.shape, grad.layout.shape)?;
     }
-    if shape.kv_heads > MAX_GRID_YZ {
-        return Err(FlashAttnError::TooLarge {
-            what: "kv_heads",
-            value: shape.kv_heads,
-            limit: MAX_GRID_YZ,
-        });
-    }
-    // The prep and dQ kernels index rows and 8-column chunks in u32 threads.
+    // The dQ kernel's grid has a thread per 8-element chunk of dQ, in at
+    // most 2^31 - 1 CTAs (grid.x). K/V heads divide the heads, whose bound
+    // (grid.y) `check_dense` has checked.
     let chunks = shape.batch * shape.heads * shape.seqlen_q * shape.head_dim / CHUNK_ELEMS;
-    if chunks > u32::MAX as usize {
+    let limit = i32::MAX as usize * BWD_THREADS;
+    if chunks > limit {
         return Err(FlashAttnError::TooLarge {
             what: "query elements / 8",
             value: chunks,
-            limit: u32::MAX as usize,
+            limit,
         });
     }
     Ok(shape)

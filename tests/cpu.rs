@@ -4414,11 +4414,12 @@ mod backward_reference {
         }
     }
 
-    /// A key no query sees has zero gradients, and dQ of a row that sees
-    /// no key is zero (causal with more queries than keys).
+    /// dQ of a row that sees no key is zero (causal with more queries than
+    /// keys), and so are dK and dV of a key no query sees (a window whose
+    /// left side leaves the first keys behind).
     #[test]
     fn unseen_keys_and_rows_have_zero_gradients() {
-        let s = ForwardShape {
+        let base = ForwardShape {
             batch: 1,
             seqlen_q: 6,
             seqlen_k: 4,
@@ -4427,20 +4428,40 @@ mod backward_reference {
             head_dim: 8,
             causal: true,
             softmax_scale: 0.3,
-            window: flash_attn::Window {
-                left: Some(1),
-                right: None,
-            },
             ..Default::default()
         };
-        let x = qkv(&s, 7);
-        let mut rng = StdRng::seed_from_u64(8);
-        let d_o = random_vec(&mut rng, x.q.len());
-        let g = reference::attention_backward(&s, &x.q, &x.k, &x.v, &d_o);
-        // Query i sees keys i - 2 - 1 ..= i - 2: rows 0 and 1 see none.
-        assert!(g.dq[..2 * 2 * 8].iter().all(|&x| x == 0.0));
-        assert!(g.dq[2 * 2 * 8..].iter().any(|&x| x != 0.0));
-        assert!(g.dk.iter().chain(&g.dv).any(|&x| x != 0.0));
+        let grads = |s: &ForwardShape| {
+            let x = qkv(s, 7);
+            let mut rng = StdRng::seed_from_u64(8);
+            let d_o = random_vec(&mut rng, x.q.len());
+            reference::attention_backward(s, &x.q, &x.k, &x.v, &d_o)
+        };
+        // Query i sees keys j <= i - 2: rows 0 and 1 see none, and row 2
+        // one key, whose P = 1 leaves dS = P (dP - delta) = 0.
+        let g = grads(&base);
+        let row = 2 * 8;
+        assert!(g.dq[..3 * row].iter().all(|&x| x == 0.0));
+        assert!(g.dq[3 * row..].iter().all(|&x| x != 0.0));
+        // Skv = Sq = 6, left = 1: query i sees keys i - 1 and i, so every
+        // key is seen; with Skv = 8 query i sees keys i + 1 and i + 2, and
+        // key 0 is seen by none.
+        let window = flash_attn::Window {
+            left: Some(1),
+            right: None,
+        };
+        let seen = grads(&ForwardShape {
+            seqlen_k: 6,
+            window,
+            ..base
+        });
+        assert!(seen.dk.iter().chain(&seen.dv).all(|&x| x != 0.0));
+        let g = grads(&ForwardShape {
+            seqlen_k: 8,
+            window,
+            ..base
+        });
+        assert!(g.dk[..8].iter().chain(&g.dv[..8]).all(|&x| x == 0.0));
+        assert!(g.dk[8..].iter().chain(&g.dv[8..]).all(|&x| x != 0.0));
     }
 }
 

@@ -3607,6 +3607,42 @@ fn bf16_refused(gpu: &Gpu) -> Result<(), String> {
     Ok(())
 }
 
+/// [B, S, H, D] stored head-major, as [B, H, S, D].
+fn head_major(shape: [usize; 4]) -> Layout {
+    let [_, s, h, d] = shape;
+    Layout {
+        shape,
+        strides: [h * s * d, d, s * d, 1],
+    }
+}
+
+/// The (b, s, h) rows of `layout`: each row's offset in its buffer, in
+/// contiguous [B, S, H] order.
+fn row_offsets(layout: &Layout) -> impl Iterator<Item = usize> + '_ {
+    let [b, s, h, _] = layout.shape;
+    let st = layout.strides;
+    (0..b * s * h).map(move |r| (r / (s * h)) * st[0] + (r / h % s) * st[1] + (r % h) * st[2])
+}
+
+/// Contiguous [B, S, H, D] values placed by `layout` in a buffer of its
+/// span; NaN between the rows.
+fn scatter<T: AttnElement>(logical: &[T], layout: &Layout) -> Vec<T> {
+    let d = layout.shape[3];
+    let mut out = vec![nan::<T>(); layout.span().unwrap()];
+    for (r, at) in row_offsets(layout).enumerate() {
+        out[at..at + d].copy_from_slice(&logical[r * d..][..d]);
+    }
+    out
+}
+
+/// A buffer laid out by `layout`, as contiguous [B, S, H, D] values.
+fn gather<T: AttnElement>(got: &[T], layout: &Layout) -> Vec<f64> {
+    let d = layout.shape[3];
+    row_offsets(layout)
+        .flat_map(|at| got[at..at + d].iter().map(|v| v.to_f64()))
+        .collect()
+}
+
 /// A backward problem: the forward's policies that the backward takes.
 #[derive(Clone, Debug)]
 struct BwdCase {
@@ -3622,11 +3658,17 @@ struct BwdCase {
     seed: u64,
 }
 
+/// As [`seqlen`] but at most 400: the f64 reference backward is
+/// O(B·H·Sq·Skv·D), which keeps a case to seconds.
+fn bwd_seqlen() -> impl Strategy<Value = usize> {
+    prop_oneof![3 => 1usize..=80, 2 => 81usize..=300, 1 => 301usize..=400]
+}
+
 fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
     let bound =
         prop_oneof![2 => Just(None), 1 => Just(Some(0usize)), 2 => (1usize..=200).prop_map(Some)];
     (
-        (1usize..=2, seqlen(), seqlen(), head_counts()),
+        (1usize..=2, bwd_seqlen(), bwd_seqlen(), head_counts()),
         prop::sample::select(flash_attn::BWD_HEAD_DIMS.to_vec()),
         (any::<bool>(), bound.clone(), bound),
         proptest::option::of(0.05f32..2.0),
@@ -3642,9 +3684,8 @@ fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
             )| {
                 BwdCase {
                     batch,
-                    // The f64 reference is O(B·H·Sq·Skv·D): keep it to seconds.
-                    seqlen_q: seqlen_q.min(400),
-                    seqlen_k: seqlen_k.min(400),
+                    seqlen_q,
+                    seqlen_k,
                     heads,
                     kv_heads,
                     head_dim,
@@ -3686,15 +3727,23 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         softmax_scale: c.softmax_scale,
         ..Default::default()
     };
-    let mut o = poisoned::<T>(gpu, b * sq * h * d)?;
+    // O, dO and the gradients each in a layout of their own (gapped or
+    // head-major), so that no tensor is read or written through another's
+    // strides unnoticed.
+    let (ol, dol, dql) = (
+        gapped_layout([b, sq, h, d]),
+        head_major([b, sq, h, d]),
+        gapped_layout([b, sq, h, d]),
+    );
+    let (dkl, dvl) = (gapped_layout([b, sk, hkv, d]), head_major([b, sk, hkv, d]));
+    let mut o = poisoned::<T>(gpu, ol.span().unwrap())?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
-    forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ql), &mut lse, &opts)?;
+    forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ol), &mut lse, &opts)?;
     let do_host = random_values::<T>(&mut rng, b * sq * h * d);
-    let d_o = s.clone_htod(&do_host).map_err(e)?;
-    let dql = gapped_layout([b, sq, h, d]);
+    let d_o = s.clone_htod(&scatter(&do_host, &dol)).map_err(e)?;
     let mut dq = poisoned::<T>(gpu, dql.span().unwrap())?;
-    let mut dk = poisoned::<T>(gpu, b * sk * hkv * d)?;
-    let mut dv = poisoned::<T>(gpu, b * sk * hkv * d)?;
+    let mut dk = poisoned::<T>(gpu, dkl.span().unwrap())?;
+    let mut dv = poisoned::<T>(gpu, dvl.span().unwrap())?;
     gpu.fa
         .backward(
             s,
@@ -3704,14 +3753,14 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
                 v: &TensorRef::new(x.v.as_view(), kl),
             },
             BackwardInputs {
-                o: &TensorRef::new(o.as_view(), ql),
+                o: &TensorRef::new(o.as_view(), ol),
                 lse: &lse.as_view(),
-                d_o: &TensorRef::new(d_o.as_view(), ql),
+                d_o: &TensorRef::new(d_o.as_view(), dol),
             },
             Grads {
                 dq: TensorMut::new(dq.as_view_mut(), dql),
-                dk: TensorMut::new(dk.as_view_mut(), kl),
-                dv: TensorMut::new(dv.as_view_mut(), kl),
+                dk: TensorMut::new(dk.as_view_mut(), dkl),
+                dv: TensorMut::new(dv.as_view_mut(), dvl),
             },
             &opts,
         )
@@ -3721,8 +3770,9 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         s.clone_dtoh(&dk).map_err(e)?,
         s.clone_dtoh(&dv).map_err(e)?,
     );
-    let o_host = to_f64(&s.clone_dtoh(&o).map_err(e)?);
+    let o_host = gather(&s.clone_dtoh(&o).map_err(e)?, &ol);
     check_untouched_outside(&dq_got, &dql, "dq")?;
+    check_untouched_outside(&dk_got, &dkl, "dk")?;
 
     let shape = ForwardShape {
         batch: b,
@@ -3814,9 +3864,57 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         }
         Ok(())
     };
-    check("dv", &dv_got, &kl, &want.dv, &tol_dv)?;
-    check("dk", &dk_got, &kl, &want.dk, &tol_dk)?;
+    check("dv", &dv_got, &dvl, &want.dv, &tol_dv)?;
+    check("dk", &dk_got, &dkl, &want.dk, &tol_dk)?;
     check("dq", &dq_got, &dql, &want.dq, &tol_dq)
+}
+
+/// A backward call with Q = K = V = O = dO = `x` ([`Layout`] `l`) and
+/// gradients poisoned with NaN; returns the call's result after checking
+/// that the gradients were not written if it was refused.
+fn backward_of_one<T: AttnElement>(
+    gpu: &Gpu,
+    x: &CudaSlice<T>,
+    l: Layout,
+    lse: &CudaSlice<f32>,
+    opts: &AttnOptions,
+) -> Result<Result<(), FlashAttnError>, String> {
+    let n = x.len();
+    let mut g = [
+        poisoned::<T>(gpu, n)?,
+        poisoned::<T>(gpu, n)?,
+        poisoned::<T>(gpu, n)?,
+    ];
+    let [dq, dk, dv] = &mut g;
+    let t = TensorRef::new(x.as_view(), l);
+    let got = gpu.fa.backward(
+        &gpu.stream,
+        Qkv {
+            q: &t,
+            k: &t,
+            v: &t,
+        },
+        BackwardInputs {
+            o: &t,
+            lse: &lse.as_view(),
+            d_o: &t,
+        },
+        Grads {
+            dq: TensorMut::new(dq.as_view_mut(), l),
+            dk: TensorMut::new(dk.as_view_mut(), l),
+            dv: TensorMut::new(dv.as_view_mut(), l),
+        },
+        opts,
+    );
+    if got.is_err() {
+        for buf in &g {
+            let host = gpu.stream.clone_dtoh(buf).map_err(|e| e.to_string())?;
+            if !host.iter().all(|v| v.to_f64().is_nan()) {
+                return Err(format!("a refused call wrote a gradient: {got:?}"));
+            }
+        }
+    }
+    Ok(got)
 }
 
 /// The backward's typed refusals on the GPU: the device-side options (ALiBi
@@ -3831,93 +3929,26 @@ fn backward_refuses_device_options(gpu: &Gpu) -> Result<(), String> {
         .map_err(e)?;
     let lse = s.clone_htod(&vec![0f32; b * h * sq]).map_err(e)?;
     let slopes = s.clone_htod(&vec![0.5f32; h]).map_err(e)?;
-    let (slopes, sinks) = (slopes.as_view(), slopes.as_view());
-    let cases = [
-        (
-            AttnOptions {
-                alibi_slopes: Some(AlibiSlopes::PerHead(&slopes)),
-                ..Default::default()
-            },
-            "alibi_slopes",
-        ),
-        (
-            AttnOptions {
-                sinks: Some(&sinks),
-                ..Default::default()
-            },
-            "sinks",
-        ),
-    ];
-    for (opts, what) in cases {
-        let n = b * sq * h * d;
-        let mut g = [
-            poisoned::<f16>(gpu, n)?,
-            poisoned::<f16>(gpu, n)?,
-            poisoned::<f16>(gpu, n)?,
-        ];
-        let [dq, dk, dv] = &mut g;
-        let (dq, dk, dv) = (dq.as_view_mut(), dk.as_view_mut(), dv.as_view_mut());
-        let t = TensorRef::new(x.as_view(), l);
-        let got = gpu.fa.backward(
-            s,
-            Qkv {
-                q: &t,
-                k: &t,
-                v: &t,
-            },
-            BackwardInputs {
-                o: &t,
-                lse: &lse.as_view(),
-                d_o: &t,
-            },
-            Grads {
-                dq: TensorMut::new(dq, l),
-                dk: TensorMut::new(dk, l),
-                dv: TensorMut::new(dv, l),
-            },
-            &opts,
-        );
-        match got {
+    let slopes = slopes.as_view();
+    let alibi = AttnOptions {
+        alibi_slopes: Some(AlibiSlopes::PerHead(&slopes)),
+        ..Default::default()
+    };
+    let sinks = AttnOptions {
+        sinks: Some(&slopes),
+        ..Default::default()
+    };
+    for (opts, what) in [(alibi, "alibi_slopes"), (sinks, "sinks")] {
+        match backward_of_one(gpu, &x, l, &lse, &opts)? {
             Err(FlashAttnError::Unsupported {
                 what: w,
                 entry: "backward",
             }) if w == what => {}
             other => return Err(format!("{what}: expected Unsupported, got {other:?}")),
         }
-        for buf in &g {
-            if !s.clone_dtoh(buf).map_err(e)?.iter().all(|v| v.is_nan()) {
-                return Err(format!("{what}: a refused call wrote a gradient"));
-            }
-        }
     }
     let x32 = s.clone_htod(&vec![0.5f32; b * sq * h * d]).map_err(e)?;
-    let n = b * sq * h * d;
-    let (mut dq, mut dk, mut dv) = (
-        poisoned::<f32>(gpu, n)?,
-        poisoned::<f32>(gpu, n)?,
-        poisoned::<f32>(gpu, n)?,
-    );
-    let (dq, dk, dv) = (dq.as_view_mut(), dk.as_view_mut(), dv.as_view_mut());
-    let t = TensorRef::new(x32.as_view(), l);
-    match gpu.fa.backward(
-        s,
-        Qkv {
-            q: &t,
-            k: &t,
-            v: &t,
-        },
-        BackwardInputs {
-            o: &t,
-            lse: &lse.as_view(),
-            d_o: &t,
-        },
-        Grads {
-            dq: TensorMut::new(dq, l),
-            dk: TensorMut::new(dk, l),
-            dv: TensorMut::new(dv, l),
-        },
-        &AttnOptions::default(),
-    ) {
+    match backward_of_one(gpu, &x32, l, &lse, &AttnOptions::default())? {
         Err(FlashAttnError::UnsupportedDtype { .. }) => Ok(()),
         other => Err(format!("f32: expected UnsupportedDtype, got {other:?}")),
     }

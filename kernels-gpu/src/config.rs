@@ -574,8 +574,8 @@ pub enum KernelKind {
     /// dK and dV over the query blocks that see its keys, and adds its share
     /// of dQ to an f32 buffer ([`BwdTile`]).
     Backward,
-    /// Before [`KernelKind::Backward`]: each query row's `delta = dO·O` and
-    /// a zeroed row of the dQ buffer; any head dim (a multiple of 8).
+    /// Before [`KernelKind::Backward`]: each query row's `delta = dO·O`; any
+    /// head dim (a multiple of 8).
     BackwardPrep,
     /// After [`KernelKind::Backward`]: dQ = softmax_scale times the f32 dQ
     /// buffer, in the element type; any head dim (a multiple of 8).
@@ -1073,9 +1073,10 @@ const fn count_entries(arch: PtxArch) -> usize {
 pub const BWD_BLOCK_N: usize = 64;
 /// Threads of every backward kernel's CTA: the main kernel's four warps.
 pub const BWD_THREADS: usize = BWD_BLOCK_N / MMA_M * WARP_SIZE;
-/// Padding after each shared-memory row of the backward tiles: rows then
-/// start 16 bytes apart modulo 128, so the eight rows of an `ldmatrix`
-/// phase, and the eight row groups of a fragment store, hit distinct banks.
+/// Padding after each shared-memory row of the backward tiles: a row is then
+/// an odd number of 16-byte chunks (5, 9, 13 or 17), so the eight rows of an
+/// `ldmatrix` phase, and the eight row groups of a fragment store, start in
+/// distinct 16-byte bank groups.
 pub const BWD_ROW_PAD_BYTES: usize = 16;
 
 /// The backward CTA's shared memory: the K and V rows of its key block
@@ -1095,7 +1096,7 @@ pub struct BwdTile {
     /// (all but sm_75 at D = 128), else 1.
     pub q_stages: usize,
     /// CTAs per SM the PTX asks for (`.minnctapersm`), which caps the
-    /// registers: 3 (170 registers) at D <= 64 in the sm_90 module, whose
+    /// registers: 3 (168 registers) at D <= 64 in the sm_90 module, whose
     /// SMs hold three such tiles; 1 elsewhere (255 registers).
     pub ctas_per_sm: usize,
 }

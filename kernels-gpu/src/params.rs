@@ -300,8 +300,8 @@ pub struct BwdParams {
     pub dk: u64,
     /// dV [B, Skv, Hkv, D].
     pub dv: u64,
-    /// f32 [B, H, Sq, D] workspace: `BackwardPrep` zeroes it, every
-    /// `Backward` CTA adds its dS·K to it.
+    /// f32 [B, H, Sq, D] workspace, zeroed by the host: every `Backward`
+    /// CTA adds its dS·K to it.
     pub dq_accum: u64,
     /// f32 [B, H, Sq] workspace: each row's `delta`.
     pub delta: u64,

@@ -1,5 +1,5 @@
 //! The backward pass (FlashAttention-2, Algorithm 2) in three kernels:
-//! [`prep`] (`delta = rowsum(dO ∘ O)`, the dQ buffer zeroed), [`backward`]
+//! [`prep`] (`delta = rowsum(dO ∘ O)`), [`backward`]
 //! (one CTA per key block accumulates dK and dV in registers over every query
 //! block that sees its keys, and adds its dQ share to the f32 buffer) and
 //! [`dq`] (the buffer, scaled, in the element type).
@@ -345,38 +345,45 @@ pub fn backward<
     });
 }
 
-/// The query row of thread `blockIdx.x · BWD_THREADS + threadIdx.x`, as
-/// (b, h, t) in `[B, H, Sq]` order, or `None` past the last row.
+/// A query row in `[B, H, Sq]` order: its index there, and its coordinates.
+struct QueryRow {
+    index: u64,
+    batch: u32,
+    head: u32,
+    token: u32,
+}
+
+/// Thread `blockIdx.x · BWD_THREADS + threadIdx.x` of a grid of `per_row`
+/// threads per query row: its row and its part of the row, or `None` past
+/// the last row.
 #[inline(always)]
-fn thread_row(p: &BwdParams, per_row: u32) -> Option<(u64, u32, u32, u32, u32)> {
+fn thread_row(p: &BwdParams, per_row: u32) -> Option<(QueryRow, u32)> {
     let i = special::block_idx_x() as u64 * BWD_THREADS as u64 + special::thread_idx_x() as u64;
     let rows = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
     if i >= rows * per_row as u64 {
         return None;
     }
-    let (row, part) = (i / per_row as u64, (i % per_row as u64) as u32);
-    let t = (row % p.seqlen_q as u64) as u32;
-    let bh = row / p.seqlen_q as u64;
-    Some((
-        row,
-        part,
-        (bh / p.heads as u64) as u32,
-        (bh % p.heads as u64) as u32,
-        t,
-    ))
+    let (index, part) = (i / per_row as u64, (i % per_row as u64) as u32);
+    let bh = index / p.seqlen_q as u64;
+    let row = QueryRow {
+        index,
+        batch: (bh / p.heads as u64) as u32,
+        head: (bh % p.heads as u64) as u32,
+        token: (index % p.seqlen_q as u64) as u32,
+    };
+    Some((row, part))
 }
 
-/// `delta` of one query row per thread, and its row of the dQ buffer zeroed.
+/// `delta` of one query row per thread.
 #[inline(always)]
 pub fn prep<T: Element>(p: &BwdParams) {
-    let Some((row, _, b, h, t)) = thread_row(p, 1) else {
+    let Some((r, _)) = thread_row(p, 1) else {
         return;
     };
     let (o, d_o) = (
-        row_ptr(p.o, &p.o_strides, b, t, h),
-        row_ptr(p.d_o, &p.do_strides, b, t, h),
+        row_ptr(p.o, &p.o_strides, r.batch, r.token, r.head),
+        row_ptr(p.d_o, &p.do_strides, r.batch, r.token, r.head),
     );
-    let zero = p.dq_accum + row * p.head_dim as u64 * 4;
     let mut delta = 0f32;
     let mut c = 0;
     while c < p.head_dim / CHUNK_ELEMS as u32 {
@@ -389,25 +396,23 @@ pub fn prep<T: Element>(p: &BwdParams) {
             let ((x0, x1), (y0, y1)) = (T::unpack(x[e]), T::unpack(y[e]));
             delta = math::fma(x0, y0, math::fma(x1, y1, delta));
         });
-        global::st_v4_b32(zero + 2 * off, [0; 4]);
-        global::st_v4_b32(zero + 2 * off + 16, [0; 4]);
         c += 1;
     }
-    global::st_f32(p.delta + row * 4, delta);
+    global::st_f32(p.delta + r.index * 4, delta);
 }
 
 /// One 8-column chunk of dQ per thread: `scale` times the dQ buffer.
 #[inline(always)]
 pub fn dq<T: Element>(p: &BwdParams) {
     let chunks = p.head_dim / CHUNK_ELEMS as u32;
-    let Some((row, c, b, h, t)) = thread_row(p, chunks) else {
+    let Some((r, c)) = thread_row(p, chunks) else {
         return;
     };
-    let src = p.dq_accum + (row * p.head_dim as u64 + (c * CHUNK_ELEMS as u32) as u64) * 4;
+    let src = p.dq_accum + (r.index * p.head_dim as u64 + (c * CHUNK_ELEMS as u32) as u64) * 4;
     let (lo, hi) = (global::ld_nc_v4_f32(src), global::ld_nc_v4_f32(src + 16));
     let v = [lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3]].map(|x| x * p.scale);
     T::store_chunk(
-        row_ptr(p.dq, &p.dq_strides, b, t, h) + (c * CHUNK_BYTES as u32) as u64,
+        row_ptr(p.dq, &p.dq_strides, r.batch, r.token, r.head) + (c * CHUNK_BYTES as u32) as u64,
         v,
     );
 }
