@@ -156,10 +156,13 @@ impl PtxArch {
 
     /// The PTX ISA the module needs beyond its target's default, as an LLVM
     /// target feature: sm_75 defaults to ISA 6.3, and `ldmatrix` and
-    /// `mma.sync.m16n8k8` need 6.5 (7.0, sm_80's, is what CUDA 11.0 drivers load).
+    /// `mma.sync.m16n8k8` need 6.5 (7.0, sm_80's, is what CUDA 11.0 drivers load);
+    /// sm_90 defaults to 7.8, and the backward's vector `red.global.add.v4.f32`
+    /// needs 8.1 (CUDA 12.1 drivers).
     pub const fn ptx_isa_feature(self) -> Option<&'static str> {
         match self {
             PtxArch::Sm75 => Some("ptx70"),
+            PtxArch::Sm90 => Some("ptx81"),
             _ => None,
         }
     }

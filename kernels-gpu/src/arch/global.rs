@@ -39,6 +39,25 @@ pub fn red_add_f32(p: u64, v: f32) {
     }
 }
 
+/// `red.global.add.v4.f32 [p], {v0, v1, v2, v3};` four atomic adds to
+/// consecutive f32s (relaxed, GPU scope) in one request: a lane covers half
+/// of a 32-byte sector, where scalar `red`s cover 4 of its bytes each.
+/// `p` 16-byte aligned; sm_90 and PTX ISA 8.1.
+#[inline(always)]
+pub fn red_add_v4_f32(p: u64, v: [f32; 4]) {
+    unsafe {
+        asm!(
+            "red.global.add.v4.f32 [{p}], {{{a}, {b}, {c}, {d}}};",
+            p = in(reg64) p,
+            a = in(reg32) v[0],
+            b = in(reg32) v[1],
+            c = in(reg32) v[2],
+            d = in(reg32) v[3],
+            options(nostack),
+        );
+    }
+}
+
 /// `st.global.f32 [p], v;`
 #[inline(always)]
 pub fn st_f32(p: u64, v: f32) {

@@ -12,7 +12,7 @@
 //! Tiles are row-major with a padded row (`BwdTile`), not swizzled.
 use super::copy;
 use super::element::Element;
-use crate::arch::{barrier, global, ldmatrix, math, smem, special};
+use crate::arch::{barrier, global, ldmatrix, math, shfl, smem, special};
 use crate::config::{
     BwdTile, PtxArch, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
 };
@@ -312,17 +312,39 @@ pub fn backward<
                 }
             });
         });
-        unroll::<2>(|r| {
-            let t = q0 + q_tile * 16 + g + 8 * r as u32;
-            if t < p.seqlen_q {
-                let dst =
-                    p.dq_accum + (stat_row(p, b, h, t) * D as u64 + (d0 + 2 * pair) as u64) * 4;
-                unroll::<QOT>(|d| {
-                    global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
-                    global::red_add_f32(dst + d as u64 * 32 + 4, dq[d][2 * r + 1]);
-                });
-            }
-        });
+        let row0 = q0 + q_tile * 16;
+        let row_at = |t: u32| p.dq_accum + stat_row(p, b, h, t) * D as u64 * 4;
+        if matches!(PtxArch::TARGET, PtxArch::Sm90) {
+            // Lanes 2k and 2k + 1 swap halves so that each holds four
+            // consecutive columns: the even lane of row g, the odd of g + 8.
+            let odd = pair % 2;
+            let t = row0 + g + 8 * odd;
+            let dst = row_at(t) + (d0 + 4 * (pair / 2)) as u64 * 4;
+            unroll::<QOT>(|d| {
+                let f = dq[d];
+                let (s0, s1) = if odd == 1 { (f[0], f[1]) } else { (f[2], f[3]) };
+                let (r0, r1) = (shfl::bfly_f32(s0, 1), shfl::bfly_f32(s1, 1));
+                let v = if odd == 1 {
+                    [r0, r1, f[2], f[3]]
+                } else {
+                    [f[0], f[1], r0, r1]
+                };
+                if t < p.seqlen_q {
+                    global::red_add_v4_f32(dst + d as u64 * 32, v);
+                }
+            });
+        } else {
+            unroll::<2>(|r| {
+                let t = row0 + g + 8 * r as u32;
+                if t < p.seqlen_q {
+                    let dst = row_at(t) + (d0 + 2 * pair) as u64 * 4;
+                    unroll::<QOT>(|d| {
+                        global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
+                        global::red_add_f32(dst + d as u64 * 32 + 4, dq[d][2 * r + 1]);
+                    });
+                }
+            });
+        }
         i += 1;
     }
     // A CTA that visits no query block still has its K/V copies in flight.
