@@ -11,10 +11,10 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
-    combine_groups, combine_shape, find_entry, find_hopper_entry, AttnTile, Dtype, Entry,
-    HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind, SeqKind,
-    APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES,
-    MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    combine_groups, combine_shape, find_entry, find_hopper_backward, find_hopper_entry, AttnTile,
+    Dtype, Entry, HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind,
+    SeqKind, APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP,
+    HOPPER_BWD_BLOCK_N, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
@@ -155,6 +155,8 @@ pub struct FlashAttention {
     hopper: Option<HopperModule>,
     /// Whether forward calls that a Hopper entry covers use it.
     hopper_forward: AtomicBool,
+    /// Whether backward calls that a Hopper entry covers use it.
+    hopper_backward: AtomicBool,
     /// Whether persistent Hopper launches walk the static tile order
     /// instead of claiming tiles from a counter.
     static_tiles: AtomicBool,
@@ -721,6 +723,7 @@ impl FlashAttention {
             arch,
             loaded,
             hopper_forward: AtomicBool::new(hopper.is_some()),
+            hopper_backward: AtomicBool::new(hopper.is_some()),
             hopper,
             static_tiles: AtomicBool::new(false),
             programmatic_launch: AtomicBool::new(arch == PtxArch::Sm90),
@@ -741,6 +744,21 @@ impl FlashAttention {
     /// [`hopper::FORCE_SM80_ENV`]) it stays off.
     pub fn set_hopper_forward(&self, on: bool) {
         self.hopper_forward
+            .store(on && self.hopper.is_some(), Ordering::Relaxed);
+    }
+
+    /// Whether backward calls run their key-block kernel on `wgmma`
+    /// (compute capability 9.0, head dims in [`HOPPER_BWD_HEAD_DIMS`]); the
+    /// others, and every call on other GPUs, run the `mma.sync` one.
+    ///
+    /// [`HOPPER_BWD_HEAD_DIMS`]: flash_attn_kernels::config::HOPPER_BWD_HEAD_DIMS
+    pub fn hopper_backward(&self) -> bool {
+        self.hopper_backward.load(Ordering::Relaxed)
+    }
+
+    /// As [`Self::set_hopper_forward`], for the backward's key-block kernel.
+    pub fn set_hopper_backward(&self, on: bool) {
+        self.hopper_backward
             .store(on && self.hopper.is_some(), Ordering::Relaxed);
     }
 
@@ -1307,21 +1325,32 @@ impl FlashAttention {
         };
         let chunks = rows * shape.head_dim / CHUNK_ELEMS;
         let prep = self.kernel(KernelKind::BackwardPrep, T::DTYPE, 0, Policies::PLAIN);
-        let main = self.kernel(KernelKind::Backward, T::DTYPE, shape.head_dim, policies);
         let dq = self.kernel(KernelKind::BackwardDq, T::DTYPE, 0, Policies::PLAIN);
-        let key_blocks = shape.seqlen_k.div_ceil(BWD_BLOCK_N) as u32;
+        let on_hopper = self
+            .hopper
+            .as_ref()
+            .filter(|_| self.hopper_backward())
+            .zip(find_hopper_backward(T::DTYPE, shape.head_dim, policies));
         self.launch(
             stream,
             prep,
             (rows.div_ceil(BWD_THREADS) as u32, 1, 1),
             ByValue(params),
         )?;
-        self.launch(
-            stream,
-            main,
-            (key_blocks, shape.kv_heads as u32, shape.batch as u32),
-            ByValue(params),
-        )?;
+        if let Some((module, entry)) = on_hopper {
+            let key_blocks = shape.seqlen_k.div_ceil(HOPPER_BWD_BLOCK_N) as u32;
+            let grid = (key_blocks, shape.kv_heads as u32, shape.batch as u32);
+            module.launch_backward(stream, entry, params, grid)?;
+        } else {
+            let main = self.kernel(KernelKind::Backward, T::DTYPE, shape.head_dim, policies);
+            let key_blocks = shape.seqlen_k.div_ceil(BWD_BLOCK_N) as u32;
+            self.launch(
+                stream,
+                main,
+                (key_blocks, shape.kv_heads as u32, shape.batch as u32),
+                ByValue(params),
+            )?;
+        }
         self.launch(
             stream,
             dq,

@@ -15,7 +15,7 @@ use cudarc::driver::{
 };
 use flash_attn_kernels::config::{Dtype, Entry, PtxArch, HOPPER_ENTRIES, SW128_ROW_ELEMS};
 use flash_attn_kernels::params::{
-    AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap,
+    AttnParams, BwdParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams, TensorMap,
 };
 
 use crate::attention::{load_module, ByValue, LoadedCode, ModuleChoice};
@@ -40,14 +40,16 @@ pub(crate) fn forced_off() -> bool {
 }
 
 thread_local! {
-    /// Hopper forward launches made by this thread (see [`launches_on_this_thread`]).
+    /// Hopper forward and backward launches made by this thread (see
+    /// [`launches_on_this_thread`]).
     static LAUNCHES: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
 
-/// Hopper forward launches this thread has made: a dense call falls back
-/// to the `mma.sync` kernels unseen when the driver refuses a tensor map,
-/// so the GPU suite compares this count before and after each call. Not
-/// part of the supported API.
+/// Hopper forward and backward launches this thread has made: a dense
+/// forward call falls back to the `mma.sync` kernels unseen when the driver
+/// refuses a tensor map, and a backward call at a head dim without a Hopper
+/// line runs them, so the GPU suite compares this count before and after
+/// each call. Not part of the supported API.
 #[doc(hidden)]
 pub fn launches_on_this_thread() -> u64 {
     LAUNCHES.with(|n| n.get())
@@ -178,6 +180,32 @@ impl HopperModule {
         // SAFETY: the entry takes (HopperFwdMaps, AttnParams) by value; the
         // maps cover exactly the validated tensors, and validation bounded
         // every address the kernel derives from the parameters.
+        unsafe { builder.launch(cfg) }?;
+        LAUNCHES.with(|n| n.set(n.get() + 1));
+        Ok(())
+    }
+
+    /// Launches the Hopper backward `entry` (`params` as validation checked
+    /// them for the `mma.sync` kernel, which takes the same) on a grid of
+    /// `grid` CTAs.
+    pub(crate) fn launch_backward(
+        &self,
+        stream: &CudaStream,
+        entry: &Entry,
+        params: BwdParams,
+        grid: (u32, u32, u32),
+    ) -> Result<(), FlashAttnError> {
+        let function = self.function(entry.name)?;
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (entry.threads(PtxArch::Sm90a) as u32, 1, 1),
+            shared_mem_bytes: entry.smem_bytes(PtxArch::Sm90a) as u32,
+        };
+        let params = ByValue(params);
+        let mut builder = stream.launch_builder(function);
+        builder.arg(&params);
+        // SAFETY: the entry takes BwdParams by value, and validation bounded
+        // every address the kernel derives from them.
         unsafe { builder.launch(cfg) }?;
         LAUNCHES.with(|n| n.set(n.get() + 1));
         Ok(())

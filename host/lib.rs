@@ -47,7 +47,9 @@ pub use attention::{
 };
 pub use driver::cuda_device_count;
 pub use error::FlashAttnError;
-pub use flash_attn_kernels::config::{Dtype, PtxArch, BWD_HEAD_DIMS, SUPPORTED_HEAD_DIMS};
+pub use flash_attn_kernels::config::{
+    Dtype, PtxArch, BWD_HEAD_DIMS, HOPPER_BWD_HEAD_DIMS, SUPPORTED_HEAD_DIMS,
+};
 pub use tensor::{AttnElement, Layout, TensorMut, TensorRef};
 pub use validate::{
     AlibiSlopes, AttnOptions, BackwardOperands, DecodeShape, ForwardShape, KvCacheShape, Paging,

@@ -1801,7 +1801,7 @@ mod config {
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
             KernelKind::BackwardPrep => return format!("flash_bwd_prep_{}", e.dtype.name()),
             KernelKind::BackwardDq => return format!("flash_bwd_dq_{}", e.dtype.name()),
-            KernelKind::Probe | KernelKind::WgmmaForward => {
+            KernelKind::Probe | KernelKind::WgmmaForward | KernelKind::WgmmaBackward => {
                 panic!("{e:?} belongs to HOPPER_ENTRIES, not ENTRIES")
             }
         };
@@ -1822,7 +1822,10 @@ mod config {
     /// for compute capability 9.0 alone.
     #[test]
     fn hopper_entries_are_named_by_the_table() {
-        use flash_attn_kernels::config::{PtxArch, HOPPER_ENTRIES, PROBE_THREADS};
+        use flash_attn_kernels::config::{
+            find_entry, HopperBwdTile, PtxArch, HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_THREADS,
+            HOPPER_ENTRIES, PROBE_THREADS,
+        };
         let mut names = HashSet::new();
         for e in HOPPER_ENTRIES {
             assert!(names.insert(e.name), "duplicate {}", e.name);
@@ -1848,6 +1851,28 @@ mod config {
                 assert_eq!(e.threads(PtxArch::Sm90a), t.threads());
                 assert_eq!(e.smem_bytes(PtxArch::Sm90a), t.smem_bytes());
                 assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(t.ctas_per_sm));
+                continue;
+            }
+            if e.kind == KernelKind::WgmmaBackward {
+                let p = e.policies;
+                let want = format!(
+                    "flash_wgmma_bwd_{}_hd{}_{}_{}_{}",
+                    e.dtype.name(),
+                    e.head_dim,
+                    word(p.mask),
+                    word(p.score),
+                    word(p.seq),
+                );
+                assert_eq!(e.name, want);
+                assert!(HOPPER_BWD_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
+                let t = HopperBwdTile::of(e.head_dim);
+                assert_eq!(e.threads(PtxArch::Sm90a), HOPPER_BWD_THREADS);
+                assert_eq!(e.smem_bytes(PtxArch::Sm90a), t.smem_bytes());
+                assert!(t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes(), "{e:?}");
+                assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(1));
+                // The `mma.sync` line it stands in for, as the fallback.
+                let need = p;
+                assert!(find_entry(KernelKind::Backward, e.dtype, e.head_dim, need).is_some());
                 continue;
             }
             assert_eq!(e.kind, KernelKind::Probe, "{e:?}");
@@ -3613,6 +3638,35 @@ mod index {
         }
     }
 
+    /// After the backward's swap of fragment halves between lanes 2k and
+    /// 2k + 1, the four values a lane holds are the four columns
+    /// `quad_of` names, and the warp covers the 16 x 8 tile once.
+    #[test]
+    fn quad_of_covers_a_fragment_once() {
+        use flash_attn_kernels::index::quad_of;
+        // (row, col) of C fragment element e of a lane: e / 2 picks g or
+        // g + 8, e % 2 the column of the pair.
+        let at = |lane: u32, e: u32| (lane / 4 + 8 * (e / 2), 2 * (lane % 4) + e % 2);
+        let mut seen = std::collections::HashSet::new();
+        for lane in 0..32u32 {
+            let partner = lane ^ 1;
+            // The swap: the even lane keeps elements 0, 1 and takes the odd
+            // lane's 0, 1; the odd lane takes the even lane's 2, 3 and
+            // keeps its own 2, 3.
+            let held = if lane % 2 == 0 {
+                [at(lane, 0), at(lane, 1), at(partner, 0), at(partner, 1)]
+            } else {
+                [at(partner, 2), at(partner, 3), at(lane, 2), at(lane, 3)]
+            };
+            let (row, col) = quad_of(lane);
+            for (i, &(r, c)) in held.iter().enumerate() {
+                assert_eq!((r, c), (row, col + i as u32), "lane {lane} value {i}");
+                assert!(seen.insert((r, c)), "lane {lane}: ({r}, {c}) twice");
+            }
+        }
+        assert_eq!(seen.len(), 16 * 8);
+    }
+
     proptest! {
         #[test]
         fn key_window_is_the_specified_mask(
@@ -3633,8 +3687,8 @@ mod index {
         fn query_blocks_are_the_blocks_that_see_a_key_block(
             sq in 1usize..140, sk in 1usize..200, left in bound(), right in bound(),
             bm in prop::sample::select(vec![32u32, 64]),
+            bn in prop::sample::select(vec![64u32, 128]),
         ) {
-            let bn = 64u32;
             let keys = KeyWindow::new(sq as u32, sk as u32, as_i32(left), as_i32(right));
             let w = Window { left, right };
             for n in 0..(sk as u32).div_ceil(bn) {

@@ -72,6 +72,18 @@ impl Gpu {
             hopper: None,
         }
     }
+
+    /// A second instance on the same device whose backward calls run the
+    /// `mma.sync` key-block kernel at every head dim.
+    fn mma_backward(&self) -> Gpu {
+        let fa = FlashAttention::new(self.fa.context()).expect("the module loaded once already");
+        fa.set_hopper_backward(false);
+        Gpu {
+            stream: self.stream.clone(),
+            fa,
+            hopper: None,
+        }
+    }
 }
 
 /// On a [`Gpu::folding`] instance, whether `shape`'s decode folds (the
@@ -3744,6 +3756,7 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     let mut dq = poisoned::<T>(gpu, dql.span().unwrap())?;
     let mut dk = poisoned::<T>(gpu, dkl.span().unwrap())?;
     let mut dv = poisoned::<T>(gpu, dvl.span().unwrap())?;
+    let launches = flash_attn::hopper::launches_on_this_thread();
     gpu.fa
         .backward(
             s,
@@ -3765,6 +3778,11 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
             &opts,
         )
         .map_err(|x| x.to_string())?;
+    let hopper = gpu.fa.hopper_backward() && flash_attn::HOPPER_BWD_HEAD_DIMS.contains(&d);
+    let ran = flash_attn::hopper::launches_on_this_thread() - launches;
+    if ran != hopper as u64 {
+        return Err(format!("{ran} Hopper launches, want {}", hopper as u64));
+    }
     let (dq_got, dk_got, dv_got) = (
         s.clone_dtoh(&dq).map_err(e)?,
         s.clone_dtoh(&dk).map_err(e)?,
@@ -4203,6 +4221,26 @@ fn main() {
         bwd_strategy(),
         run_backward::<bf16>
     );
+    // The `mma.sync` kernel at the head dims the Hopper one takes.
+    let gpu_mma = Arc::new(gpu.as_ref().as_ref().map(Gpu::mma_backward));
+    let g = gpu_mma.clone();
+    trials.push(Trial::test("backward_mma_random_f16", move || {
+        proptest_trial(
+            &g,
+            case_count().div_ceil(2),
+            bwd_strategy(),
+            run_backward::<f16>,
+        )
+    }));
+    let g = gpu_mma;
+    trials.push(Trial::test("backward_mma_random_bf16", move || {
+        proptest_trial(
+            &g,
+            case_count().div_ceil(2),
+            bwd_strategy(),
+            run_backward::<bf16>,
+        )
+    }));
     let g = gpu.clone();
     trials.push(Trial::test("backward_refuses_device_options", move || {
         backward_refuses_device_options(g.as_ref().as_ref().unwrap()).map_err(Failed::from)

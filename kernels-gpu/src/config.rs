@@ -157,12 +157,12 @@ impl PtxArch {
     /// The PTX ISA the module needs beyond its target's default, as an LLVM
     /// target feature: sm_75 defaults to ISA 6.3, and `ldmatrix` and
     /// `mma.sync.m16n8k8` need 6.5 (7.0, sm_80's, is what CUDA 11.0 drivers load);
-    /// sm_90 defaults to 7.8, and the backward's vector `red.global.add.v4.f32`
-    /// needs 8.1 (CUDA 12.1 drivers).
+    /// sm_90 and sm_90a default to 7.8 and 8.0, and the backward's vector
+    /// `red.global.add.v4.f32` needs 8.1 (CUDA 12.1 drivers).
     pub const fn ptx_isa_feature(self) -> Option<&'static str> {
         match self {
             PtxArch::Sm75 => Some("ptx70"),
-            PtxArch::Sm90 => Some("ptx81"),
+            PtxArch::Sm90 | PtxArch::Sm90a => Some("ptx81"),
             _ => None,
         }
     }
@@ -583,6 +583,10 @@ pub enum KernelKind {
     /// After [`KernelKind::Backward`]: dQ = softmax_scale times the f32 dQ
     /// buffer, in the element type; any head dim (a multiple of 8).
     BackwardDq,
+    /// The backward's key-block kernel on `wgmma` (`Sm90a` module,
+    /// [`HopperBwdTile`]); the same three launches as [`KernelKind::Backward`]
+    /// around it.
+    WgmmaBackward,
 }
 
 /// Which keys a query row sees (see `kernels::policy`). Ordered from the most
@@ -712,6 +716,7 @@ impl Entry {
             KernelKind::Merge => MERGE_THREADS,
             KernelKind::Probe => PROBE_THREADS,
             KernelKind::WgmmaForward => self.hopper_tile().threads(),
+            KernelKind::WgmmaBackward => HOPPER_BWD_THREADS,
             KernelKind::Backward | KernelKind::BackwardPrep | KernelKind::BackwardDq => BWD_THREADS,
             _ => self.tile(arch).threads(),
         }
@@ -723,6 +728,7 @@ impl Entry {
             KernelKind::Append | KernelKind::Merge => 0,
             KernelKind::Probe => PtxArch::Sm90a.max_smem_bytes(),
             KernelKind::WgmmaForward => self.hopper_tile().smem_bytes(),
+            KernelKind::WgmmaBackward => HopperBwdTile::of(self.head_dim).smem_bytes(),
             KernelKind::Backward => BwdTile::of(self.head_dim, arch).smem_bytes(),
             KernelKind::BackwardPrep | KernelKind::BackwardDq => 0,
             _ => self.tile(arch).smem_bytes(),
@@ -736,6 +742,7 @@ impl Entry {
             KernelKind::Backward => Some(BwdTile::of(self.head_dim, arch).ctas_per_sm),
             KernelKind::Probe => Some(1),
             KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
+            KernelKind::WgmmaBackward => Some(1),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
     }
@@ -1156,6 +1163,72 @@ impl BwdTile {
     /// `head_dim / dq_parts` columns): all four warps work on every block.
     pub const fn dq_parts(&self) -> usize {
         BWD_BLOCK_N / self.block_m
+    }
+}
+
+/// Keys per Hopper backward CTA: two warpgroups of [`WGMMA_M`] keys, which
+/// halves the dQ atomics per key of the `mma.sync` kernel's 64.
+pub const HOPPER_BWD_BLOCK_N: usize = 2 * WGMMA_M;
+/// Query rows per step of the Hopper backward: the M of dQ = dS·K.
+pub const HOPPER_BWD_BLOCK_M: usize = WGMMA_M;
+/// Threads of a Hopper backward CTA: its two warpgroups.
+pub const HOPPER_BWD_THREADS: usize = 2 * WARPGROUP_THREADS;
+/// Head dims of the Hopper backward: a warpgroup's half of dQ's columns is
+/// one `wgmma` N (32 or 64); the others run the `mma.sync` kernel.
+pub const HOPPER_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The Hopper backward CTA's shared memory, every 16-bit tile in the SW128
+/// layout (`index::sw128_offset`) that `wgmma` descriptors read: K and V of
+/// the key block, two stages of a query block's Q and dO and its LSE and
+/// `delta` rows (f32), and dSᵀ (keys x queries). Offsets from the base
+/// rounded up to [`SWIZZLE_ATOM_BYTES`], which the size includes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HopperBwdTile {
+    /// Q/K head dim.
+    pub head_dim: usize,
+}
+
+impl HopperBwdTile {
+    /// Query-block stages: the next block's copies run under this one's GEMMs.
+    pub const STAGES: usize = 2;
+    /// The tile of head dim `head_dim`.
+    pub const fn of(head_dim: usize) -> HopperBwdTile {
+        HopperBwdTile { head_dim }
+    }
+    const fn kv_bytes(&self) -> usize {
+        HOPPER_BWD_BLOCK_N * self.head_dim * ELEM_BYTES
+    }
+    const fn q_bytes(&self) -> usize {
+        HOPPER_BWD_BLOCK_M * self.head_dim * ELEM_BYTES
+    }
+    /// K's tile.
+    pub const fn k_offset(&self) -> usize {
+        0
+    }
+    /// V's tile.
+    pub const fn v_offset(&self) -> usize {
+        self.kv_bytes()
+    }
+    /// Q's tile of stage `stage`.
+    pub const fn q_offset(&self, stage: usize) -> usize {
+        2 * self.kv_bytes() + stage * 2 * self.q_bytes()
+    }
+    /// dO's tile of stage `stage`.
+    pub const fn do_offset(&self, stage: usize) -> usize {
+        self.q_offset(stage) + self.q_bytes()
+    }
+    /// Stage `stage`'s LSE row (natural log, f32), then `delta`'s.
+    pub const fn stats_offset(&self, stage: usize) -> usize {
+        self.q_offset(Self::STAGES) + stage * 2 * HOPPER_BWD_BLOCK_M * 4
+    }
+    /// dSᵀ: [`HOPPER_BWD_BLOCK_N`] rows of [`HOPPER_BWD_BLOCK_M`] elements
+    /// (one column group), after the stats, which end on an atom boundary.
+    pub const fn ds_offset(&self) -> usize {
+        self.stats_offset(Self::STAGES)
+    }
+    /// Dynamic shared memory of the CTA, with the alignment slack.
+    pub const fn smem_bytes(&self) -> usize {
+        self.ds_offset() + HOPPER_BWD_BLOCK_N * HOPPER_BWD_BLOCK_M * ELEM_BYTES + SWIZZLE_ATOM_BYTES
     }
 }
 
@@ -1725,6 +1798,10 @@ macro_rules! hopper_entries {
             fwd bf16 192 local modified ragged 128;
             fwd bf16 256 causal plain ragged 128;
             fwd bf16 256 local modified ragged 128;
+            bwd f16 64 local plain dense;
+            bwd f16 128 local plain dense;
+            bwd bf16 64 local plain dense;
+            bwd bf16 128 local plain dense;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;
@@ -1758,6 +1835,7 @@ pub(crate) use hopper_entries;
 macro_rules! hopper_rows {
     (
         $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal $($grid:ident)?;)*
+        $(bwd $bdtype:ident $bd:literal $bmask:ident $bscore:ident $bseq:ident;)*
         $(wgmma $dtype:ident $n:literal $k:literal;)*
         $(tma $d:literal;)*
     ) => {
@@ -1780,6 +1858,23 @@ macro_rules! hopper_rows {
                 rows: $rows,
                 persistent: table_word!(grid $($grid)?),
                 keys: table_word!(keys $($grid)?),
+            },)*
+            $(Entry {
+                name: concat!(
+                    "flash_wgmma_bwd_", stringify!($bdtype), "_hd", stringify!($bd),
+                    "_", stringify!($bmask), "_", stringify!($bscore), "_", stringify!($bseq)
+                ),
+                kind: KernelKind::WgmmaBackward,
+                dtype: table_word!(dtype $bdtype),
+                head_dim: $bd,
+                policies: Policies {
+                    mask: table_word!(mask $bmask),
+                    score: table_word!(score $bscore),
+                    seq: table_word!(seq $bseq),
+                },
+                rows: 0,
+                persistent: false,
+                keys: None,
             },)*
             $(Entry {
                 name: concat!("flash_probe_wgmma_", stringify!($dtype), "_n", stringify!($n), "_k", stringify!($k)),
@@ -2137,6 +2232,20 @@ fn line_of_rows<'a>(
     let first = lines.clone().next();
     let two_consumers = lines.clone().find(|e| e.rows == 2 * WGMMA_M);
     lines.find(|e| e.rows == rows).or(two_consumers).or(first)
+}
+
+/// The Hopper backward line of `dtype` and `head_dim` that covers `need`.
+pub fn find_hopper_backward(
+    dtype: Dtype,
+    head_dim: usize,
+    need: Policies,
+) -> Option<&'static Entry> {
+    HOPPER_ENTRIES.iter().find(|e| {
+        e.kind == KernelKind::WgmmaBackward
+            && e.dtype == dtype
+            && e.head_dim == head_dim
+            && e.policies.covers(need)
+    })
 }
 
 /// The first (most specialised) entry of `kind` for `dtype` and `head_dim`

@@ -534,6 +534,17 @@ pub const fn paged_box_rows(page_size: u32, block_n: u32) -> u32 {
     a
 }
 
+/// The row (g or g + 8) and first column (0 or 4) of the four consecutive
+/// columns of a 16 x 8 `mma` C fragment that `lane` holds once lanes 2k and
+/// 2k + 1 have swapped halves (the backward's `quad_swap`: the even lane
+/// gives its row g + 8 pair and takes its partner's row g pair, the odd lane
+/// the reverse).
+#[inline(always)]
+pub const fn quad_of(lane: u32) -> (u32, u32) {
+    let pair = lane % 4;
+    (lane / 4 + 8 * (pair % 2), 4 * (pair / 2))
+}
+
 /// Physical 16-byte chunk of logical chunk `chunk` in row `row` of a
 /// swizzled shared-memory tile: XOR with the row within its group of
 /// [`SWIZZLE_ROWS`], so the 8 rows an `ldmatrix` phase reads hit 8 different

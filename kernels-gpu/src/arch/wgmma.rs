@@ -82,21 +82,27 @@ macro_rules! wgmma_fn {
     (ss, $name:ident, $ty:literal, $n:literal, $nt:literal, [$j0:literal $($j:literal)*]) => {
         #[doc = concat!(
             "`wgmma.mma_async.sync.aligned.m64n", stringify!($n), "k16.f32.", $ty, ".", $ty,
-            " {d}, a_desc, b_desc, scale_d, 1, 1, 0, TRANS_B;` (A K-major; B K-major when",
-            " `TRANS_B` is 0, MN-major when 1)."
+            " {d}, a_desc, b_desc, scale_d, 1, 1, TRANS_A, TRANS_B;` (A and B each K-major",
+            " when its `TRANS_*` is 0, MN-major when 1)."
         )]
         #[inline(always)]
-        pub fn $name<const TRANS_B: u32>(d: &mut [[f32; 4]; $nt], a: u64, b: u64, scale_d: u32) {
+        pub fn $name<const TRANS_A: u32, const TRANS_B: u32>(
+            d: &mut [[f32; 4]; $nt],
+            a: u64,
+            b: u64,
+            scale_d: u32,
+        ) {
             unsafe {
                 asm!(
                     concat!(
                         "{{\n.reg .pred p;\nsetp.ne.b32 p, {sd}, 0;\n",
                         "wgmma.mma_async.sync.aligned.m64n", stringify!($n), "k16.f32.", $ty, ".", $ty,
-                        " {{{}, {}, {}, {}", $(quad!($j),)* "}}, {a}, {b}, p, 1, 1, 0, {tb};\n}}"
+                        " {{{}, {}, {}, {}", $(quad!($j),)* "}}, {a}, {b}, p, 1, 1, {ta}, {tb};\n}}"
                     ),
                     inout(reg32) d[$j0][0], inout(reg32) d[$j0][1], inout(reg32) d[$j0][2], inout(reg32) d[$j0][3],
                     $(inout(reg32) d[$j][0], inout(reg32) d[$j][1], inout(reg32) d[$j][2], inout(reg32) d[$j][3],)*
-                    a = in(reg64) a, b = in(reg64) b, sd = in(reg32) scale_d, tb = const TRANS_B,
+                    a = in(reg64) a, b = in(reg64) b, sd = in(reg32) scale_d,
+                    ta = const TRANS_A, tb = const TRANS_B,
                     options(nostack),
                 )
             }
@@ -143,7 +149,7 @@ macro_rules! wgmma_shapes {
         /// the generated shapes; any other fails the build, where the match
         /// alone would leave a kernel that traps), bf16 or f16 inputs.
         #[inline(always)]
-        pub fn ss<const NT: usize, const TRANS_B: u32>(
+        pub fn ss<const NT: usize, const TRANS_A: u32, const TRANS_B: u32>(
             bf16: bool,
             d: &mut [[f32; 4]; NT],
             a: u64,
@@ -156,7 +162,11 @@ macro_rules! wgmma_shapes {
                 $($nt => {
                     // SAFETY: NT == $nt, so this is the same array type.
                     let d = unsafe { &mut *d.cast::<[[f32; 4]; $nt]>() };
-                    if bf16 { $ssb::<TRANS_B>(d, a, b, scale_d) } else { $ss16::<TRANS_B>(d, a, b, scale_d) }
+                    if bf16 {
+                        $ssb::<TRANS_A, TRANS_B>(d, a, b, scale_d)
+                    } else {
+                        $ss16::<TRANS_A, TRANS_B>(d, a, b, scale_d)
+                    }
                 })*
                 _ => crate::arch::special::trap(),
             }
@@ -186,6 +196,7 @@ macro_rules! wgmma_shapes {
 }
 
 wgmma_shapes! {
+    32 => 4: ss_f16_n32 ss_bf16_n32 rs_f16_n32 rs_bf16_n32 [0 1 2 3];
     64 => 8: ss_f16_n64 ss_bf16_n64 rs_f16_n64 rs_bf16_n64 [0 1 2 3 4 5 6 7];
     80 => 10: ss_f16_n80 ss_bf16_n80 rs_f16_n80 rs_bf16_n80 [0 1 2 3 4 5 6 7 8 9];
     96 => 12: ss_f16_n96 ss_bf16_n96 rs_f16_n96 rs_bf16_n96 [0 1 2 3 4 5 6 7 8 9 10 11];

@@ -16,11 +16,11 @@ use crate::arch::{barrier, global, ldmatrix, math, shfl, smem, special};
 use crate::config::{
     BwdTile, PtxArch, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
 };
-use crate::index::{block_needs_mask, query_blocks, KeyWindow};
+use crate::index::{block_needs_mask, quad_of, query_blocks, KeyWindow};
 use crate::params::{BshStrides, BwdParams};
 use crate::unroll::unroll;
 
-const LOG2_E: f32 = core::f32::consts::LOG2_E;
+pub(crate) const LOG2_E: f32 = core::f32::consts::LOG2_E;
 
 /// Byte address of (`row`, 16-bit column `col`) of a padded row-major tile.
 #[inline(always)]
@@ -30,26 +30,26 @@ fn at(tile: u32, row_bytes: u32, row: u32, col: u32) -> u32 {
 
 /// Global byte address of token `t`, head `h` of sequence `b`.
 #[inline(always)]
-fn row_ptr(base: u64, s: &BshStrides, b: u32, t: u32, h: u32) -> u64 {
+pub(crate) fn row_ptr(base: u64, s: &BshStrides, b: u32, t: u32, h: u32) -> u64 {
     base + 2 * (b as i64 * s.batch + t as i64 * s.row + h as i64 * s.head) as u64
 }
 
 /// The `[B, H, Sq]` index of a query row (LSE, `delta`; times D: the dQ buffer).
 #[inline(always)]
-fn stat_row(p: &BwdParams, b: u32, h: u32, t: u32) -> u64 {
+pub(crate) fn stat_row(p: &BwdParams, b: u32, h: u32, t: u32) -> u64 {
     (b as u64 * p.heads as u64 + h as u64) * p.seqlen_q as u64 + t as u64
 }
 
 /// Tokens `first..` of head `head` of sequence `batch` in a [B, S, H, D]
 /// tensor; tokens at or past `limit` read as zeros.
 #[derive(Clone, Copy)]
-struct Rows<'a> {
-    base: u64,
-    strides: &'a BshStrides,
-    batch: u32,
-    head: u32,
-    first: u32,
-    limit: u32,
+pub(crate) struct Rows<'a> {
+    pub base: u64,
+    pub strides: &'a BshStrides,
+    pub batch: u32,
+    pub head: u32,
+    pub first: u32,
+    pub limit: u32,
 }
 
 /// Stages `count` tokens of `src` into a padded tile.
@@ -92,13 +92,29 @@ fn cols_first(lane: u32) -> (u32, u32) {
 /// Packs the C fragments of n-tiles `lo` and `hi` (16 columns) into the A
 /// fragment whose k runs over those columns.
 #[inline(always)]
-fn a_fragment<T: Element>(lo: &[f32; 4], hi: &[f32; 4]) -> [u32; 4] {
+pub(crate) fn a_fragment<T: Element>(lo: &[f32; 4], hi: &[f32; 4]) -> [u32; 4] {
     [
         T::pack(lo[0], lo[1]),
         T::pack(lo[2], lo[3]),
         T::pack(hi[0], hi[1]),
         T::pack(hi[2], hi[3]),
     ]
+}
+
+/// Lanes 2k and 2k + 1 swap halves of their C fragments (rows g and g + 8,
+/// columns 2t and 2t + 1), so that each holds four consecutive columns of
+/// one row (`index::quad_of`): one 16-byte vector atomic instead of four scalar
+/// ones. Every lane of the warp takes part.
+#[inline(always)]
+pub(crate) fn quad_swap(f: [f32; 4], lane: u32) -> [f32; 4] {
+    let odd = lane % 2 == 1;
+    let (s0, s1) = if odd { (f[0], f[1]) } else { (f[2], f[3]) };
+    let (r0, r1) = (shfl::bfly_f32(s0, 1), shfl::bfly_f32(s1, 1));
+    if odd {
+        [r0, r1, f[2], f[3]]
+    } else {
+        [f[0], f[1], r0, r1]
+    }
 }
 
 /// One backward CTA: key block `blockIdx.x` of KV head `blockIdx.y` of
@@ -315,20 +331,11 @@ pub fn backward<
         let row0 = q0 + q_tile * 16;
         let row_at = |t: u32| p.dq_accum + stat_row(p, b, h, t) * D as u64 * 4;
         if matches!(PtxArch::TARGET, PtxArch::Sm90) {
-            // Lanes 2k and 2k + 1 swap halves so that each holds four
-            // consecutive columns: the even lane of row g, the odd of g + 8.
-            let odd = pair % 2;
-            let t = row0 + g + 8 * odd;
-            let dst = row_at(t) + (d0 + 4 * (pair / 2)) as u64 * 4;
+            let (r, c) = quad_of(lane);
+            let t = row0 + r;
+            let dst = row_at(t) + (d0 + c) as u64 * 4;
             unroll::<QOT>(|d| {
-                let f = dq[d];
-                let (s0, s1) = if odd == 1 { (f[0], f[1]) } else { (f[2], f[3]) };
-                let (r0, r1) = (shfl::bfly_f32(s0, 1), shfl::bfly_f32(s1, 1));
-                let v = if odd == 1 {
-                    [r0, r1, f[2], f[3]]
-                } else {
-                    [f[0], f[1], r0, r1]
-                };
+                let v = quad_swap(dq[d], lane);
                 if t < p.seqlen_q {
                     global::red_add_v4_f32(dst + d as u64 * 32, v);
                 }

@@ -185,12 +185,15 @@ mod sm80 {
 
 #[cfg(target_feature = "sm_90a")]
 mod sm90a {
+    use super::super::hopper::backward::backward;
     use super::super::hopper::forward::forward;
     use super::super::hopper::probe::{tma_copy, wgmma_gemm};
     use super::super::policy::policies;
     use crate::arch::tma::param0_address;
     use crate::config::{hopper_entries, table_word, HopperTile};
-    use crate::params::{AttnParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams};
+    use crate::params::{
+        AttnParams, BwdParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams,
+    };
 
     macro_rules! fwd_name {
         ($dtype:ident $d:literal $mask:ident $score:ident $seq:ident $rows:literal $($grid:ident)?) => {
@@ -215,6 +218,7 @@ mod sm90a {
     macro_rules! hopper_device_entries {
     (
         $(fwd $fdtype:ident $fd:literal $mask:ident $score:ident $seq:ident $rows:literal $($grid:ident)?;)*
+        $(bwd $bdtype:ident $bd:literal $bmask:ident $bscore:ident $bseq:ident;)*
         $(wgmma $dtype:ident $n:literal $k:literal;)*
         $(tma $d:literal;)*
     ) => {
@@ -252,6 +256,15 @@ mod sm90a {
                     { TILE.q_buffers() as u32 },
                     { TILE.consumer_regs() },
                 >(&p, maps)
+            }
+        };)*
+        $(const _: () = {
+            #[export_name = concat!(
+                "flash_wgmma_bwd_", stringify!($bdtype), "_hd", stringify!($bd),
+                "_", stringify!($bmask), "_", stringify!($bscore), "_", stringify!($bseq)
+            )]
+            pub unsafe extern "ptx-kernel" fn entry(p: BwdParams) {
+                backward::<ty!($bdtype), $bd, { $bd / 8 }, { $bd / 16 }, { $bd / 16 }>(&p)
             }
         };)*
         $(const _: () = {

@@ -6,12 +6,13 @@
 //! instantiates them as named PTX entry points.
 //! The `sm_90a` module (`PtxArch::Sm90a`) compiles `hopper` and the pieces
 //! it shares with the sm_80 kernels (block info, policies, mask, online
-//! softmax, page lookup); the rest make the `sm_75`, `sm_80` and `sm_90` modules (sm_75
+//! softmax, page lookup, the backward's row helpers); the rest make the `sm_75`, `sm_80` and `sm_90` modules (sm_75
 //! through `copy` and the m16n8k8 form of `element::F16::mma`).
 
 #[cfg(not(target_feature = "sm_90a"))]
 mod append;
-#[cfg(not(target_feature = "sm_90a"))]
+// The sm_90a module's backward takes its row helpers from here.
+#[cfg_attr(target_feature = "sm_90a", allow(dead_code))]
 mod backward;
 mod block_info;
 #[cfg(not(target_feature = "sm_90a"))]

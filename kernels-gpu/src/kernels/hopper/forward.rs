@@ -770,7 +770,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
                 if kk / (QK / 2) == h {
                     let a = k_major_desc(q_rows, bm, kk as u32);
                     let b = k_major_desc(k, bn, (kk % (QK / 2)) as u32);
-                    wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
+                    wgmma::ss::<ST, 0, 0>(T::BF16, s, a, b, (kk > 0) as u32);
                 }
             });
             wgmma::commit_group();
@@ -879,7 +879,7 @@ impl<const STAGES: u32, const VSTAGES: u32, const QB: u32> Warpgroup<STAGES, VST
                 k_major_desc(q_rows, bm, kk as u32),
                 k_major_desc(k_tile, bn, kk as u32),
             );
-            wgmma::ss::<ST, 0>(T::BF16, s, a, b, (kk > 0) as u32);
+            wgmma::ss::<ST, 0, 0>(T::BF16, s, a, b, (kk > 0) as u32);
         });
         wgmma::commit_group();
     }

@@ -123,7 +123,7 @@ pub unsafe fn wgmma_gemm<
                 k_major_desc(a_tile, M, kk as u32),
                 k_major_desc(b_tile, n, kk as u32),
             );
-            wgmma::ss::<NT, 0>(T::BF16, &mut d, a, b, (kk > 0) as u32);
+            wgmma::ss::<NT, 0, 0>(T::BF16, &mut d, a, b, (kk > 0) as u32);
         });
         wgmma::commit_group();
         wgmma::wait_group::<0>();

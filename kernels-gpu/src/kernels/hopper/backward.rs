@@ -1,0 +1,325 @@
+//! The Hopper backward CTA: FlashAttention-2's Algorithm 2 (as
+//! `kernels::backward`) with its five GEMMs on `wgmma`. Two warpgroups
+//! share a block of [`HOPPER_BWD_BLOCK_N`] keys, [`WGMMA_M`] each, and keep
+//! dK and dV of their keys in registers over every (query head, query
+//! block) step that sees them:
+//!
+//! - Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, keys as rows, both operands in shared
+//!   memory (K-major, as Q·Kᵀ in the forward);
+//! - Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ - delta) in registers, which are (packed) the A
+//!   fragments of dV += Pᵀ·dO and dK += dSᵀ·Q, with dO and Q as MN-major B
+//!   (as V in the forward's P·V);
+//! - dSᵀ to shared memory, where dQ = dS·K reads it as an MN-major A; each
+//!   warpgroup takes half of dQ's columns over all the block's keys, and
+//!   adds them to the f32 buffer with vector atomics.
+//!
+//! Every 16-bit tile is in the SW128 layout (`index::sw128_offset`), staged
+//! by `cp.async` (no tensor maps: the steps' query blocks jump between
+//! heads), and the next step's Q, dO, LSE and `delta` copies run under the
+//! current step's GEMMs, as in the `mma.sync` kernel.
+use crate::arch::{barrier, fence, global, math, smem, special, wgmma};
+use crate::config::{
+    HopperBwdTile, CHUNK_BYTES, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, HOPPER_BWD_BLOCK_N,
+    HOPPER_BWD_THREADS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M,
+};
+use crate::index::{
+    block_needs_mask, k_major_desc, mn_major_desc, quad_of, query_blocks, sw128_offset, KeyWindow,
+    SW128_ATOM_BYTES, SW128_ROW_BYTES,
+};
+use crate::kernels::backward::{a_fragment, quad_swap, row_ptr, stat_row, Rows, LOG2_E};
+use crate::kernels::copy;
+use crate::kernels::element::Element;
+use crate::params::BwdParams;
+use crate::unroll::unroll;
+
+/// Query n-tiles of Sᵀ and dPᵀ: one `wgmma` of n = [`HOPPER_BWD_BLOCK_M`].
+const ST: usize = HOPPER_BWD_BLOCK_M / 8;
+/// k-steps of dV += Pᵀ·dO and dK += dSᵀ·Q: the step's query rows.
+const PK: usize = HOPPER_BWD_BLOCK_M / 16;
+/// k-steps of dQ = dS·K: the block's keys.
+const KK: usize = HOPPER_BWD_BLOCK_N / 16;
+
+/// Stages `count` tokens of `src` into an SW128 tile of `rows` rows.
+#[inline(always)]
+fn load_rows<T: Element, const D: usize>(tile: u32, rows: u32, count: u32, tid: u32, src: Rows) {
+    let chunks = (D / CHUNK_ELEMS) as u32;
+    let mut i = tid;
+    while i < count * chunks {
+        let (r, c) = (i / chunks, i % chunks);
+        let t = src.first + r;
+        let valid = t < src.limit;
+        let from = if valid {
+            row_ptr(src.base, src.strides, src.batch, t, src.head) + (c * CHUNK_BYTES as u32) as u64
+        } else {
+            src.base
+        };
+        T::stage(tile + sw128_offset(r, c, rows), from, valid);
+        i += HOPPER_BWD_THREADS as u32;
+    }
+}
+
+/// One Hopper backward CTA: key block `blockIdx.x` of KV head `blockIdx.y`
+/// of sequence `blockIdx.z`. `DT = D/8` (n-tiles of dK and dV), `QK = D/16`
+/// (k-steps of Sᵀ), `QT = D/16` (n-tiles of a warpgroup's half of dQ).
+#[inline(always)]
+pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, const QT: usize>(
+    p: &BwdParams,
+) {
+    let tile = const { HopperBwdTile::of(D) };
+    const { assert!(DT * 8 == D && QK * 16 == D && QT * 16 == D) };
+    let tid = special::thread_idx_x();
+    let (wg, warp, lane) = (
+        tid / WARPGROUP_THREADS as u32,
+        tid % WARPGROUP_THREADS as u32 / WARP_SIZE as u32,
+        tid % WARP_SIZE as u32,
+    );
+    let (g, pair) = (lane / 4, lane % 4);
+    let (n, kv_head, b) = (
+        special::block_idx_x(),
+        special::block_idx_y(),
+        special::block_idx_z(),
+    );
+    let a = SW128_ATOM_BYTES;
+    let base = (smem::base() + a - 1) & !(a - 1);
+    let at = |offset: usize| base + offset as u32;
+    let (k_s, v_s, ds_s) = (
+        at(tile.k_offset()),
+        at(tile.v_offset()),
+        at(tile.ds_offset()),
+    );
+    let (bn, bm) = (HOPPER_BWD_BLOCK_N as u32, HOPPER_BWD_BLOCK_M as u32);
+
+    let key0 = n * bn;
+    let kv_rows = |base, strides| Rows {
+        base,
+        strides,
+        batch: b,
+        head: kv_head,
+        first: key0,
+        limit: p.seqlen_k,
+    };
+    load_rows::<T, D>(k_s, bn, bn, tid, kv_rows(p.k, &p.k_strides));
+    load_rows::<T, D>(v_s, bn, bn, tid, kv_rows(p.v, &p.v_strides));
+    copy::commit();
+
+    let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    let (m_lo, m_hi) = query_blocks(&keys, n, bn, bm);
+    let group = p.heads / p.kv_heads;
+    let blocks = m_hi - m_lo;
+    let steps = group * blocks;
+    let step_of = |i: u32| (kv_head * group + i / blocks, m_lo + i % blocks);
+    // As in the `mma.sync` kernel: rows past the sequence are zeros, and a
+    // row that saw no key has every key of the block masked.
+    let issue = |i: u32, stage: usize| {
+        let (h, m) = step_of(i);
+        let q0 = m * bm;
+        let q_rows = |base, strides| Rows {
+            base,
+            strides,
+            batch: b,
+            head: h,
+            first: q0,
+            limit: p.seqlen_q,
+        };
+        load_rows::<T, D>(
+            at(tile.q_offset(stage)),
+            bm,
+            bm,
+            tid,
+            q_rows(p.q, &p.q_strides),
+        );
+        load_rows::<T, D>(
+            at(tile.do_offset(stage)),
+            bm,
+            bm,
+            tid,
+            q_rows(p.d_o, &p.do_strides),
+        );
+        if tid < 2 * bm {
+            let (r, src) = (tid % bm, if tid < bm { p.lse } else { p.delta });
+            let valid = q0 + r < p.seqlen_q;
+            let row = if valid { stat_row(p, b, h, q0 + r) } else { 0 };
+            copy::word(at(tile.stats_offset(stage)) + tid * 4, src + row * 4, valid);
+        }
+    };
+    if steps > 0 {
+        issue(0, 0);
+        copy::commit();
+    }
+
+    // This warpgroup's keys as the rows of an SW128 tile of the block's.
+    let (k_rows, v_rows) = (
+        k_s + wg * WGMMA_M as u32 * SW128_ROW_BYTES,
+        v_s + wg * WGMMA_M as u32 * SW128_ROW_BYTES,
+    );
+    // Its half of dQ's columns: as K's columns, the B operand of dQ = dS·K.
+    let dq_cols = wg * (D / 2) as u32;
+    let k_cols = k_s + sw128_offset(0, dq_cols / CHUNK_ELEMS as u32, bn);
+    let warp_row = warp * 16;
+    let mut dk = [[0f32; 4]; DT];
+    let mut dv = [[0f32; 4]; DT];
+
+    let mut i = 0;
+    while i < steps {
+        let (h, m) = step_of(i);
+        let q0 = m * bm;
+        let stage = (i % 2) as usize;
+        // Every thread is done with step i - 1, whose stage the next copies
+        // overwrite, and whose dSᵀ the dQ GEMMs have read.
+        barrier::sync_cta();
+        if i + 1 < steps {
+            issue(i + 1, 1 - stage);
+        }
+        copy::commit();
+        copy::wait_pending(1);
+        fence::proxy_async_shared();
+        barrier::sync_cta();
+        let (q_s, do_s) = (at(tile.q_offset(stage)), at(tile.do_offset(stage)));
+        let lse_s = at(tile.stats_offset(stage));
+        let delta_s = lse_s + bm * 4;
+
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warpgroup's keys.
+        let mut s = [[0f32; 4]; ST];
+        let mut dp = [[0f32; 4]; ST];
+        wgmma::fence_operands(&mut s);
+        wgmma::fence_operands(&mut dp);
+        wgmma::fence();
+        unroll::<QK>(|kk| {
+            let (ka, qb) = (
+                k_major_desc(k_rows, bn, kk as u32),
+                k_major_desc(q_s, bm, kk as u32),
+            );
+            wgmma::ss::<ST, 0, 0>(T::BF16, &mut s, ka, qb, (kk > 0) as u32);
+        });
+        unroll::<QK>(|kk| {
+            let (va, ob) = (
+                k_major_desc(v_rows, bn, kk as u32),
+                k_major_desc(do_s, bm, kk as u32),
+            );
+            wgmma::ss::<ST, 0, 0>(T::BF16, &mut dp, va, ob, (kk > 0) as u32);
+        });
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut s);
+        wgmma::fence_operands(&mut dp);
+
+        // Pᵀ = exp(S - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), masked.
+        let masked = block_needs_mask(&keys, q0, q0 + bm - 1, n, bn);
+        unroll::<ST>(|j| {
+            let col = j as u32 * 8 + 2 * pair;
+            let (l0, l1) = smem::ld_v2_b32(lse_s + col * 4);
+            let (d0, d1) = smem::ld_v2_b32(delta_s + col * 4);
+            unroll::<4>(|e| {
+                let lse = f32::from_bits(if e % 2 == 0 { l0 } else { l1 }) * LOG2_E;
+                let delta = f32::from_bits(if e % 2 == 0 { d0 } else { d1 });
+                let key = key0 + wg * WGMMA_M as u32 + warp_row + g + 8 * (e / 2) as u32;
+                let mut pv = math::ex2(s[j][e] * p.scale_log2 - lse);
+                if masked && !keys.sees(q0 + col + (e % 2) as u32, key) {
+                    pv = 0.0;
+                }
+                s[j][e] = pv;
+                dp[j][e] = pv * (dp[j][e] - delta);
+            });
+        });
+        let mut pf = [[0u32; 4]; PK];
+        let mut dsf = [[0u32; 4]; PK];
+        unroll::<PK>(|kk| {
+            pf[kk] = a_fragment::<T>(&s[2 * kk], &s[2 * kk + 1]);
+            dsf[kk] = a_fragment::<T>(&dp[2 * kk], &dp[2 * kk + 1]);
+        });
+
+        // dV += Pᵀ·dO and dK += dSᵀ·Q.
+        wgmma::fence_operands(&mut dv);
+        wgmma::fence_operands(&mut dk);
+        wgmma::fence_fragments(&mut pf);
+        wgmma::fence_fragments(&mut dsf);
+        wgmma::fence();
+        unroll::<PK>(|kk| {
+            wgmma::rs::<DT, 1>(
+                T::BF16,
+                &mut dv,
+                &pf[kk],
+                mn_major_desc(do_s, bm, kk as u32),
+                1,
+            );
+        });
+        unroll::<PK>(|kk| {
+            wgmma::rs::<DT, 1>(
+                T::BF16,
+                &mut dk,
+                &dsf[kk],
+                mn_major_desc(q_s, bm, kk as u32),
+                1,
+            );
+        });
+        wgmma::commit_group();
+
+        // dSᵀ to shared memory (keys as rows), from its packed fragments:
+        // fragment kk holds query chunks 2kk and 2kk + 1.
+        unroll::<PK>(|kk| {
+            unroll::<2>(|half| {
+                let row = wg * WGMMA_M as u32 + warp_row + g + 8 * half as u32;
+                unroll::<2>(|c| {
+                    let chunk = 2 * kk as u32 + c as u32;
+                    smem::st_b32(
+                        ds_s + sw128_offset(row, chunk, bn) + 4 * pair,
+                        dsf[kk][2 * c + half],
+                    );
+                });
+            });
+        });
+        // Pᵀ and dSᵀ are free once dV and dK are done (the stores above ran
+        // under them).
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut dv);
+        wgmma::fence_operands(&mut dk);
+        wgmma::fence_fragments(&mut pf);
+        wgmma::fence_fragments(&mut dsf);
+        fence::proxy_async_shared();
+        barrier::sync_cta();
+
+        // The warpgroup's half of dQ = dS·K over all the block's keys.
+        let mut dq = [[0f32; 4]; QT];
+        wgmma::fence_operands(&mut dq);
+        wgmma::fence();
+        unroll::<KK>(|kk| {
+            let (dsa, kb) = (
+                mn_major_desc(ds_s, bn, kk as u32),
+                mn_major_desc(k_cols, bn, kk as u32),
+            );
+            wgmma::ss::<QT, 1, 1>(T::BF16, &mut dq, dsa, kb, (kk > 0) as u32);
+        });
+        wgmma::commit_group();
+        wgmma::wait_group::<0>();
+        wgmma::fence_operands(&mut dq);
+
+        let (r, c) = quad_of(lane);
+        let t = q0 + warp_row + r;
+        let dst = p.dq_accum + (stat_row(p, b, h, t) * D as u64 + (dq_cols + c) as u64) * 4;
+        unroll::<QT>(|d| {
+            let v = quad_swap(dq[d], lane);
+            if t < p.seqlen_q {
+                global::red_add_v4_f32(dst + d as u64 * 32, v);
+            }
+        });
+        i += 1;
+    }
+    // A CTA that visits no query block still has its K/V copies in flight.
+    copy::wait_all();
+
+    unroll::<2>(|half| {
+        let key = key0 + wg * WGMMA_M as u32 + warp_row + g + 8 * half as u32;
+        if key < p.seqlen_k {
+            let dk_row = row_ptr(p.dk, &p.dk_strides, b, key, kv_head) + 4 * pair as u64;
+            let dv_row = row_ptr(p.dv, &p.dv_strides, b, key, kv_head) + 4 * pair as u64;
+            unroll::<DT>(|d| {
+                let (c0, c1) = (dk[d][2 * half], dk[d][2 * half + 1]);
+                global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));
+                global::st_b32(
+                    dv_row + d as u64 * 16,
+                    T::pack(dv[d][2 * half], dv[d][2 * half + 1]),
+                );
+            });
+        }
+    });
+}
