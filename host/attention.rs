@@ -12,9 +12,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_groups, combine_shape, find_entry, find_hopper_backward, find_hopper_entry, AttnTile,
-    Dtype, Entry, HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch, ScoreKind,
-    SeqKind, APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP,
-    HOPPER_BWD_BLOCK_N, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    Dtype, Entry, HopperBwdTile, HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch,
+    ScoreKind, SeqKind, APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP,
+    HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
@@ -1338,7 +1338,8 @@ impl FlashAttention {
             ByValue(params),
         )?;
         if let Some((module, entry)) = on_hopper {
-            let key_blocks = shape.seqlen_k.div_ceil(HOPPER_BWD_BLOCK_N) as u32;
+            let block_n = HopperBwdTile::of(shape.head_dim).block_n();
+            let key_blocks = shape.seqlen_k.div_ceil(block_n) as u32;
             let grid = (key_blocks, shape.kv_heads as u32, shape.batch as u32);
             module.launch_backward(stream, entry, params, grid)?;
         } else {

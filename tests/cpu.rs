@@ -1823,7 +1823,7 @@ mod config {
     #[test]
     fn hopper_entries_are_named_by_the_table() {
         use flash_attn_kernels::config::{
-            find_entry, HopperBwdTile, PtxArch, HOPPER_BWD_HEAD_DIMS, HOPPER_BWD_THREADS,
+            find_entry, HopperBwdTile, PtxArch, HOPPER_BWD_BLOCK_M, HOPPER_BWD_HEAD_DIMS,
             HOPPER_ENTRIES, PROBE_THREADS,
         };
         let mut names = HashSet::new();
@@ -1866,10 +1866,24 @@ mod config {
                 assert_eq!(e.name, want);
                 assert!(HOPPER_BWD_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
                 let t = HopperBwdTile::of(e.head_dim);
-                assert_eq!(e.threads(PtxArch::Sm90a), HOPPER_BWD_THREADS);
+                assert_eq!(e.threads(PtxArch::Sm90a), t.threads());
                 assert_eq!(e.smem_bytes(PtxArch::Sm90a), t.smem_bytes());
                 assert!(t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes(), "{e:?}");
-                assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(1));
+                assert_eq!(e.min_ctas_per_sm(PtxArch::Sm90a), Some(t.ctas_per_sm()));
+                assert!(t.ctas_per_sm() * t.smem_bytes() <= PtxArch::Sm90a.max_smem_bytes());
+                // wgmma descriptors and the SW128 swizzle address tiles
+                // from 1024-byte atoms, and a tile holds whole 64-column
+                // groups.
+                let atom = flash_attn_kernels::config::SWIZZLE_ATOM_BYTES;
+                for offset in [t.v_offset(), t.q_offset(1), t.do_offset(1), t.ds_offset()] {
+                    assert_eq!(offset % atom, 0, "{e:?}");
+                }
+                let groups = e.head_dim.div_ceil(64);
+                assert_eq!(t.v_offset(), t.block_n() * 128 * groups);
+                assert_eq!(
+                    t.do_offset(0) - t.q_offset(0),
+                    HOPPER_BWD_BLOCK_M * 128 * groups
+                );
                 // The `mma.sync` line it stands in for, as the fallback.
                 let need = p;
                 assert!(find_entry(KernelKind::Backward, e.dtype, e.head_dim, need).is_some());

@@ -716,7 +716,7 @@ impl Entry {
             KernelKind::Merge => MERGE_THREADS,
             KernelKind::Probe => PROBE_THREADS,
             KernelKind::WgmmaForward => self.hopper_tile().threads(),
-            KernelKind::WgmmaBackward => HOPPER_BWD_THREADS,
+            KernelKind::WgmmaBackward => HopperBwdTile::of(self.head_dim).threads(),
             KernelKind::Backward | KernelKind::BackwardPrep | KernelKind::BackwardDq => BWD_THREADS,
             _ => self.tile(arch).threads(),
         }
@@ -742,7 +742,7 @@ impl Entry {
             KernelKind::Backward => Some(BwdTile::of(self.head_dim, arch).ctas_per_sm),
             KernelKind::Probe => Some(1),
             KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
-            KernelKind::WgmmaBackward => Some(1),
+            KernelKind::WgmmaBackward => Some(HopperBwdTile::of(self.head_dim).ctas_per_sm()),
             _ => Some(self.tile(arch).min_ctas_per_sm),
         }
     }
@@ -1166,26 +1166,28 @@ impl BwdTile {
     }
 }
 
-/// Keys per Hopper backward CTA: two warpgroups of [`WGMMA_M`] keys, which
-/// halves the dQ atomics per key of the `mma.sync` kernel's 64.
-pub const HOPPER_BWD_BLOCK_N: usize = 2 * WGMMA_M;
 /// Query rows per step of the Hopper backward: the M of dQ = dS·K.
 pub const HOPPER_BWD_BLOCK_M: usize = WGMMA_M;
-/// Threads of a Hopper backward CTA: its two warpgroups.
-pub const HOPPER_BWD_THREADS: usize = 2 * WARPGROUP_THREADS;
-/// Head dims of the Hopper backward: a warpgroup's half of dQ's columns is
-/// one `wgmma` N (32 or 64); the others run the `mma.sync` kernel.
-pub const HOPPER_BWD_HEAD_DIMS: [usize; 2] = [64, 128];
+/// Head dims of the Hopper backward ([`HopperBwdTile`]); D = 32 stays on
+/// the `mma.sync` kernel, which was faster there (docs/perf-notes.md v71).
+pub const HOPPER_BWD_HEAD_DIMS: [usize; 3] = [64, 96, 128];
 
-/// The Hopper backward CTA's shared memory, every 16-bit tile in the SW128
-/// layout (`index::sw128_offset`) that `wgmma` descriptors read: K and V of
-/// the key block, two stages of a query block's Q and dO and its LSE and
-/// `delta` rows (f32), and dSᵀ (keys x queries). Offsets from the base
-/// rounded up to [`SWIZZLE_ATOM_BYTES`], which the size includes.
+/// The Hopper backward CTA: `warpgroups` warpgroups of [`WGMMA_M`] keys
+/// each, and its shared memory, every 16-bit tile in the SW128 layout
+/// (`index::sw128_offset`: whole 64-column groups) that `wgmma`
+/// descriptors read: K and V of the key block, two stages of a query
+/// block's Q and dO and its LSE and `delta` rows (f32), and dSᵀ (keys x
+/// queries). Offsets from the base rounded up to [`SWIZZLE_ATOM_BYTES`],
+/// which the size includes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct HopperBwdTile {
     /// Q/K head dim.
     pub head_dim: usize,
+    /// Two where each warpgroup's half of dQ's columns (the N of its dQ
+    /// `wgmma`, a slice of K's columns) lies within one 64-column group: a
+    /// block of 128 keys, half the dQ atomics per key of one warpgroup's 64,
+    /// one CTA per SM. Else (D = 96) one, two CTAs per SM.
+    pub warpgroups: usize,
 }
 
 impl HopperBwdTile {
@@ -1193,13 +1195,29 @@ impl HopperBwdTile {
     pub const STAGES: usize = 2;
     /// The tile of head dim `head_dim`.
     pub const fn of(head_dim: usize) -> HopperBwdTile {
-        HopperBwdTile { head_dim }
+        let half = head_dim / 2;
+        let split = head_dim <= SW128_ROW_ELEMS || half.is_multiple_of(SW128_ROW_ELEMS);
+        HopperBwdTile {
+            head_dim,
+            warpgroups: if split { 2 } else { 1 },
+        }
     }
-    const fn kv_bytes(&self) -> usize {
-        HOPPER_BWD_BLOCK_N * self.head_dim * ELEM_BYTES
+    /// Keys per CTA.
+    pub const fn block_n(&self) -> usize {
+        self.warpgroups * WGMMA_M
     }
-    const fn q_bytes(&self) -> usize {
-        HOPPER_BWD_BLOCK_M * self.head_dim * ELEM_BYTES
+    /// Threads per CTA.
+    pub const fn threads(&self) -> usize {
+        self.warpgroups * WARPGROUP_THREADS
+    }
+    /// CTAs per SM the PTX asks for (`.minnctapersm`): as many as 255
+    /// registers per thread allow.
+    pub const fn ctas_per_sm(&self) -> usize {
+        2 / self.warpgroups
+    }
+    /// Bytes of an SW128 tile of `rows` rows of the head dim.
+    const fn tile_bytes(&self, rows: usize) -> usize {
+        self.head_dim.div_ceil(SW128_ROW_ELEMS) * rows * SW128_ROW_BYTES
     }
     /// K's tile.
     pub const fn k_offset(&self) -> usize {
@@ -1207,28 +1225,28 @@ impl HopperBwdTile {
     }
     /// V's tile.
     pub const fn v_offset(&self) -> usize {
-        self.kv_bytes()
+        self.tile_bytes(self.block_n())
     }
     /// Q's tile of stage `stage`.
     pub const fn q_offset(&self, stage: usize) -> usize {
-        2 * self.kv_bytes() + stage * 2 * self.q_bytes()
+        2 * self.v_offset() + stage * 2 * self.tile_bytes(HOPPER_BWD_BLOCK_M)
     }
     /// dO's tile of stage `stage`.
     pub const fn do_offset(&self, stage: usize) -> usize {
-        self.q_offset(stage) + self.q_bytes()
+        self.q_offset(stage) + self.tile_bytes(HOPPER_BWD_BLOCK_M)
     }
     /// Stage `stage`'s LSE row (natural log, f32), then `delta`'s.
     pub const fn stats_offset(&self, stage: usize) -> usize {
         self.q_offset(Self::STAGES) + stage * 2 * HOPPER_BWD_BLOCK_M * 4
     }
-    /// dSᵀ: [`HOPPER_BWD_BLOCK_N`] rows of [`HOPPER_BWD_BLOCK_M`] elements
-    /// (one column group), after the stats, which end on an atom boundary.
+    /// dSᵀ: [`Self::block_n`] rows of [`HOPPER_BWD_BLOCK_M`] elements (one
+    /// column group), after the stats, which end on an atom boundary.
     pub const fn ds_offset(&self) -> usize {
         self.stats_offset(Self::STAGES)
     }
     /// Dynamic shared memory of the CTA, with the alignment slack.
     pub const fn smem_bytes(&self) -> usize {
-        self.ds_offset() + HOPPER_BWD_BLOCK_N * HOPPER_BWD_BLOCK_M * ELEM_BYTES + SWIZZLE_ATOM_BYTES
+        self.ds_offset() + self.block_n() * HOPPER_BWD_BLOCK_M * ELEM_BYTES + SWIZZLE_ATOM_BYTES
     }
 }
 
@@ -1799,8 +1817,10 @@ macro_rules! hopper_entries {
             fwd bf16 256 causal plain ragged 128;
             fwd bf16 256 local modified ragged 128;
             bwd f16 64 local plain dense;
+            bwd f16 96 local plain dense;
             bwd f16 128 local plain dense;
             bwd bf16 64 local plain dense;
+            bwd bf16 96 local plain dense;
             bwd bf16 128 local plain dense;
             wgmma f16 64 64;
             wgmma f16 128 128;

@@ -190,7 +190,7 @@ mod sm90a {
     use super::super::hopper::probe::{tma_copy, wgmma_gemm};
     use super::super::policy::policies;
     use crate::arch::tma::param0_address;
-    use crate::config::{hopper_entries, table_word, HopperTile};
+    use crate::config::{hopper_entries, table_word, HopperBwdTile, HopperTile};
     use crate::params::{
         AttnParams, BwdParams, HopperFwdMaps, ProbeGemmParams, ProbeTmaMaps, ProbeTmaParams,
     };
@@ -264,7 +264,15 @@ mod sm90a {
                 "_", stringify!($bmask), "_", stringify!($bscore), "_", stringify!($bseq)
             )]
             pub unsafe extern "ptx-kernel" fn entry(p: BwdParams) {
-                backward::<ty!($bdtype), $bd, { $bd / 8 }, { $bd / 16 }, { $bd / 16 }>(&p)
+                backward::<
+                    ty!($bdtype),
+                    $bd,
+                    { HopperBwdTile::of($bd).warpgroups },
+                    { $bd / 8 },
+                    { $bd / 16 },
+                    { $bd / 8 / HopperBwdTile::of($bd).warpgroups },
+                    { HopperBwdTile::of($bd).block_n() / 16 },
+                >(&p)
             }
         };)*
         $(const _: () = {

@@ -1,8 +1,8 @@
 //! The Hopper backward CTA: FlashAttention-2's Algorithm 2 (as
-//! `kernels::backward`) with its five GEMMs on `wgmma`. Two warpgroups
-//! share a block of [`HOPPER_BWD_BLOCK_N`] keys, [`WGMMA_M`] each, and keep
-//! dK and dV of their keys in registers over every (query head, query
-//! block) step that sees them:
+//! `kernels::backward`) with its five GEMMs on `wgmma`. The CTA's
+//! warpgroups ([`HopperBwdTile`]) own [`WGMMA_M`] keys each of its key
+//! block, and keep dK and dV of their keys in registers over every (query
+//! head, query block) step that sees them:
 //!
 //! - Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, keys as rows, both operands in shared
 //!   memory (K-major, as Q·Kᵀ in the forward);
@@ -10,8 +10,8 @@
 //!   fragments of dV += Pᵀ·dO and dK += dSᵀ·Q, with dO and Q as MN-major B
 //!   (as V in the forward's P·V);
 //! - dSᵀ to shared memory, where dQ = dS·K reads it as an MN-major A; each
-//!   warpgroup takes half of dQ's columns over all the block's keys, and
-//!   adds them to the f32 buffer with vector atomics.
+//!   warpgroup takes its share of dQ's columns over all the block's keys,
+//!   and adds them to the f32 buffer with vector atomics.
 //!
 //! Every 16-bit tile is in the SW128 layout (`index::sw128_offset`), staged
 //! by `cp.async` (no tensor maps: the steps' query blocks jump between
@@ -19,8 +19,8 @@
 //! current step's GEMMs, as in the `mma.sync` kernel.
 use crate::arch::{barrier, fence, global, math, smem, special, wgmma};
 use crate::config::{
-    HopperBwdTile, CHUNK_BYTES, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, HOPPER_BWD_BLOCK_N,
-    HOPPER_BWD_THREADS, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M,
+    HopperBwdTile, CHUNK_BYTES, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, WARPGROUP_THREADS, WARP_SIZE,
+    WGMMA_M,
 };
 use crate::index::{
     block_needs_mask, k_major_desc, mn_major_desc, quad_of, query_blocks, sw128_offset, KeyWindow,
@@ -36,12 +36,17 @@ use crate::unroll::unroll;
 const ST: usize = HOPPER_BWD_BLOCK_M / 8;
 /// k-steps of dV += Pᵀ·dO and dK += dSᵀ·Q: the step's query rows.
 const PK: usize = HOPPER_BWD_BLOCK_M / 16;
-/// k-steps of dQ = dS·K: the block's keys.
-const KK: usize = HOPPER_BWD_BLOCK_N / 16;
 
-/// Stages `count` tokens of `src` into an SW128 tile of `rows` rows.
+/// Stages `count` tokens of `src` into an SW128 tile of `rows` rows, the
+/// CTA's `threads` threads taking a chunk each in turn.
 #[inline(always)]
-fn load_rows<T: Element, const D: usize>(tile: u32, rows: u32, count: u32, tid: u32, src: Rows) {
+fn load_rows<T: Element, const D: usize>(
+    tile: u32,
+    rows: u32,
+    count: u32,
+    (tid, threads): (u32, u32),
+    src: Rows,
+) {
     let chunks = (D / CHUNK_ELEMS) as u32;
     let mut i = tid;
     while i < count * chunks {
@@ -54,19 +59,33 @@ fn load_rows<T: Element, const D: usize>(tile: u32, rows: u32, count: u32, tid: 
             src.base
         };
         T::stage(tile + sw128_offset(r, c, rows), from, valid);
-        i += HOPPER_BWD_THREADS as u32;
+        i += threads;
     }
 }
 
 /// One Hopper backward CTA: key block `blockIdx.x` of KV head `blockIdx.y`
-/// of sequence `blockIdx.z`. `DT = D/8` (n-tiles of dK and dV), `QK = D/16`
-/// (k-steps of Sᵀ), `QT = D/16` (n-tiles of a warpgroup's half of dQ).
+/// of sequence `blockIdx.z`. `W` warpgroups, `DT = D/8` (n-tiles of dK and
+/// dV), `QK = D/16` (k-steps of Sᵀ), `QT = DT/W` (n-tiles of a warpgroup's
+/// share of dQ), `KK` = keys/16 (k-steps of dQ); checked against the tile
+/// at compile time.
 #[inline(always)]
-pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, const QT: usize>(
+pub fn backward<
+    T: Element,
+    const D: usize,
+    const W: usize,
+    const DT: usize,
+    const QK: usize,
+    const QT: usize,
+    const KK: usize,
+>(
     p: &BwdParams,
 ) {
     let tile = const { HopperBwdTile::of(D) };
-    const { assert!(DT * 8 == D && QK * 16 == D && QT * 16 == D) };
+    const {
+        let t = HopperBwdTile::of(D);
+        assert!(W == t.warpgroups && DT * 8 == D && QK * 16 == D);
+        assert!(QT * W == DT && KK * 16 == t.block_n());
+    }
     let tid = special::thread_idx_x();
     let (wg, warp, lane) = (
         tid / WARPGROUP_THREADS as u32,
@@ -87,7 +106,8 @@ pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, co
         at(tile.v_offset()),
         at(tile.ds_offset()),
     );
-    let (bn, bm) = (HOPPER_BWD_BLOCK_N as u32, HOPPER_BWD_BLOCK_M as u32);
+    let (bn, bm) = (tile.block_n() as u32, HOPPER_BWD_BLOCK_M as u32);
+    let threads = (tid, tile.threads() as u32);
 
     let key0 = n * bn;
     let kv_rows = |base, strides| Rows {
@@ -98,8 +118,8 @@ pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, co
         first: key0,
         limit: p.seqlen_k,
     };
-    load_rows::<T, D>(k_s, bn, bn, tid, kv_rows(p.k, &p.k_strides));
-    load_rows::<T, D>(v_s, bn, bn, tid, kv_rows(p.v, &p.v_strides));
+    load_rows::<T, D>(k_s, bn, bn, threads, kv_rows(p.k, &p.k_strides));
+    load_rows::<T, D>(v_s, bn, bn, threads, kv_rows(p.v, &p.v_strides));
     copy::commit();
 
     let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
@@ -121,20 +141,9 @@ pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, co
             first: q0,
             limit: p.seqlen_q,
         };
-        load_rows::<T, D>(
-            at(tile.q_offset(stage)),
-            bm,
-            bm,
-            tid,
-            q_rows(p.q, &p.q_strides),
-        );
-        load_rows::<T, D>(
-            at(tile.do_offset(stage)),
-            bm,
-            bm,
-            tid,
-            q_rows(p.d_o, &p.do_strides),
-        );
+        let (q_s, do_s) = (at(tile.q_offset(stage)), at(tile.do_offset(stage)));
+        load_rows::<T, D>(q_s, bm, bm, threads, q_rows(p.q, &p.q_strides));
+        load_rows::<T, D>(do_s, bm, bm, threads, q_rows(p.d_o, &p.do_strides));
         if tid < 2 * bm {
             let (r, src) = (tid % bm, if tid < bm { p.lse } else { p.delta });
             let valid = q0 + r < p.seqlen_q;
@@ -152,8 +161,8 @@ pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, co
         k_s + wg * WGMMA_M as u32 * SW128_ROW_BYTES,
         v_s + wg * WGMMA_M as u32 * SW128_ROW_BYTES,
     );
-    // Its half of dQ's columns: as K's columns, the B operand of dQ = dS·K.
-    let dq_cols = wg * (D / 2) as u32;
+    // Its share of dQ's columns: as K's columns, the B operand of dQ = dS·K.
+    let dq_cols = wg * (D / W) as u32;
     let k_cols = k_s + sw128_offset(0, dq_cols / CHUNK_ELEMS as u32, bn);
     let warp_row = warp * 16;
     let mut dk = [[0f32; 4]; DT];
@@ -278,7 +287,7 @@ pub fn backward<T: Element, const D: usize, const DT: usize, const QK: usize, co
         fence::proxy_async_shared();
         barrier::sync_cta();
 
-        // The warpgroup's half of dQ = dS·K over all the block's keys.
+        // The warpgroup's share of dQ = dS·K over all the block's keys.
         let mut dq = [[0f32; 4]; QT];
         wgmma::fence_operands(&mut dq);
         wgmma::fence();
