@@ -168,12 +168,7 @@ impl HopperModule {
         params: AttnParams,
         grid: (u32, u32, u32),
     ) -> Result<(), FlashAttnError> {
-        let function = self.function(entry.name)?;
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (entry.threads(PtxArch::Sm90a) as u32, 1, 1),
-            shared_mem_bytes: entry.smem_bytes(PtxArch::Sm90a) as u32,
-        };
+        let (function, cfg) = self.function_and_config(entry, grid)?;
         let (maps, params) = (ByValue(maps), ByValue(params));
         let mut builder = stream.launch_builder(function);
         builder.arg(&maps).arg(&params);
@@ -195,12 +190,7 @@ impl HopperModule {
         params: BwdParams,
         grid: (u32, u32, u32),
     ) -> Result<(), FlashAttnError> {
-        let function = self.function(entry.name)?;
-        let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (entry.threads(PtxArch::Sm90a) as u32, 1, 1),
-            shared_mem_bytes: entry.smem_bytes(PtxArch::Sm90a) as u32,
-        };
+        let (function, cfg) = self.function_and_config(entry, grid)?;
         let params = ByValue(params);
         let mut builder = stream.launch_builder(function);
         builder.arg(&params);
@@ -209,6 +199,20 @@ impl HopperModule {
         unsafe { builder.launch(cfg) }?;
         LAUNCHES.with(|n| n.set(n.get() + 1));
         Ok(())
+    }
+
+    /// `entry`'s function and its launch on a grid of `grid` CTAs.
+    fn function_and_config(
+        &self,
+        entry: &Entry,
+        grid: (u32, u32, u32),
+    ) -> Result<(&CudaFunction, LaunchConfig), FlashAttnError> {
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (entry.threads(PtxArch::Sm90a) as u32, 1, 1),
+            shared_mem_bytes: entry.smem_bytes(PtxArch::Sm90a) as u32,
+        };
+        Ok((self.function(entry.name)?, cfg))
     }
 
     fn function(&self, name: &str) -> Result<&CudaFunction, FlashAttnError> {

@@ -4223,24 +4223,24 @@ fn main() {
     );
     // The `mma.sync` kernel at the head dims the Hopper one takes.
     let gpu_mma = Arc::new(gpu.as_ref().as_ref().map(Gpu::mma_backward));
-    let g = gpu_mma.clone();
-    trials.push(Trial::test("backward_mma_random_f16", move || {
-        proptest_trial(
-            &g,
-            case_count().div_ceil(2),
-            bwd_strategy(),
-            run_backward::<f16>,
-        )
-    }));
-    let g = gpu_mma;
-    trials.push(Trial::test("backward_mma_random_bf16", move || {
-        proptest_trial(
-            &g,
-            case_count().div_ceil(2),
-            bwd_strategy(),
-            run_backward::<bf16>,
-        )
-    }));
+    macro_rules! mma_backward_trial {
+        ($t:ty, $name:literal) => {{
+            let g = gpu_mma.clone();
+            trials.push(Trial::test(
+                concat!("backward_mma_random_", $name),
+                move || {
+                    proptest_trial(
+                        &g,
+                        case_count().div_ceil(2),
+                        bwd_strategy(),
+                        run_backward::<$t>,
+                    )
+                },
+            ));
+        }};
+    }
+    mma_backward_trial!(f16, "f16");
+    mma_backward_trial!(bf16, "bf16");
     let g = gpu.clone();
     trials.push(Trial::test("backward_refuses_device_options", move || {
         backward_refuses_device_options(g.as_ref().as_ref().unwrap()).map_err(Failed::from)

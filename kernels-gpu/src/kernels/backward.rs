@@ -52,11 +52,17 @@ pub(crate) struct Rows<'a> {
     pub limit: u32,
 }
 
-/// Stages `count` tokens of `src` into a padded tile.
+/// Stages `count` tokens of `src` into a tile whose chunk `c` (8 elements)
+/// of row `r` sits at `dst(r, c)`, the CTA's `threads` threads taking a
+/// chunk each in turn.
 #[inline(always)]
-fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, tid: u32, src: Rows) {
+pub(crate) fn stage_rows<T: Element, const D: usize>(
+    count: u32,
+    (tid, threads): (u32, u32),
+    src: Rows,
+    dst: impl Fn(u32, u32) -> u32,
+) {
     let chunks = (D / CHUNK_ELEMS) as u32;
-    let row_bytes = BwdTile::row_bytes(D) as u32;
     let mut i = tid;
     while i < count * chunks {
         let (r, c) = (i / chunks, i % chunks);
@@ -67,9 +73,18 @@ fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, tid: u32, src: R
         } else {
             src.base
         };
-        T::stage(at(tile, row_bytes, r, c * CHUNK_ELEMS as u32), from, valid);
-        i += BWD_THREADS as u32;
+        T::stage(dst(r, c), from, valid);
+        i += threads;
     }
+}
+
+/// Stages `count` tokens of `src` into a padded tile.
+#[inline(always)]
+fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, tid: u32, src: Rows) {
+    let row_bytes = BwdTile::row_bytes(D) as u32;
+    stage_rows::<T, D>(count, (tid, BWD_THREADS as u32), src, |r, c| {
+        at(tile, row_bytes, r, c * CHUNK_ELEMS as u32)
+    });
 }
 
 /// A lane's `ldmatrix.x4` row and column (16-bit units) within a 16 x 16

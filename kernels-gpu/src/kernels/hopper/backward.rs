@@ -19,14 +19,15 @@
 //! current step's GEMMs, as in the `mma.sync` kernel.
 use crate::arch::{barrier, fence, global, math, smem, special, wgmma};
 use crate::config::{
-    HopperBwdTile, CHUNK_BYTES, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, WARPGROUP_THREADS, WARP_SIZE,
-    WGMMA_M,
+    HopperBwdTile, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M,
 };
 use crate::index::{
     block_needs_mask, k_major_desc, mn_major_desc, quad_of, query_blocks, sw128_offset, KeyWindow,
     SW128_ATOM_BYTES, SW128_ROW_BYTES,
 };
-use crate::kernels::backward::{a_fragment, quad_swap, row_ptr, stat_row, Rows, LOG2_E};
+use crate::kernels::backward::{
+    a_fragment, quad_swap, row_ptr, stage_rows, stat_row, Rows, LOG2_E,
+};
 use crate::kernels::copy;
 use crate::kernels::element::Element;
 use crate::params::BwdParams;
@@ -37,30 +38,16 @@ const ST: usize = HOPPER_BWD_BLOCK_M / 8;
 /// k-steps of dV += Pᵀ·dO and dK += dSᵀ·Q: the step's query rows.
 const PK: usize = HOPPER_BWD_BLOCK_M / 16;
 
-/// Stages `count` tokens of `src` into an SW128 tile of `rows` rows, the
-/// CTA's `threads` threads taking a chunk each in turn.
+/// Stages `count` tokens of `src` into an SW128 tile of `rows` rows.
 #[inline(always)]
 fn load_rows<T: Element, const D: usize>(
     tile: u32,
     rows: u32,
     count: u32,
-    (tid, threads): (u32, u32),
+    threads: (u32, u32),
     src: Rows,
 ) {
-    let chunks = (D / CHUNK_ELEMS) as u32;
-    let mut i = tid;
-    while i < count * chunks {
-        let (r, c) = (i / chunks, i % chunks);
-        let t = src.first + r;
-        let valid = t < src.limit;
-        let from = if valid {
-            row_ptr(src.base, src.strides, src.batch, t, src.head) + (c * CHUNK_BYTES as u32) as u64
-        } else {
-            src.base
-        };
-        T::stage(tile + sw128_offset(r, c, rows), from, valid);
-        i += threads;
-    }
+    stage_rows::<T, D>(count, threads, src, |r, c| tile + sw128_offset(r, c, rows));
 }
 
 /// One Hopper backward CTA: key block `blockIdx.x` of KV head `blockIdx.y`
