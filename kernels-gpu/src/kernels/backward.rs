@@ -372,12 +372,27 @@ pub fn backward<
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();
 
+    store_dk_dv::<T, OT>(p, (b, kv_head), key0 + warp_key, lane, (&dk, &dv));
+}
+
+/// Writes dK (times `softmax_scale`) and dV of a warp's 16 keys, from
+/// first key `key` on, out of their accumulators (m16n8 C fragments of
+/// `N` n-tiles); keys past the sequence are not written.
+#[inline(always)]
+pub(crate) fn store_dk_dv<T: Element, const N: usize>(
+    p: &BwdParams,
+    (b, kv_head): (u32, u32),
+    key: u32,
+    lane: u32,
+    (dk, dv): (&[[f32; 4]; N], &[[f32; 4]; N]),
+) {
+    let (g, pair) = (lane / 4, lane % 4);
     unroll::<2>(|r| {
-        let key = key0 + warp_key + g + 8 * r as u32;
+        let key = key + g + 8 * r as u32;
         if key < p.seqlen_k {
             let dk_row = row_ptr(p.dk, &p.dk_strides, b, key, kv_head) + 4 * pair as u64;
             let dv_row = row_ptr(p.dv, &p.dv_strides, b, key, kv_head) + 4 * pair as u64;
-            unroll::<OT>(|d| {
+            unroll::<N>(|d| {
                 let (c0, c1) = (dk[d][2 * r], dk[d][2 * r + 1]);
                 global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));
                 global::st_b32(

@@ -26,7 +26,7 @@ use crate::index::{
     SW128_ATOM_BYTES, SW128_ROW_BYTES,
 };
 use crate::kernels::backward::{
-    a_fragment, quad_swap, row_ptr, stage_rows, stat_row, Rows, LOG2_E,
+    a_fragment, quad_swap, stage_rows, stat_row, store_dk_dv, Rows, LOG2_E,
 };
 use crate::kernels::copy;
 use crate::kernels::element::Element;
@@ -303,19 +303,6 @@ pub fn backward<
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();
 
-    unroll::<2>(|half| {
-        let key = key0 + wg * WGMMA_M as u32 + warp_row + g + 8 * half as u32;
-        if key < p.seqlen_k {
-            let dk_row = row_ptr(p.dk, &p.dk_strides, b, key, kv_head) + 4 * pair as u64;
-            let dv_row = row_ptr(p.dv, &p.dv_strides, b, key, kv_head) + 4 * pair as u64;
-            unroll::<DT>(|d| {
-                let (c0, c1) = (dk[d][2 * half], dk[d][2 * half + 1]);
-                global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));
-                global::st_b32(
-                    dv_row + d as u64 * 16,
-                    T::pack(dv[d][2 * half], dv[d][2 * half + 1]),
-                );
-            });
-        }
-    });
+    let warp_key = key0 + wg * WGMMA_M as u32 + warp_row;
+    store_dk_dv::<T, DT>(p, (b, kv_head), warp_key, lane, (&dk, &dv));
 }
