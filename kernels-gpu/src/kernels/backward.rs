@@ -87,6 +87,104 @@ fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, tid: u32, src: R
     });
 }
 
+/// The (query head, query block) steps of one key block: every query head
+/// of its KV head's group, each over the query blocks holding a row that
+/// sees one of the block's keys (`index::query_blocks`), as one sequence,
+/// so that step i + 1's copies can be issued during step i.
+#[derive(Clone, Copy)]
+pub(crate) struct Steps {
+    pub count: u32,
+    first_head: u32,
+    m_lo: u32,
+    blocks: u32,
+}
+
+impl Steps {
+    /// The steps of key block `n` (`block_n` keys) of KV head `kv_head`,
+    /// in query blocks of `block_m` rows.
+    #[inline(always)]
+    pub(crate) fn new(
+        p: &BwdParams,
+        keys: &KeyWindow,
+        (n, kv_head): (u32, u32),
+        block_n: u32,
+        block_m: u32,
+    ) -> Steps {
+        let (m_lo, m_hi) = query_blocks(keys, n, block_n, block_m);
+        let group = p.heads / p.kv_heads;
+        Steps {
+            count: group * (m_hi - m_lo),
+            first_head: kv_head * group,
+            m_lo,
+            blocks: m_hi - m_lo,
+        }
+    }
+    /// Step `i`'s query head and query block (`i < count`).
+    #[inline(always)]
+    pub(crate) fn at(&self, i: u32) -> (u32, u32) {
+        (
+            self.first_head + i / self.blocks,
+            self.m_lo + i % self.blocks,
+        )
+    }
+}
+
+/// Stages the K and V rows of the key block from `key0` (`count` keys of
+/// KV head `kv_head`) with `load(tile, count, rows)`.
+#[inline(always)]
+pub(crate) fn stage_keys(
+    p: &BwdParams,
+    (b, kv_head, key0): (u32, u32, u32),
+    count: u32,
+    (k_s, v_s): (u32, u32),
+    load: impl Fn(u32, u32, Rows),
+) {
+    let rows = |base, strides| Rows {
+        base,
+        strides,
+        batch: b,
+        head: kv_head,
+        first: key0,
+        limit: p.seqlen_k,
+    };
+    load(k_s, count, rows(p.k, &p.k_strides));
+    load(v_s, count, rows(p.v, &p.v_strides));
+}
+
+/// Stages query rows `q0..q0 + count` of head `h`: Q and dO with
+/// `load(tile, count, rows)` into `q_s` and `do_s`, and their LSE and
+/// `delta` (f32, `count` each, LSE first) into `stats`, a word per thread
+/// below 2·count. Rows past the sequence are zeros: with Q = dO = 0 they add
+/// nothing to dV = Pᵀ·dO or to dS = P ∘ (dPᵀ - delta), whatever their P. A
+/// row that saw no key (LSE = -inf) has every key of the block cut, so the
+/// block's mask holds and its P is set to 0.
+#[inline(always)]
+pub(crate) fn stage_queries(
+    p: &BwdParams,
+    (b, h, q0): (u32, u32, u32),
+    count: u32,
+    tid: u32,
+    (q_s, do_s, stats): (u32, u32, u32),
+    load: impl Fn(u32, u32, Rows),
+) {
+    let rows = |base, strides| Rows {
+        base,
+        strides,
+        batch: b,
+        head: h,
+        first: q0,
+        limit: p.seqlen_q,
+    };
+    load(q_s, count, rows(p.q, &p.q_strides));
+    load(do_s, count, rows(p.d_o, &p.do_strides));
+    if tid < 2 * count {
+        let (r, src) = (tid % count, if tid < count { p.lse } else { p.delta });
+        let valid = q0 + r < p.seqlen_q;
+        let row = if valid { stat_row(p, b, h, q0 + r) } else { 0 };
+        copy::word(stats + tid * 4, src + row * 4, valid);
+    }
+}
+
 /// A lane's `ldmatrix.x4` row and column (16-bit units) within a 16 x 16
 /// block when matrix `i = lane / 8` sits at (8·(i % 2), 8·(i / 2)): the A
 /// operand from row-major [m][k] storage, and (with `.trans`) two n-tiles of
@@ -170,62 +268,29 @@ pub fn backward<
 
     let bn = BWD_BLOCK_N as u32;
     let key0 = n * bn;
-    let kv_rows = |base, strides| Rows {
-        base,
-        strides,
-        batch: b,
-        head: kv_head,
-        first: key0,
-        limit: p.seqlen_k,
-    };
-    load_rows::<T, D>(k_s, bn, tid, kv_rows(p.k, &p.k_strides));
-    load_rows::<T, D>(v_s, bn, tid, kv_rows(p.v, &p.v_strides));
+    let load = |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, tid, rows);
+    stage_keys(p, (b, kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
-    // The (query head, query block) pairs that see the key block, in one
-    // sequence so that step i + 1's copies can be issued during step i.
     let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-    let (m_lo, m_hi) = query_blocks(&keys, n, bn, BM as u32);
-    let group = p.heads / p.kv_heads;
-    let blocks = m_hi - m_lo;
-    let steps = group * blocks;
-    let step_of = |i: u32| (kv_head * group + i / blocks, m_lo + i % blocks);
+    let steps = Steps::new(p, &keys, (n, kv_head), bn, BM as u32);
     let stages = tile.q_stages as u32;
-    // Q and dO rows, and the LSE and `delta` rows, of step i into `stage`.
-    // Rows past the sequence are zeros: with Q = dO = 0 they add nothing
-    // to dV = Pᵀ·dO or to dS = P ∘ (dPᵀ - delta), whatever their P. A row
-    // that saw no key (LSE = -inf) has every key of the block cut, so
-    // `masked` holds and its P is set to 0.
+    // Step i's Q, dO, LSE and `delta` rows into `stage`.
     let issue = |i: u32, stage: u32| {
-        let (h, m) = step_of(i);
-        let q0 = m * BM as u32;
+        let (h, m) = steps.at(i);
         let q_s = base + tile.q_offset(stage as usize) as u32;
         let do_s = q_s + (BM * BwdTile::row_bytes(D)) as u32;
-        let q_rows = |base, strides| Rows {
-            base,
-            strides,
-            batch: b,
-            head: h,
-            first: q0,
-            limit: p.seqlen_q,
-        };
-        load_rows::<T, D>(q_s, BM as u32, tid, q_rows(p.q, &p.q_strides));
-        load_rows::<T, D>(do_s, BM as u32, tid, q_rows(p.d_o, &p.do_strides));
-        if tid < 2 * BM as u32 {
-            let (r, src) = (
-                tid % BM as u32,
-                if tid < BM as u32 { p.lse } else { p.delta },
-            );
-            let valid = q0 + r < p.seqlen_q;
-            let row = if valid { stat_row(p, b, h, q0 + r) } else { 0 };
-            copy::word(
-                base + tile.stats_offset(stage as usize) as u32 + tid * 4,
-                src + row * 4,
-                valid,
-            );
-        }
+        let stats = base + tile.stats_offset(stage as usize) as u32;
+        stage_queries(
+            p,
+            (b, h, m * BM as u32),
+            BM as u32,
+            tid,
+            (q_s, do_s, stats),
+            load,
+        );
     };
-    if steps > 0 && stages > 1 {
+    if steps.count > 0 && stages > 1 {
         issue(0, 0);
         copy::commit();
     }
@@ -236,15 +301,15 @@ pub fn backward<
     let mut dv = [[0f32; 4]; OT];
 
     let mut i = 0;
-    while i < steps {
-        let (h, m) = step_of(i);
+    while i < steps.count {
+        let (h, m) = steps.at(i);
         let q0 = m * BM as u32;
         let stage = i % stages;
         // Every warp is done with the stage the next copies overwrite
         // (step i - 1's with two stages, this one's with one) and with dSᵀ.
         barrier::sync_cta();
         if stages > 1 {
-            if i + 1 < steps {
+            if i + 1 < steps.count {
                 issue(i + 1, (i + 1) % stages);
             }
             copy::commit();

@@ -22,11 +22,12 @@ use crate::config::{
     HopperBwdTile, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M,
 };
 use crate::index::{
-    block_needs_mask, k_major_desc, mn_major_desc, quad_of, query_blocks, sw128_offset, KeyWindow,
+    block_needs_mask, k_major_desc, mn_major_desc, quad_of, sw128_offset, KeyWindow,
     SW128_ATOM_BYTES, SW128_ROW_BYTES,
 };
 use crate::kernels::backward::{
-    a_fragment, quad_swap, stage_rows, stat_row, store_dk_dv, Rows, LOG2_E,
+    a_fragment, quad_swap, stage_keys, stage_queries, stage_rows, stat_row, store_dk_dv, Rows,
+    Steps, LOG2_E,
 };
 use crate::kernels::copy;
 use crate::kernels::element::Element;
@@ -38,16 +39,10 @@ const ST: usize = HOPPER_BWD_BLOCK_M / 8;
 /// k-steps of dV += Pᵀ·dO and dK += dSᵀ·Q: the step's query rows.
 const PK: usize = HOPPER_BWD_BLOCK_M / 16;
 
-/// Stages `count` tokens of `src` into an SW128 tile of `rows` rows.
+/// Stages `count` tokens of `src` into an SW128 tile of `count` rows.
 #[inline(always)]
-fn load_rows<T: Element, const D: usize>(
-    tile: u32,
-    rows: u32,
-    count: u32,
-    threads: (u32, u32),
-    src: Rows,
-) {
-    stage_rows::<T, D>(count, threads, src, |r, c| tile + sw128_offset(r, c, rows));
+fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, threads: (u32, u32), src: Rows) {
+    stage_rows::<T, D>(count, threads, src, |r, c| tile + sw128_offset(r, c, count));
 }
 
 /// One Hopper backward CTA: key block `blockIdx.x` of KV head `blockIdx.y`
@@ -97,48 +92,23 @@ pub fn backward<
     let threads = (tid, tile.threads() as u32);
 
     let key0 = n * bn;
-    let kv_rows = |base, strides| Rows {
-        base,
-        strides,
-        batch: b,
-        head: kv_head,
-        first: key0,
-        limit: p.seqlen_k,
-    };
-    load_rows::<T, D>(k_s, bn, bn, threads, kv_rows(p.k, &p.k_strides));
-    load_rows::<T, D>(v_s, bn, bn, threads, kv_rows(p.v, &p.v_strides));
+    let load =
+        |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, threads, rows);
+    stage_keys(p, (b, kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
     let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
-    let (m_lo, m_hi) = query_blocks(&keys, n, bn, bm);
-    let group = p.heads / p.kv_heads;
-    let blocks = m_hi - m_lo;
-    let steps = group * blocks;
-    let step_of = |i: u32| (kv_head * group + i / blocks, m_lo + i % blocks);
-    // As in the `mma.sync` kernel: rows past the sequence are zeros, and a
-    // row that saw no key has every key of the block masked.
+    let steps = Steps::new(p, &keys, (n, kv_head), bn, bm);
     let issue = |i: u32, stage: usize| {
-        let (h, m) = step_of(i);
-        let q0 = m * bm;
-        let q_rows = |base, strides| Rows {
-            base,
-            strides,
-            batch: b,
-            head: h,
-            first: q0,
-            limit: p.seqlen_q,
-        };
-        let (q_s, do_s) = (at(tile.q_offset(stage)), at(tile.do_offset(stage)));
-        load_rows::<T, D>(q_s, bm, bm, threads, q_rows(p.q, &p.q_strides));
-        load_rows::<T, D>(do_s, bm, bm, threads, q_rows(p.d_o, &p.do_strides));
-        if tid < 2 * bm {
-            let (r, src) = (tid % bm, if tid < bm { p.lse } else { p.delta });
-            let valid = q0 + r < p.seqlen_q;
-            let row = if valid { stat_row(p, b, h, q0 + r) } else { 0 };
-            copy::word(at(tile.stats_offset(stage)) + tid * 4, src + row * 4, valid);
-        }
+        let (h, m) = steps.at(i);
+        let tiles = (
+            at(tile.q_offset(stage)),
+            at(tile.do_offset(stage)),
+            at(tile.stats_offset(stage)),
+        );
+        stage_queries(p, (b, h, m * bm), bm, tid, tiles, load);
     };
-    if steps > 0 {
+    if steps.count > 0 {
         issue(0, 0);
         copy::commit();
     }
@@ -156,14 +126,14 @@ pub fn backward<
     let mut dv = [[0f32; 4]; DT];
 
     let mut i = 0;
-    while i < steps {
-        let (h, m) = step_of(i);
+    while i < steps.count {
+        let (h, m) = steps.at(i);
         let q0 = m * bm;
         let stage = (i % 2) as usize;
         // Every thread is done with step i - 1, whose stage the next copies
         // overwrite, and whose dSᵀ the dQ GEMMs have read.
         barrier::sync_cta();
-        if i + 1 < steps {
+        if i + 1 < steps.count {
             issue(i + 1, 1 - stage);
         }
         copy::commit();
