@@ -10,19 +10,44 @@
 //! `target/flash-attn-backward.jsonl`), which `scripts/compare-torch-backward.py`
 //! reads to time PyTorch's SDPA backends on the same shapes. Without a GPU
 //! it says so and exits 0. `--filter SUBSTR` picks rows by label; `--quick`
-//! takes fewer samples.
+//! takes fewer samples. Rows with a score option (softcap 50, ALiBi slopes,
+//! sinks with their gradient) time what it costs over the plain row of the
+//! same shape; the PyTorch script skips them (SDPA has no such options).
 use std::io::Write;
 use std::sync::Arc;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flash_attn::{
-    AttnElement, AttnOptions, BackwardInputs, Dtype, FlashAttention, Grads, Layout, Out, Qkv,
-    TensorMut, TensorRef,
+    AlibiSlopes, AttnElement, AttnOptions, BackwardInputs, Dtype, FlashAttention, Grads, Layout,
+    Out, Qkv, TensorMut, TensorRef,
 };
 use half::{bf16, f16};
 
-/// One benchmark row: (B, S, H, Hkv, D, causal, dtype); Sq = Skv = S.
+/// The score option of a row.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Score {
+    Plain,
+    /// Gemma 2's softcap of 50.
+    Softcap,
+    /// Bloom's slopes, 2^(-8 (h + 1) / H).
+    Alibi,
+    /// gpt-oss's sinks, with their gradient.
+    Sinks,
+}
+
+impl Score {
+    fn name(self) -> &'static str {
+        match self {
+            Score::Plain => "plain",
+            Score::Softcap => "softcap",
+            Score::Alibi => "alibi",
+            Score::Sinks => "sinks",
+        }
+    }
+}
+
+/// One benchmark row: (B, S, H, Hkv, D, causal, dtype, score); Sq = Skv = S.
 #[derive(Clone, Copy, Debug)]
 struct Row {
     batch: usize,
@@ -32,19 +57,24 @@ struct Row {
     head_dim: usize,
     causal: bool,
     dtype: Dtype,
+    score: Score,
 }
 
 impl Row {
     fn label(&self) -> String {
         format!(
-            "backward {} B={} S={} H={}/{} D={}{}",
+            "backward {} B={} S={} H={}/{} D={}{}{}",
             self.dtype.name(),
             self.batch,
             self.seqlen,
             self.heads,
             self.kv_heads,
             self.head_dim,
-            if self.causal { " causal" } else { "" }
+            if self.causal { " causal" } else { "" },
+            match self.score {
+                Score::Plain => String::new(),
+                s => format!(" {}", s.name()),
+            }
         )
     }
 
@@ -60,7 +90,8 @@ impl Row {
     }
 }
 
-/// 16k tokens per batch at every head dim, causal and not, plus GQA rows.
+/// 16k tokens per batch at every head dim, causal and not, plus GQA rows
+/// and the score options at D = 64 and 128, 4k causal.
 fn rows() -> Vec<Row> {
     let mut v = Vec::new();
     for dtype in [Dtype::F16, Dtype::Bf16] {
@@ -76,8 +107,23 @@ fn rows() -> Vec<Row> {
                         head_dim,
                         causal,
                         dtype,
+                        score: Score::Plain,
                     });
                 }
+            }
+        }
+        for head_dim in [64, 128] {
+            for score in [Score::Softcap, Score::Alibi, Score::Sinks] {
+                v.push(Row {
+                    batch: 4,
+                    seqlen: 4096,
+                    heads: 2048 / head_dim,
+                    kv_heads: 2048 / head_dim,
+                    head_dim,
+                    causal: true,
+                    dtype,
+                    score,
+                });
             }
         }
         // Llama-3-8B's attention (GQA 32/8, D = 128) on a 4k prompt.
@@ -89,6 +135,7 @@ fn rows() -> Vec<Row> {
             head_dim: 128,
             causal: true,
             dtype,
+            score: Score::Plain,
         });
     }
     v
@@ -149,8 +196,18 @@ fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, r
     let mut dq = stream.alloc_zeros::<T>(b * s * h * d).expect("alloc");
     let mut dk = stream.alloc_zeros::<T>(b * s * hkv * d).expect("alloc");
     let mut dv = stream.alloc_zeros::<T>(b * s * hkv * d).expect("alloc");
+    let slopes: Vec<f32> = (0..h)
+        .map(|i| (-8.0 * (i + 1) as f32 / h as f32).exp2())
+        .collect();
+    let slopes = stream.clone_htod(&slopes).expect("upload");
+    let sinks = stream.clone_htod(&vec![0.5f32; h]).expect("upload");
+    let mut d_sinks = stream.alloc_zeros::<f32>(h).expect("alloc");
+    let (slopes, sinks) = (slopes.as_view(), sinks.as_view());
     let opts = AttnOptions {
         causal: r.causal,
+        softcap: (r.score == Score::Softcap).then_some(50.0),
+        alibi_slopes: (r.score == Score::Alibi).then_some(AlibiSlopes::PerHead(&slopes)),
+        sinks: (r.score == Score::Sinks).then_some(&sinks),
         ..Default::default()
     };
     let (qr, kr, vr) = (
@@ -184,10 +241,17 @@ fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, r
                 lse: &lv,
                 d_o: &dor,
             },
-            Grads {
-                dq: TensorMut::new(dq.as_view_mut(), ql),
-                dk: TensorMut::new(dk.as_view_mut(), kl),
-                dv: TensorMut::new(dv.as_view_mut(), kl),
+            {
+                let grads = Grads::new(
+                    TensorMut::new(dq.as_view_mut(), ql),
+                    TensorMut::new(dk.as_view_mut(), kl),
+                    TensorMut::new(dv.as_view_mut(), kl),
+                );
+                if r.score == Score::Sinks {
+                    grads.with_sinks(d_sinks.as_view_mut())
+                } else {
+                    grads
+                }
             },
             &opts,
         )
@@ -239,7 +303,7 @@ fn main() {
         println!("{:<48} {:>10.4} {:>9.1}", r.label(), ms, tflops);
         writeln!(
             json,
-            "{{\"label\":\"{}\",\"dtype\":\"{}\",\"batch\":{},\"seqlen\":{},\"heads\":{},\"kv_heads\":{},\"head_dim\":{},\"causal\":{},\"median_ms\":{},\"tflops\":{},\"gpu\":\"{}\"}}",
+            "{{\"label\":\"{}\",\"dtype\":\"{}\",\"batch\":{},\"seqlen\":{},\"heads\":{},\"kv_heads\":{},\"head_dim\":{},\"causal\":{},\"score\":\"{}\",\"median_ms\":{},\"tflops\":{},\"gpu\":\"{}\"}}",
             r.label(),
             r.dtype.name(),
             r.batch,
@@ -248,6 +312,7 @@ fn main() {
             r.kv_heads,
             r.head_dim,
             r.causal,
+            r.score.name(),
             ms,
             tflops,
             gpu

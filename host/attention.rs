@@ -259,7 +259,8 @@ impl<T> Clone for BackwardInputs<'_, T> {
 impl<T> Copy for BackwardInputs<'_, T> {}
 
 /// What [`FlashAttention::backward`] writes: the gradients of Q, K and V,
-/// each shaped (any one-to-one strides) like its tensor.
+/// each shaped (any one-to-one strides) like its tensor, and optionally the
+/// sinks'.
 pub struct Grads<'a, T> {
     /// dQ [B, Sq, H, D].
     pub dq: TensorMut<'a, T>,
@@ -267,6 +268,30 @@ pub struct Grads<'a, T> {
     pub dk: TensorMut<'a, T>,
     /// dV [B, Skv, Hkv, D].
     pub dv: TensorMut<'a, T>,
+    /// f32 [H]: the gradient of the loss with respect to each head's sink
+    /// logit (`AttnOptions::sinks`, which it needs), summed over the batch
+    /// and the head's rows; overwritten, as the other gradients are.
+    pub d_sinks: Option<CudaViewMut<'a, f32>>,
+}
+
+impl<'a, T> Grads<'a, T> {
+    /// dQ, dK and dV.
+    pub fn new(dq: TensorMut<'a, T>, dk: TensorMut<'a, T>, dv: TensorMut<'a, T>) -> Self {
+        Self {
+            dq,
+            dk,
+            dv,
+            d_sinks: None,
+        }
+    }
+
+    /// The sinks' gradient too.
+    pub fn with_sinks(self, d_sinks: CudaViewMut<'a, f32>) -> Self {
+        Self {
+            d_sinks: Some(d_sinks),
+            ..self
+        }
+    }
 }
 
 /// One attention state for [`FlashAttention::merge_states`]: O over some set
@@ -1228,14 +1253,18 @@ impl FlashAttention {
     /// The backward pass of [`Self::forward`] (FlashAttention-2's Algorithm
     /// 2): given dO, the gradient of a loss with respect to O, writes dQ, dK
     /// and dV. With GQA/MQA, dK and dV sum over the query heads that share a
-    /// KV head. Takes the forward's masks (`causal`, `window`) and
-    /// `softmax_scale`; softcap, ALiBi and sinks, a V head dim of its own,
-    /// f32 and head dims outside [`BWD_HEAD_DIMS`] are refused with a typed
-    /// error. Three launches on `stream` (`delta = rowsum(dO ∘ O)`, the
-    /// key-block kernel, dQ from an f32 buffer that the key blocks add to
-    /// with atomics, so dQ's rounding may differ from run to run); the
-    /// call allocates that buffer, 4 · B · H · Sq · D bytes, and the `delta`
-    /// rows, 4 · B · H · Sq bytes, zeroed on `stream`.
+    /// KV head. Takes every option of the forward call (masks, softcap,
+    /// ALiBi, sinks, `softmax_scale`), which must be the same as there; ALiBi
+    /// slopes and sinks are constants (no gradient), except that
+    /// `grads.d_sinks` receives the sinks' gradient when given. A V head dim
+    /// of its own, f32 and head dims outside [`BWD_HEAD_DIMS`] are refused
+    /// with a typed error. Three launches on `stream` (`delta = rowsum(dO ∘
+    /// O)`, the key-block kernel, dQ from an f32 buffer that the key blocks
+    /// add to with atomics, so dQ's rounding may differ from run to run),
+    /// and a fourth after the first for `d_sinks` (one CTA per head, the
+    /// same result on every run); the call allocates that buffer, 4 · B · H
+    /// · Sq · D bytes, and the `delta` rows, 4 · B · H · Sq bytes, zeroed on
+    /// `stream`.
     /// Nothing is launched and the gradients stay untouched when validation
     /// fails.
     ///
@@ -1252,6 +1281,7 @@ impl FlashAttention {
             KernelKind::Backward,
             KernelKind::BackwardPrep,
             KernelKind::BackwardDq,
+            KernelKind::BackwardSinks,
         ];
         check_dtype(self.arch, T::DTYPE, &kinds, "backward")?;
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
@@ -1265,9 +1295,14 @@ impl FlashAttention {
             grads.dk.data.len(),
             grads.dv.data.len(),
         );
+        let d_sinks_len = grads.d_sinks.as_ref().map(|d| d.len());
         let (dq_ptr, _dq_sync) = grads.dq.data.device_ptr_mut(stream);
         let (dk_ptr, _dk_sync) = grads.dk.data.device_ptr_mut(stream);
         let (dv_ptr, _dv_sync) = grads.dv.data.device_ptr_mut(stream);
+        let (d_sinks_ptr, _d_sinks_sync) = match grads.d_sinks.as_mut() {
+            Some(d) => d.device_ptr_mut(stream),
+            None => (0, SyncOnDrop::Record(None)),
+        };
         let ops = BackwardOperands {
             fwd: Operands {
                 q: info(q.layout, q.data.len(), q_ptr),
@@ -1280,6 +1315,7 @@ impl FlashAttention {
             dq: info(grads.dq.layout, dq_len, dq_ptr),
             dk: info(grads.dk.layout, dk_len, dk_ptr),
             dv: info(grads.dv.layout, dv_len, dv_ptr),
+            d_sinks_len,
         };
         let shape = check_backward(&ops, opts)?;
         let rows = shape.batch * shape.heads * shape.seqlen_q;
@@ -1288,6 +1324,15 @@ impl FlashAttention {
         let (dq_accum_ptr, _accum_sync) = dq_accum.device_ptr(stream);
         let (delta_ptr, _delta_sync) = delta.device_ptr(stream);
         let mask = shape.mask();
+        let policy = policy_args(
+            opts,
+            mask,
+            shape.softmax_scale,
+            shape.heads,
+            SeqKind::Dense,
+            stream,
+        );
+        let scores = &policy.params;
         let params = BwdParams {
             q: q_ptr,
             k: k_ptr,
@@ -1315,14 +1360,17 @@ impl FlashAttention {
             seqlen_k: shape.seqlen_k as u32,
             head_dim: shape.head_dim as u32,
             scale: shape.softmax_scale,
-            scale_log2: shape.softmax_scale * std::f32::consts::LOG2_E,
-            window_left: window_bound(mask.left),
-            window_right: window_bound(mask.right),
+            scale_log2: scores.scale_log2,
+            window_left: scores.window_left,
+            window_right: scores.window_right,
+            softcap_pre: scores.softcap_pre,
+            inv_scale: scores.inv_scale,
+            alibi: scores.alibi,
+            alibi_batch_stride: scores.alibi_batch_stride,
+            sinks: scores.sinks,
+            d_sinks: d_sinks_ptr,
         };
-        let policies = Policies {
-            mask: mask_kind(mask),
-            ..Policies::PLAIN
-        };
+        let policies = policy.need;
         let chunks = rows * shape.head_dim / CHUNK_ELEMS;
         let prep = self.kernel(KernelKind::BackwardPrep, T::DTYPE, 0, Policies::PLAIN);
         let dq = self.kernel(KernelKind::BackwardDq, T::DTYPE, 0, Policies::PLAIN);
@@ -1337,6 +1385,10 @@ impl FlashAttention {
             (rows.div_ceil(BWD_THREADS) as u32, 1, 1),
             ByValue(params),
         )?;
+        if d_sinks_ptr != 0 {
+            let sinks = self.kernel(KernelKind::BackwardSinks, T::DTYPE, 0, Policies::PLAIN);
+            self.launch(stream, sinks, (shape.heads as u32, 1, 1), ByValue(params))?;
+        }
         if let Some((module, entry)) = on_hopper {
             let block_n = HopperBwdTile::of(shape.head_dim).block_n();
             let key_blocks = shape.seqlen_k.div_ceil(block_n) as u32;

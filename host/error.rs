@@ -105,7 +105,7 @@ pub enum FlashAttnError {
     #[error("softcap must be finite and > 0, got {0}")]
     InvalidSoftcap(f32),
 
-    /// ALiBi slopes or sinks of the wrong length.
+    /// ALiBi slopes, sinks or the sinks' gradient of the wrong length.
     #[error("{what}: expected {expected} f32 elements, got {got}")]
     ParamLength {
         /// The option's name.

@@ -24,7 +24,7 @@
 //! [`decode`]/[`decode_ext`] (a cache with per-sequence lengths), [`varlen`]
 //! (packed sequences), [`probabilities`] (P itself), [`merge_states`] (the
 //! exact combination of two partial results over disjoint keys) and
-//! [`attention_backward`] (the gradients of [`attention`]); each row is
+//! [`attention_backward_ext`] (the gradients of [`attention_ext`]); each row is
 //! [`softmax_row`]/[`output_row`], public for inputs read on demand.
 use crate::validate::{DecodeShape, ForwardShape, VarlenShape, Window};
 use std::ops::Range;
@@ -439,7 +439,16 @@ pub fn attention_ext(
 ///
 /// Panics if a slice is shorter than `shape` requires.
 pub fn probabilities(shape: &ForwardShape, q: &[f64], k: &[f64]) -> Vec<f64> {
-    let (p, seqs) = forward_problem(shape, q, k, &Extras::default());
+    probabilities_ext(shape, q, k, &Extras::default())
+}
+
+/// [`probabilities`] with ALiBi and sinks (a sink takes its share of each
+/// row's denominator, so a row's P sums to less than 1).
+///
+/// Panics if a slice is shorter than `shape` requires, or if an extra has the
+/// wrong length.
+pub fn probabilities_ext(shape: &ForwardShape, q: &[f64], k: &[f64], extras: &Extras) -> Vec<f64> {
+    let (p, seqs) = forward_problem(shape, q, k, extras);
     let n = shape.seqlen_k;
     let mut out = Vec::with_capacity(p.batch * p.heads * shape.seqlen_q * n);
     for seq in &seqs {
@@ -455,8 +464,8 @@ pub fn probabilities(shape: &ForwardShape, q: &[f64], k: &[f64]) -> Vec<f64> {
     out
 }
 
-/// Gradients of [`attention`] for a loss whose gradient with respect to O
-/// is `d_o`, in the layouts of q, k and v.
+/// Gradients of [`attention_ext`] for a loss whose gradient with respect to
+/// O is `d_o`, in the layouts of q, k and v.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RefGrads {
     /// dQ [B, Sq, H, D].
@@ -465,17 +474,14 @@ pub struct RefGrads {
     pub dk: Vec<f64>,
     /// dV [B, Skv, Hkv, D].
     pub dv: Vec<f64>,
+    /// The sinks' gradients `[H]` (empty without sinks).
+    pub d_sinks: Vec<f64>,
 }
 
-/// The backward pass of [`attention`] with plain scores (mask, window and
-/// GQA as there): with logits `s = scale · q·k` and P their softmax,
-/// `dV_j = Σ_i P_ij dO_i`, `dP_ij = dO_i·V_j`, `dS_ij = P_ij (dP_ij - Σ_l
-/// P_il dP_il)`, `dQ_i = scale Σ_j dS_ij K_j`, `dK_j = scale Σ_i dS_ij Q_i`,
-/// a KV head summing over the query heads that share it. q, d_o: [B, Sq, H,
-/// D]; k, v: [B, Skv, Hkv, D] (V with Q's head dim), contiguous row-major.
+/// The backward pass of [`attention`]; the same as
+/// [`attention_backward_ext`] with `Extras::default()`.
 ///
-/// Panics if a slice is shorter than `shape` requires, or if the shape has
-/// a softcap or a V head dim of its own.
+/// Panics as [`attention_backward_ext`] does.
 pub fn attention_backward(
     shape: &ForwardShape,
     q: &[f64],
@@ -483,10 +489,31 @@ pub fn attention_backward(
     v: &[f64],
     d_o: &[f64],
 ) -> RefGrads {
-    assert!(
-        shape.softcap.is_none(),
-        "the reference backward takes plain scores"
-    );
+    attention_backward_ext(shape, q, k, v, d_o, &Extras::default())
+}
+
+/// The backward pass of [`attention_ext`] (mask, window, softcap, ALiBi,
+/// sinks and GQA as there). With logits `s_ij` and P their softmax (the
+/// sink in the denominator), `dV_j = Σ_i P_ij dO_i`, `dP_ij = dO_i·V_j`,
+/// `dS_ij = P_ij (dP_ij - delta_i)` with `delta_i = Σ_l P_il dP_il`, and
+/// `ds_ij/d(q·k) = scale`, or `scale (1 - (s_ij / c)²)` where a softcap c
+/// makes `s = c tanh(scale q·k / c)` (ALiBi's bias does not depend on q or
+/// k): `dQ_i = Σ_j dS_ij ds_ij/d(q·k) K_j`, `dK_j` likewise over `Q_i`, a KV
+/// head summing over the query heads that share it. The sink of head h has
+/// `d sink_h = -Σ_i P_sink,i delta_i` (`P_sink,i = exp(sink_h - LSE_i)`,
+/// its logit's dS with dP = 0: no value). q, d_o: [B, Sq, H, D]; k, v: [B,
+/// Skv, Hkv, D] (V with Q's head dim), contiguous row-major.
+///
+/// Panics if a slice is shorter than `shape` requires, if an extra has the
+/// wrong length, or if the shape has a V head dim of its own.
+pub fn attention_backward_ext(
+    shape: &ForwardShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+    extras: &Extras,
+) -> RefGrads {
     assert_eq!(
         shape.v_dim(),
         shape.head_dim,
@@ -501,32 +528,51 @@ pub fn attention_backward(
         shape.head_dim,
     );
     assert!(d_o.len() >= b * sq * h * d, "d_o is shorter than the shape");
-    let p = probabilities(shape, q, k);
+    let (problem, seqs) = forward_problem(shape, q, k, extras);
     let scale = shape.softmax_scale as f64;
+    let softcap = shape.softcap.map(f64::from);
     let group = h / hkv;
     let q_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
     let k_at = |bi: usize, j: usize, hk: usize| ((bi * skv + j) * hkv + hk) * d;
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     let mut g = RefGrads {
         dq: vec![0.0; b * sq * h * d],
         dk: vec![0.0; b * skv * hkv * d],
         dv: vec![0.0; b * skv * hkv * d],
+        d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
     };
-    for bi in 0..b {
+    for seq in &seqs {
+        let bi = seq.index;
         for hi in 0..h {
             let hk = hi / group;
             for i in 0..sq {
-                let row = &p[((bi * h + hi) * sq + i) * skv..][..skv];
-                let doi = &d_o[q_at(bi, i, hi)..][..d];
-                let dp: Vec<f64> = (0..skv)
-                    .map(|j| (0..d).map(|e| doi[e] * v[k_at(bi, j, hk) + e]).sum())
+                let row = problem.row(seq, i, hi);
+                let (qa, doi) = (q_at(bi, i, hi), &d_o[q_at(bi, i, hi)..][..d]);
+                let dp: Vec<f64> = row
+                    .keys
+                    .clone()
+                    .map(|j| dot(doi, &v[k_at(bi, j, hk)..][..d]))
                     .collect();
-                let delta: f64 = (0..skv).map(|j| row[j] * dp[j]).sum();
-                for j in (0..skv).filter(|&j| row[j] != 0.0) {
-                    let ds = row[j] * (dp[j] - delta);
+                let delta: f64 = row.p.iter().zip(&dp).map(|(p, x)| p * x).sum();
+                if let Some(sinks) = extras.sinks {
+                    if row.lse.is_finite() {
+                        g.d_sinks[hi] -= (sinks[hi] - row.lse).exp() * delta;
+                    }
+                }
+                for (t, j) in row.keys.clone().enumerate() {
+                    let ka = k_at(bi, j, hk);
+                    let ds = row.p[t] * (dp[t] - delta);
+                    let slope = match softcap {
+                        Some(c) => {
+                            let capped = (scale * dot(&q[qa..][..d], &k[ka..][..d]) / c).tanh();
+                            scale * (1.0 - capped * capped)
+                        }
+                        None => scale,
+                    };
                     for e in 0..d {
-                        g.dv[k_at(bi, j, hk) + e] += row[j] * doi[e];
-                        g.dq[q_at(bi, i, hi) + e] += scale * ds * k[k_at(bi, j, hk) + e];
-                        g.dk[k_at(bi, j, hk) + e] += scale * ds * q[q_at(bi, i, hi) + e];
+                        g.dv[ka + e] += row.p[t] * doi[e];
+                        g.dq[qa + e] += slope * ds * k[ka + e];
+                        g.dk[ka + e] += slope * ds * q[qa + e];
                     }
                 }
             }

@@ -507,9 +507,11 @@ pub fn check_dtype(
     call: &'static str,
 ) -> Result<(), FlashAttnError> {
     let compiled = |kind: &KernelKind| {
-        arch.entries()
-            .iter()
-            .any(|e| e.kind == *kind && (e.dtype == dtype || *kind == KernelKind::Append))
+        arch.entries().iter().any(|e| {
+            e.kind == *kind
+                && (e.dtype == dtype
+                    || matches!(kind, KernelKind::Append | KernelKind::BackwardSinks))
+        })
     };
     if arch.has_dtype(dtype) && kinds.iter().all(compiled) {
         Ok(())
@@ -1000,13 +1002,16 @@ pub struct BackwardOperands {
     pub dk: TensorInfo,
     /// dV, shaped like V.
     pub dv: TensorInfo,
+    /// The length of the sinks' gradient buffer, if one is given.
+    pub d_sinks_len: Option<usize>,
 }
 
 /// Validates a backward call: the forward's tensors and options as
 /// [`check_forward`] takes them (the LSE required), dO shaped like O, and
-/// one-to-one dQ, dK and dV shaped like Q, K and V. The backward kernels
-/// take the masks (causal, window) and GQA; softcap, ALiBi, sinks, a V head
-/// dim of its own and head dims outside [`BWD_HEAD_DIMS`] are refused.
+/// one-to-one dQ, dK and dV shaped like Q, K and V, and a sinks' gradient
+/// of `[heads]` (only with sinks). The backward kernels take every mask and
+/// score option and GQA; a V head dim of its own and head dims outside
+/// [`BWD_HEAD_DIMS`] are refused.
 pub fn check_backward(
     t: &BackwardOperands,
     opts: &AttnOptions,
@@ -1028,14 +1033,26 @@ pub fn check_backward(
             supported: &BWD_HEAD_DIMS,
         });
     }
-    let unsupported = [
-        (shape.v_dim() != shape.head_dim, "a V head dim of its own"),
-        (opts.softcap.is_some(), "softcap"),
-        (opts.alibi_slopes.is_some(), "alibi_slopes"),
-        (opts.sinks.is_some(), "sinks"),
-    ];
-    if let Some((_, what)) = unsupported.iter().find(|(given, _)| *given) {
-        return Err(FlashAttnError::Unsupported { what, entry: ENTRY });
+    if shape.v_dim() != shape.head_dim {
+        return Err(FlashAttnError::Unsupported {
+            what: "a V head dim of its own",
+            entry: ENTRY,
+        });
+    }
+    if let Some(got) = t.d_sinks_len {
+        if opts.sinks.is_none() {
+            return Err(FlashAttnError::Unsupported {
+                what: "d_sinks without sinks",
+                entry: ENTRY,
+            });
+        }
+        if got < shape.heads {
+            return Err(FlashAttnError::ParamLength {
+                what: "d_sinks",
+                expected: shape.heads,
+                got,
+            });
+        }
     }
     check_tensor("d_o", &t.d_o)?;
     expect_shape("d_o", t.fwd.o.layout.shape, t.d_o.layout.shape)?;

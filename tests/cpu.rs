@@ -1801,6 +1801,7 @@ mod config {
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
             KernelKind::BackwardPrep => return format!("flash_bwd_prep_{}", e.dtype.name()),
             KernelKind::BackwardDq => return format!("flash_bwd_dq_{}", e.dtype.name()),
+            KernelKind::BackwardSinks => return "flash_bwd_sinks".into(),
             KernelKind::Probe | KernelKind::WgmmaForward | KernelKind::WgmmaBackward => {
                 panic!("{e:?} belongs to HOPPER_ENTRIES, not ENTRIES")
             }
@@ -2725,7 +2726,8 @@ mod config {
                 KernelKind::Append
                 | KernelKind::Merge
                 | KernelKind::BackwardPrep
-                | KernelKind::BackwardDq => {
+                | KernelKind::BackwardDq
+                | KernelKind::BackwardSinks => {
                     assert_eq!((e.head_dim, e.policies), (0, Policies::PLAIN), "{e:?}")
                 }
                 KernelKind::Combine => {
@@ -3056,6 +3058,11 @@ mod config {
                 KernelKind::BackwardPrep | KernelKind::BackwardDq => {
                     assert_eq!(e.threads(a), BWD_THREADS);
                     assert_eq!(e.smem_bytes(a), 0);
+                    assert_eq!(e.min_ctas_per_sm(a), None);
+                }
+                KernelKind::BackwardSinks => {
+                    assert_eq!(e.threads(a), BWD_THREADS);
+                    assert_eq!(e.smem_bytes(a), BWD_THREADS / 32 * 4);
                     assert_eq!(e.min_ctas_per_sm(a), None);
                 }
                 KernelKind::Backward => {
@@ -4444,40 +4451,82 @@ mod backward_reference {
     use rand::{Rng, SeedableRng};
 
     /// The loss whose gradient with respect to O is `d_o`: Σ O ∘ dO.
-    fn loss(s: &ForwardShape, q: &[f64], k: &[f64], v: &[f64], d_o: &[f64]) -> f64 {
-        let o = reference::attention(s, q, k, v).o;
+    fn loss(
+        s: &ForwardShape,
+        [q, k, v]: &[Vec<f64>; 3],
+        extras: &reference::Extras,
+        d_o: &[f64],
+    ) -> f64 {
+        let o = reference::attention_ext(s, q, k, v, extras).o;
         o.iter().zip(d_o).map(|(a, b)| a * b).sum()
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig::with_cases(48))]
-        /// `attention_backward` against central differences of the forward
-        /// reference at random coordinates of Q, K and V, with masks,
-        /// windows, GQA and rows that see no key.
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// `attention_backward_ext` against central differences of the
+        /// forward reference at random coordinates of Q, K, V and the sinks,
+        /// with masks, windows, GQA, rows that see no key, softcaps, ALiBi
+        /// slopes per head or per batch entry, and sinks.
         #[test]
         fn reference_gradients_match_finite_differences(
             s in forward_shape(None), w in window(), seed in any::<u64>(),
+            softcap in proptest::option::of(0.3f32..4.0),
+            alibi in proptest::option::of(any::<bool>()),
+            sinks in any::<bool>(),
         ) {
-            let s = ForwardShape { window: w, head_dim: s.head_dim.min(16), ..s };
+            let s = ForwardShape { window: w, head_dim: s.head_dim.min(16), softcap, ..s };
             let x = qkv(&s, seed);
             let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
             let d_o = random_vec(&mut rng, x.q.len());
-            let g = reference::attention_backward(&s, &x.q, &x.k, &x.v, &d_o);
+            let slopes: Option<Vec<f64>> = alibi.map(|per_batch| {
+                let n = if per_batch { s.batch * s.heads } else { s.heads };
+                (0..n).map(|_| rng.random_range(0.0..0.6)).collect()
+            });
+            let mut sink = sinks.then(|| -> Vec<f64> {
+                (0..s.heads).map(|_| rng.random_range(-2.0..2.0)).collect()
+            });
+            let extras = |sink: &Option<Vec<f64>>| -> (Option<Vec<f64>>, Option<Vec<f64>>) {
+                (slopes.clone(), sink.clone())
+            };
+            let (sl, sk) = extras(&sink);
+            let ext = reference::Extras { alibi_slopes: sl.as_deref(), sinks: sk.as_deref() };
+            let g = reference::attention_backward_ext(&s, &x.q, &x.k, &x.v, &d_o, &ext);
+            prop_assert_eq!(g.d_sinks.len(), if sinks { s.heads } else { 0 });
             let h = 1e-5;
+            let close = |fd: f64, got: f64| (fd - got).abs() <= 1e-6 * (1.0 + fd.abs());
             for (which, grad) in [(0, &g.dq), (1, &g.dk), (2, &g.dv)] {
                 for _ in 0..6 {
                     let mut t = [x.q.clone(), x.k.clone(), x.v.clone()];
                     let i = rng.random_range(0..t[which].len());
                     t[which][i] += h;
-                    let up = loss(&s, &t[0], &t[1], &t[2], &d_o);
+                    let up = loss(&s, &t, &ext, &d_o);
                     t[which][i] -= 2.0 * h;
-                    let down = loss(&s, &t[0], &t[1], &t[2], &d_o);
+                    let down = loss(&s, &t, &ext, &d_o);
                     let fd = (up - down) / (2.0 * h);
                     prop_assert!(
-                        (fd - grad[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                        close(fd, grad[i]),
                         "tensor {} element {}: finite difference {} vs {}", which, i, fd, grad[i]
                     );
                 }
+            }
+            let t = [x.q.clone(), x.k.clone(), x.v.clone()];
+            for head in 0..g.d_sinks.len() {
+                let mut at = |delta: f64| {
+                    if let Some(v) = sink.as_mut() {
+                        v[head] += delta;
+                    }
+                    let (sl, sk) = extras(&sink);
+                    let ext = reference::Extras { alibi_slopes: sl.as_deref(), sinks: sk.as_deref() };
+                    loss(&s, &t, &ext, &d_o)
+                };
+                let up = at(h);
+                let down = at(-2.0 * h);
+                at(h);
+                let fd = (up - down) / (2.0 * h);
+                prop_assert!(
+                    close(fd, g.d_sinks[head]),
+                    "sink {}: finite difference {} vs {}", head, fd, g.d_sinks[head]
+                );
             }
         }
     }
@@ -4552,6 +4601,7 @@ mod backward_validation {
             dq: t(q, 6 << 24),
             dk: t(kv, 7 << 24),
             dv: t(kv, 8 << 24),
+            d_sinks_len: None,
         }
     }
 
@@ -4587,10 +4637,24 @@ mod backward_validation {
             softcap: Some(30.0),
             ..Default::default()
         };
+        assert!(check_backward(&ops(64), &softcap).is_ok());
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            let opts = AttnOptions {
+                softcap: Some(bad),
+                ..Default::default()
+            };
+            assert!(matches!(
+                check_backward(&ops(64), &opts),
+                Err(FlashAttnError::InvalidSoftcap(_))
+            ));
+        }
+        // A sinks' gradient without sinks has nothing to be the gradient of.
+        let mut d_sinks = ops(64);
+        d_sinks.d_sinks_len = Some(8);
         assert!(matches!(
-            check_backward(&ops(64), &softcap),
+            check_backward(&d_sinks, &opts),
             Err(FlashAttnError::Unsupported {
-                what: "softcap",
+                what: "d_sinks without sinks",
                 entry: "backward"
             })
         ));
@@ -4620,8 +4684,8 @@ mod backward_validation {
             check_backward(&ops(64), &splits),
             Err(FlashAttnError::Unsupported { .. })
         ));
-        // ALiBi slopes and sinks live on the device: the GPU suite checks
-        // their refusal (`backward_refuses_device_options`).
+        // ALiBi slopes, sinks and their gradient live on the device: the GPU
+        // suite checks their lengths (`backward_checks_device_options`).
     }
 
     #[test]

@@ -3655,7 +3655,7 @@ fn gather<T: AttnElement>(got: &[T], layout: &Layout) -> Vec<f64> {
         .collect()
 }
 
-/// A backward problem: the forward's policies that the backward takes.
+/// A backward problem: the forward's policies, which the backward takes.
 #[derive(Clone, Debug)]
 struct BwdCase {
     batch: usize,
@@ -3664,8 +3664,7 @@ struct BwdCase {
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
-    causal: bool,
-    window: Window,
+    policy: Policy,
     softmax_scale: Option<f32>,
     seed: u64,
 }
@@ -3677,12 +3676,10 @@ fn bwd_seqlen() -> impl Strategy<Value = usize> {
 }
 
 fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
-    let bound =
-        prop_oneof![2 => Just(None), 1 => Just(Some(0usize)), 2 => (1usize..=200).prop_map(Some)];
     (
         (1usize..=2, bwd_seqlen(), bwd_seqlen(), head_counts()),
         prop::sample::select(flash_attn::BWD_HEAD_DIMS.to_vec()),
-        (any::<bool>(), bound.clone(), bound),
+        policy_strategy(),
         proptest::option::of(0.05f32..2.0),
         any::<u64>(),
     )
@@ -3690,7 +3687,7 @@ fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
             |(
                 (batch, seqlen_q, seqlen_k, (heads, kv_heads)),
                 head_dim,
-                (causal, left, right),
+                policy,
                 softmax_scale,
                 seed,
             )| {
@@ -3701,14 +3698,16 @@ fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
                     heads,
                     kv_heads,
                     head_dim,
-                    causal,
-                    window: Window { left, right },
+                    policy,
                     softmax_scale,
                     seed,
                 }
             },
         )
 }
+
+/// `tanh.approx.f32`'s largest relative error (PTX ISA: 2^-10.987).
+const TANH_REL_ERR: f64 = 5.0e-4;
 
 /// The backward against the f64 reference of the same (rounded) inputs,
 /// row by row. The forward that makes O and the LSE is ours. Tolerance per
@@ -3719,8 +3718,15 @@ fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
 /// |dP_ij|, |delta_i| and Σ|dO_i ∘ O_i|, the bounds are 2u · Σ_i P_ij
 /// max|dO_i| for dV_j, 2u · scale · Σ_i M_ij max|Q_i| for dK_j and 2u ·
 /// scale · Σ_j M_ij max|K_j| for dQ_i, each plus u times the row's largest
-/// reference value. dQ is written through strides with a gap after each
-/// head, which must stay untouched; every gradient starts as NaN.
+/// reference value. A softcap c adds `tanh.approx`'s error: a logit c·t
+/// moves by up to c·|t|·ε (ε = [`TANH_REL_ERR`]), so P_ij by that and by
+/// the LSE's share, at most the row's largest, e_i, and dS's factor 1 - t²
+/// by 2t²ε; each row's terms take a relative error of 2e_i + 2ε more, on
+/// M_ij plus P_ij Σ_l P_il |dP_il| (`delta`'s error). The sinks' gradient
+/// -Σ_i exp(sink - LSE_i) · delta_i takes the LSE's tolerance (and e_i)
+/// relative to each term and 4u · Σ|dO_i ∘ O_i| for `delta`'s rounding.
+/// dQ is written through strides with a gap after each head, which must
+/// stay untouched; every gradient starts as NaN.
 fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     let (b, sq, sk, h, hkv, d) = (
         c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.kv_heads, c.head_dim,
@@ -3733,12 +3739,7 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         Layout::contiguous([b, sk, hkv, d]),
     );
     let x = random_inputs::<T>(gpu, &mut rng, [&ql, &kl, &kl])?;
-    let opts = AttnOptions {
-        causal: c.causal,
-        window: c.window,
-        softmax_scale: c.softmax_scale,
-        ..Default::default()
-    };
+    let data = policy_data(gpu, &c.policy, b, h, &mut rng)?;
     // O, dO and the gradients each in a layout of their own (gapped or
     // head-major), so that no tensor is read or written through another's
     // strides unnoticed.
@@ -3750,34 +3751,70 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     let (dkl, dvl) = (gapped_layout([b, sk, hkv, d]), head_major([b, sk, hkv, d]));
     let mut o = poisoned::<T>(gpu, ol.span().unwrap())?;
     let mut lse = s.clone_htod(&vec![f32::NAN; b * h * sq]).map_err(e)?;
-    forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ol), &mut lse, &opts)?;
     let do_host = random_values::<T>(&mut rng, b * sq * h * d);
     let d_o = s.clone_htod(&scatter(&do_host, &dol)).map_err(e)?;
     let mut dq = poisoned::<T>(gpu, dql.span().unwrap())?;
     let mut dk = poisoned::<T>(gpu, dkl.span().unwrap())?;
     let mut dv = poisoned::<T>(gpu, dvl.span().unwrap())?;
+    let mut d_sinks = s.clone_htod(&vec![f32::NAN; h]).map_err(e)?;
     let launches = flash_attn::hopper::launches_on_this_thread();
-    gpu.fa
-        .backward(
-            s,
-            Qkv {
-                q: &TensorRef::new(x.q.as_view(), ql),
-                k: &TensorRef::new(x.k.as_view(), kl),
-                v: &TensorRef::new(x.v.as_view(), kl),
-            },
-            BackwardInputs {
-                o: &TensorRef::new(o.as_view(), ol),
-                lse: &lse.as_view(),
-                d_o: &TensorRef::new(d_o.as_view(), dol),
-            },
-            Grads {
-                dq: TensorMut::new(dq.as_view_mut(), dql),
-                dk: TensorMut::new(dk.as_view_mut(), dkl),
-                dv: TensorMut::new(dv.as_view_mut(), dvl),
-            },
-            &opts,
-        )
-        .map_err(|x| x.to_string())?;
+    let (want, p) = with_options(&c.policy, &data, |opts, extras| {
+        let opts = AttnOptions {
+            softmax_scale: c.softmax_scale,
+            ..*opts
+        };
+        forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ol), &mut lse, &opts)?;
+        let grads = Grads::new(
+            TensorMut::new(dq.as_view_mut(), dql),
+            TensorMut::new(dk.as_view_mut(), dkl),
+            TensorMut::new(dv.as_view_mut(), dvl),
+        );
+        let grads = if c.policy.sinks {
+            grads.with_sinks(d_sinks.as_view_mut())
+        } else {
+            grads
+        };
+        gpu.fa
+            .backward(
+                s,
+                Qkv {
+                    q: &TensorRef::new(x.q.as_view(), ql),
+                    k: &TensorRef::new(x.k.as_view(), kl),
+                    v: &TensorRef::new(x.v.as_view(), kl),
+                },
+                BackwardInputs {
+                    o: &TensorRef::new(o.as_view(), ol),
+                    lse: &lse.as_view(),
+                    d_o: &TensorRef::new(d_o.as_view(), dol),
+                },
+                grads,
+                &opts,
+            )
+            .map_err(|x| x.to_string())?;
+        let shape = ForwardShape {
+            batch: b,
+            seqlen_q: sq,
+            seqlen_k: sk,
+            heads: h,
+            kv_heads: hkv,
+            head_dim: d,
+            causal: c.policy.causal,
+            softmax_scale: c.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt()),
+            window: c.policy.window,
+            softcap: c.policy.softcap,
+            ..Default::default()
+        };
+        let (q64, k64, v64, do64) = (
+            to_f64(&x.q_host),
+            to_f64(&x.k_host),
+            to_f64(&x.v_host),
+            to_f64(&do_host),
+        );
+        let want = reference::attention_backward_ext(&shape, &q64, &k64, &v64, &do64, extras);
+        let p = reference::probabilities_ext(&shape, &q64, &k64, extras);
+        Ok::<_, String>(((want, shape, [q64, k64, v64, do64]), p))
+    })?;
+    let (want, shape, [q64, k64, v64, do64]) = want;
     let hopper = gpu.fa.hopper_backward() && flash_attn::HOPPER_BWD_HEAD_DIMS.contains(&d);
     let ran = flash_attn::hopper::launches_on_this_thread() - launches;
     if ran != hopper as u64 {
@@ -3788,30 +3825,15 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         s.clone_dtoh(&dk).map_err(e)?,
         s.clone_dtoh(&dv).map_err(e)?,
     );
+    let d_sinks_got = s.clone_dtoh(&d_sinks).map_err(e)?;
+    let lse_got = s.clone_dtoh(&lse).map_err(e)?;
     let o_host = gather(&s.clone_dtoh(&o).map_err(e)?, &ol);
     check_untouched_outside(&dq_got, &dql, "dq")?;
     check_untouched_outside(&dk_got, &dkl, "dk")?;
+    if !c.policy.sinks && !d_sinks_got.iter().all(|x| x.is_nan()) {
+        return Err("d_sinks written without being asked for".into());
+    }
 
-    let shape = ForwardShape {
-        batch: b,
-        seqlen_q: sq,
-        seqlen_k: sk,
-        heads: h,
-        kv_heads: hkv,
-        head_dim: d,
-        causal: c.causal,
-        softmax_scale: c.softmax_scale.unwrap_or(1.0 / (d as f32).sqrt()),
-        window: c.window,
-        ..Default::default()
-    };
-    let (q64, k64, v64, do64) = (
-        to_f64(&x.q_host),
-        to_f64(&x.k_host),
-        to_f64(&x.v_host),
-        to_f64(&do_host),
-    );
-    let want = reference::attention_backward(&shape, &q64, &k64, &v64, &do64);
-    let p = reference::probabilities(&shape, &q64, &k64);
     let u = abs_tol(T::DTYPE) / 4.0;
     let scale = shape.softmax_scale as f64;
     let group = h / hkv;
@@ -3820,10 +3842,12 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d,
         |bi: usize, j: usize, hk: usize| ((bi * sk + j) * hkv + hk) * d,
     );
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     // Error bounds, accumulated per row.
     let mut tol_dq = vec![0f64; b * sq * h];
     let mut tol_dk = vec![0f64; b * sk * hkv];
     let mut tol_dv = vec![0f64; b * sk * hkv];
+    let mut tol_sinks = vec![1e-6f64; h];
     for bi in 0..b {
         for hi in 0..h {
             let hk = hi / group;
@@ -3835,21 +3859,39 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
                     row_max(&q64, q_at(bi, i, hi)),
                 );
                 let dp: Vec<f64> = (0..sk)
-                    .map(|j| {
-                        (0..d)
-                            .map(|t| do64[qa + t] * v64[k_at(bi, j, hk) + t])
-                            .sum()
-                    })
+                    .map(|j| dot(&do64[qa..][..d], &v64[k_at(bi, j, hk)..][..d]))
                     .collect();
                 let delta: f64 = (0..sk).map(|j| prow[j] * dp[j]).sum();
+                let spread: f64 = (0..sk).map(|j| prow[j] * dp[j].abs()).sum();
                 let od: f64 = (0..d).map(|t| (do64[qa + t] * o_host[qa + t]).abs()).sum();
+                // The largest logit error of the row's softcapped scores.
+                let capped = shape.softcap.map_or(0.0, |cap| {
+                    let cap = cap as f64;
+                    (0..sk)
+                        .filter(|&j| prow[j] != 0.0)
+                        .map(|j| {
+                            let t = scale * dot(&q64[qa..][..d], &k64[k_at(bi, j, hk)..][..d]);
+                            cap * (t / cap).tanh().abs() * TANH_REL_ERR
+                        })
+                        .fold(0.0, f64::max)
+                });
+                let extra = if shape.softcap.is_some() {
+                    2.0 * capped + 2.0 * TANH_REL_ERR
+                } else {
+                    0.0
+                };
                 for j in (0..sk).filter(|&j| prow[j] != 0.0) {
                     let m = prow[j] * (dp[j].abs() + delta.abs() + od);
+                    let m = 2.0 * u * m + extra * (m + prow[j] * spread);
                     let kr = (bi * sk + j) * hkv + hk;
-                    tol_dv[kr] += 2.0 * u * prow[j] * dmax;
-                    tol_dk[kr] += 2.0 * u * scale * m * qmax;
-                    tol_dq[(bi * sq + i) * h + hi] +=
-                        2.0 * u * scale * m * row_max(&k64, k_at(bi, j, hk));
+                    tol_dv[kr] += (2.0 * u + extra) * prow[j] * dmax;
+                    tol_dk[kr] += scale * m * qmax;
+                    tol_dq[(bi * sq + i) * h + hi] += scale * m * row_max(&k64, k_at(bi, j, hk));
+                }
+                if let Some((sinks, _)) = &data.sinks {
+                    let lse = lse_got[(bi * h + hi) * sq + i] as f64;
+                    let share = (sinks[hi] - lse).exp();
+                    tol_sinks[hi] += share * (delta.abs() * (LSE_TOL + capped) + 4.0 * u * od);
                 }
             }
         }
@@ -3884,18 +3926,30 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     };
     check("dv", &dv_got, &dvl, &want.dv, &tol_dv)?;
     check("dk", &dk_got, &dkl, &want.dk, &tol_dk)?;
-    check("dq", &dq_got, &dql, &want.dq, &tol_dq)
+    check("dq", &dq_got, &dql, &want.dq, &tol_dq)?;
+    for (hi, (&g, &w)) in d_sinks_got.iter().zip(&want.d_sinks).enumerate() {
+        let err = (g as f64 - w).abs();
+        if err.is_nan() || err > tol_sinks[hi] {
+            return Err(format!(
+                "d_sinks head {hi}: got {g}, want {w}, bound {:.3e}",
+                tol_sinks[hi]
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// A backward call with Q = K = V = O = dO = `x` ([`Layout`] `l`) and
-/// gradients poisoned with NaN; returns the call's result after checking
-/// that the gradients were not written if it was refused.
+/// gradients (and `d_sinks`, `d_sinks_len` f32, if given) poisoned with
+/// NaN; returns the call's result after checking that nothing was written
+/// if it was refused.
 fn backward_of_one<T: AttnElement>(
     gpu: &Gpu,
     x: &CudaSlice<T>,
     l: Layout,
     lse: &CudaSlice<f32>,
     opts: &AttnOptions,
+    d_sinks_len: Option<usize>,
 ) -> Result<Result<(), FlashAttnError>, String> {
     let n = x.len();
     let mut g = [
@@ -3903,8 +3957,21 @@ fn backward_of_one<T: AttnElement>(
         poisoned::<T>(gpu, n)?,
         poisoned::<T>(gpu, n)?,
     ];
+    let mut d_sinks = gpu
+        .stream
+        .clone_htod(&vec![f32::NAN; d_sinks_len.unwrap_or(1)])
+        .map_err(|e| e.to_string())?;
     let [dq, dk, dv] = &mut g;
     let t = TensorRef::new(x.as_view(), l);
+    let grads = Grads::new(
+        TensorMut::new(dq.as_view_mut(), l),
+        TensorMut::new(dk.as_view_mut(), l),
+        TensorMut::new(dv.as_view_mut(), l),
+    );
+    let grads = match d_sinks_len {
+        Some(_) => grads.with_sinks(d_sinks.as_view_mut()),
+        None => grads,
+    };
     let got = gpu.fa.backward(
         &gpu.stream,
         Qkv {
@@ -3917,11 +3984,7 @@ fn backward_of_one<T: AttnElement>(
             lse: &lse.as_view(),
             d_o: &t,
         },
-        Grads {
-            dq: TensorMut::new(dq.as_view_mut(), l),
-            dk: TensorMut::new(dk.as_view_mut(), l),
-            dv: TensorMut::new(dv.as_view_mut(), l),
-        },
+        grads,
         opts,
     );
     if got.is_err() {
@@ -3931,13 +3994,18 @@ fn backward_of_one<T: AttnElement>(
                 return Err(format!("a refused call wrote a gradient: {got:?}"));
             }
         }
+        let host = gpu.stream.clone_dtoh(&d_sinks).map_err(|e| e.to_string())?;
+        if !host.iter().all(|v| v.is_nan()) {
+            return Err(format!("a refused call wrote d_sinks: {got:?}"));
+        }
     }
     Ok(got)
 }
 
-/// The backward's typed refusals on the GPU: the device-side options (ALiBi
-/// slopes, sinks) and f32, each before any launch, the gradients untouched.
-fn backward_refuses_device_options(gpu: &Gpu) -> Result<(), String> {
+/// The backward's typed refusals on the GPU, each before any launch with
+/// every output untouched: ALiBi slopes, sinks and the sinks' gradient
+/// shorter than they must be, and f32.
+fn backward_checks_device_options(gpu: &Gpu) -> Result<(), String> {
     let e = |x: cudarc::driver::DriverError| x.to_string();
     let s = &gpu.stream;
     let (b, sq, h, d) = (1, 20, 2, 64);
@@ -3946,27 +4014,33 @@ fn backward_refuses_device_options(gpu: &Gpu) -> Result<(), String> {
         .clone_htod(&vec![f16::from_f32(0.5); b * sq * h * d])
         .map_err(e)?;
     let lse = s.clone_htod(&vec![0f32; b * h * sq]).map_err(e)?;
-    let slopes = s.clone_htod(&vec![0.5f32; h]).map_err(e)?;
-    let slopes = slopes.as_view();
+    let short = s.clone_htod(&vec![0.5f32; h - 1]).map_err(e)?;
+    let full = s.clone_htod(&vec![0.5f32; h]).map_err(e)?;
+    let (short, full) = (short.as_view(), full.as_view());
     let alibi = AttnOptions {
-        alibi_slopes: Some(AlibiSlopes::PerHead(&slopes)),
+        alibi_slopes: Some(AlibiSlopes::PerHead(&short)),
         ..Default::default()
     };
     let sinks = AttnOptions {
-        sinks: Some(&slopes),
+        sinks: Some(&short),
         ..Default::default()
     };
-    for (opts, what) in [(alibi, "alibi_slopes"), (sinks, "sinks")] {
-        match backward_of_one(gpu, &x, l, &lse, &opts)? {
-            Err(FlashAttnError::Unsupported {
-                what: w,
-                entry: "backward",
-            }) if w == what => {}
-            other => return Err(format!("{what}: expected Unsupported, got {other:?}")),
+    let with_sinks = AttnOptions {
+        sinks: Some(&full),
+        ..Default::default()
+    };
+    for (opts, d_sinks, what) in [
+        (alibi, None, "alibi_slopes"),
+        (sinks, None, "sinks"),
+        (with_sinks, Some(h - 1), "d_sinks"),
+    ] {
+        match backward_of_one(gpu, &x, l, &lse, &opts, d_sinks)? {
+            Err(FlashAttnError::ParamLength { what: w, .. }) if w == what => {}
+            other => return Err(format!("{what}: expected ParamLength, got {other:?}")),
         }
     }
     let x32 = s.clone_htod(&vec![0.5f32; b * sq * h * d]).map_err(e)?;
-    match backward_of_one(gpu, &x32, l, &lse, &AttnOptions::default())? {
+    match backward_of_one(gpu, &x32, l, &lse, &AttnOptions::default(), None)? {
         Err(FlashAttnError::UnsupportedDtype { .. }) => Ok(()),
         other => Err(format!("f32: expected UnsupportedDtype, got {other:?}")),
     }
@@ -4242,8 +4316,8 @@ fn main() {
     mma_backward_trial!(f16, "f16");
     mma_backward_trial!(bf16, "bf16");
     let g = gpu.clone();
-    trials.push(Trial::test("backward_refuses_device_options", move || {
-        backward_refuses_device_options(g.as_ref().as_ref().unwrap()).map_err(Failed::from)
+    trials.push(Trial::test("backward_checks_device_options", move || {
+        backward_checks_device_options(g.as_ref().as_ref().unwrap()).map_err(Failed::from)
     }));
     random_trial!(
         "merge_states_random_",

@@ -583,6 +583,10 @@ pub enum KernelKind {
     /// After [`KernelKind::Backward`]: dQ = softmax_scale times the f32 dQ
     /// buffer, in the element type; any head dim (a multiple of 8).
     BackwardDq,
+    /// After [`KernelKind::BackwardPrep`], where the sinks' gradients are
+    /// asked for: one CTA per head sums its rows' shares; reads f32 rows
+    /// only, so one entry serves every dtype and head dim.
+    BackwardSinks,
     /// The backward's key-block kernel on `wgmma` (`Sm90a` module,
     /// [`HopperBwdTile`]); the same three launches as [`KernelKind::Backward`]
     /// around it.
@@ -717,7 +721,10 @@ impl Entry {
             KernelKind::Probe => PROBE_THREADS,
             KernelKind::WgmmaForward => self.hopper_tile().threads(),
             KernelKind::WgmmaBackward => HopperBwdTile::of(self.head_dim).threads(),
-            KernelKind::Backward | KernelKind::BackwardPrep | KernelKind::BackwardDq => BWD_THREADS,
+            KernelKind::Backward
+            | KernelKind::BackwardPrep
+            | KernelKind::BackwardDq
+            | KernelKind::BackwardSinks => BWD_THREADS,
             _ => self.tile(arch).threads(),
         }
     }
@@ -731,6 +738,8 @@ impl Entry {
             KernelKind::WgmmaBackward => HopperBwdTile::of(self.head_dim).smem_bytes(),
             KernelKind::Backward => BwdTile::of(self.head_dim, arch).smem_bytes(),
             KernelKind::BackwardPrep | KernelKind::BackwardDq => 0,
+            // A word per warp: the warps' sums.
+            KernelKind::BackwardSinks => BWD_THREADS / WARP_SIZE * 4,
             _ => self.tile(arch).smem_bytes(),
         }
     }
@@ -738,7 +747,7 @@ impl Entry {
     pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
-            KernelKind::BackwardPrep | KernelKind::BackwardDq => None,
+            KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardSinks => None,
             KernelKind::Backward => Some(BwdTile::of(self.head_dim, arch).ctas_per_sm),
             KernelKind::Probe => Some(1),
             KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
@@ -930,6 +939,14 @@ macro_rules! attention_variants {
             bwd bf16 64 local plain dense;
             bwd bf16 96 local plain dense;
             bwd bf16 128 local plain dense;
+            bwd f16 32 local modified dense;
+            bwd f16 64 local modified dense;
+            bwd f16 96 local modified dense;
+            bwd f16 128 local modified dense;
+            bwd bf16 32 local modified dense;
+            bwd bf16 64 local modified dense;
+            bwd bf16 96 local modified dense;
+            bwd bf16 128 local modified dense;
         }
     };
 }
@@ -1045,6 +1062,7 @@ macro_rules! entry_rows {
             Entry { name: "flash_bwd_prep_bf16", kind: KernelKind::BackwardPrep, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_bwd_dq_f16", kind: KernelKind::BackwardDq, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_bwd_dq_bf16", kind: KernelKind::BackwardDq, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_sinks", kind: KernelKind::BackwardSinks, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
         ];
     };
 }
@@ -1822,6 +1840,12 @@ macro_rules! hopper_entries {
             bwd bf16 64 local plain dense;
             bwd bf16 96 local plain dense;
             bwd bf16 128 local plain dense;
+            bwd f16 64 local modified dense;
+            bwd f16 96 local modified dense;
+            bwd f16 128 local modified dense;
+            bwd bf16 64 local modified dense;
+            bwd bf16 96 local modified dense;
+            bwd bf16 128 local modified dense;
             wgmma f16 64 64;
             wgmma f16 128 128;
             wgmma f16 176 128;
@@ -2278,7 +2302,7 @@ pub fn find_entry(
 ) -> Option<&'static Entry> {
     ENTRIES.iter().find(|e| {
         e.kind == kind
-            && (e.dtype == dtype || kind == KernelKind::Append)
+            && (e.dtype == dtype || matches!(kind, KernelKind::Append | KernelKind::BackwardSinks))
             && (e.head_dim == head_dim
                 || matches!(
                     kind,
@@ -2286,6 +2310,7 @@ pub fn find_entry(
                         | KernelKind::Merge
                         | KernelKind::BackwardPrep
                         | KernelKind::BackwardDq
+                        | KernelKind::BackwardSinks
                 ))
             && e.policies.covers(need)
     })

@@ -273,12 +273,16 @@ pub struct MergeParams {
     pub row_chunks: u32,
 }
 
-/// Parameters of the three backward kernels (`BackwardPrep`, `Backward`,
-/// `BackwardDq`), FlashAttention-2's Algorithm 2 over a fixed batch. With
-/// logits `S = scale · Q·Kᵀ`, `P = exp(S - LSE)` and `delta = rowsum(dO ∘ O)`:
-/// `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - delta)`, `dQ = scale · dS·K`,
-/// `dK = scale · dSᵀ·Q`; query head `h` adds its share to KV head
-/// `h / (heads / kv_heads)`.
+/// Parameters of the backward kernels (`BackwardPrep`, `Backward`,
+/// `BackwardDq`, `BackwardSinks`), FlashAttention-2's Algorithm 2 over a
+/// fixed batch. With logits `S = scale · Q·Kᵀ`, `P = exp(S - LSE)` and
+/// `delta = rowsum(dO ∘ O)`: `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - delta)`,
+/// `dQ = scale · dS·K`, `dK = scale · dSᵀ·Q`; query head `h` adds its share
+/// to KV head `h / (heads / kv_heads)`. A softcap c makes the logits
+/// `c · t` with `t = tanh(scale · q·k / c)` and multiplies dS by their
+/// derivative `1 - t²`; ALiBi moves the logits, not the gradients; a sink
+/// is in the LSE already, and its own gradient is `-Σ_rows exp(sink - LSE) ·
+/// delta` (`BackwardSinks`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct BwdParams {
@@ -336,12 +340,26 @@ pub struct BwdParams {
     pub head_dim: u32,
     /// The softmax scale applied to q·k.
     pub scale: f32,
-    /// `scale · log2(e)`: the kernels work in the exp2 domain.
+    /// The logit factor (`scale`, or the softcap c: as
+    /// [`AttnParams::softcap_pre`]) times log2(e): the kernels work in the
+    /// exp2 domain.
     pub scale_log2: f32,
     /// As [`AttnParams::window_left`].
     pub window_left: i32,
     /// As [`AttnParams::window_right`].
     pub window_right: i32,
+    /// As [`AttnParams::softcap_pre`]; 0 = off.
+    pub softcap_pre: f32,
+    /// As [`AttnParams::inv_scale`].
+    pub inv_scale: f32,
+    /// As [`AttnParams::alibi`]; 0 = off.
+    pub alibi: u64,
+    /// As [`AttnParams::alibi_batch_stride`].
+    pub alibi_batch_stride: u32,
+    /// As [`AttnParams::sinks`]: read by `BackwardSinks` only.
+    pub sinks: u64,
+    /// f32 `[heads]`: the sinks' gradients, written by `BackwardSinks`.
+    pub d_sinks: u64,
 }
 
 /// A TMA tensor map (`CUtensorMap`), as `cuTensorMapEncodeTiled` writes it:

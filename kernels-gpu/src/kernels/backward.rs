@@ -2,7 +2,8 @@
 //! [`prep`] (`delta = rowsum(dO ∘ O)`), [`backward`]
 //! (one CTA per key block accumulates dK and dV in registers over every query
 //! block that sees its keys, and adds its dQ share to the f32 buffer) and
-//! [`dq`] (the buffer, scaled, in the element type).
+//! [`dq`] (the buffer, scaled, in the element type); with sinks whose
+//! gradients are asked for, [`sinks`] after `prep`.
 //!
 //! The CTA's warp `w` owns keys `16w..16w+16` of the block, so it computes
 //! Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with keys as rows: Pᵀ and dSᵀ are then, packed
@@ -12,6 +13,7 @@
 //! Tiles are row-major with a padded row (`BwdTile`), not swizzled.
 use super::copy;
 use super::element::Element;
+use super::policy::{column, Modifiers, Scores};
 use crate::arch::{barrier, global, ldmatrix, math, shfl, smem, special};
 use crate::config::{
     BwdTile, PtxArch, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
@@ -185,6 +187,98 @@ pub(crate) fn stage_queries(
     }
 }
 
+/// What a step's scores need besides Sᵀ and dPᵀ: the modifiers, the step
+/// head's ALiBi slope (S units), the key window and whether the block needs
+/// its mask.
+#[derive(Clone, Copy)]
+pub(crate) struct StepScores<'a> {
+    pub mods: Modifiers,
+    pub slope: f32,
+    pub keys: &'a KeyWindow,
+    pub masked: bool,
+}
+
+impl<'a> StepScores<'a> {
+    /// The scores of step head `h` of sequence `b` for a block whose mask
+    /// need is `masked`.
+    #[inline(always)]
+    pub(crate) fn new<T: Element, S: Scores>(
+        p: &BwdParams,
+        keys: &'a KeyWindow,
+        (b, h): (u32, u32),
+        masked: bool,
+    ) -> Self {
+        let mods = Modifiers::new::<T, S>(p);
+        let slope = if mods.alibi {
+            Modifiers::slope(p, b, h)
+        } else {
+            0.0
+        };
+        StepScores {
+            mods,
+            slope,
+            keys,
+            masked,
+        }
+    }
+
+    /// Pᵀ = exp(logits - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), in place of Sᵀ
+    /// and dPᵀ (m16n8 C fragments with keys as rows: 16 keys from `key`, the
+    /// lane's row-half-0 key, by `ST` n-tiles of queries from `q0`), with the
+    /// step's LSE and `delta` rows at `stats`. Logits are the scores times
+    /// the logit factor (in `scale_log2`) after the softcap's `t = tanh(S ·
+    /// pre)` and the ALiBi bias; a softcap multiplies dS by `1 - t²`, the
+    /// derivative of t (its factor `pre` times the logit factor c is the
+    /// softmax scale, which dK and dQ take at their end). Masked pairs get
+    /// P = dS = 0.
+    #[inline(always)]
+    pub(crate) fn p_and_ds<const ST: usize>(
+        &self,
+        p: &BwdParams,
+        (s, dp): (&mut [[f32; 4]; ST], &mut [[f32; 4]; ST]),
+        (lse_s, delta_s): (u32, u32),
+        (q0, key): (u32, u32),
+        lane: u32,
+    ) {
+        let pair = lane % 4;
+        // Key minus the lane's first query's diagonal position, per row half.
+        let diag0 = (q0 + 2 * pair) as i32 + p.seqlen_k as i32 - p.seqlen_q as i32;
+        let dist0 = [0, 1].map(|r| (key as i32 + 8 * r - diag0) as f32);
+        unroll::<ST>(|j| {
+            let col = j as u32 * 8 + 2 * pair;
+            let (l0, l1) = smem::ld_v2_b32(lse_s + col * 4);
+            let (d0, d1) = smem::ld_v2_b32(delta_s + col * 4);
+            unroll::<4>(|e| {
+                let lse = f32::from_bits(if e % 2 == 0 { l0 } else { l1 }) * LOG2_E;
+                let delta = f32::from_bits(if e % 2 == 0 { d0 } else { d1 });
+                let t = if self.mods.softcap {
+                    math::tanh(s[j][e] * p.softcap_pre)
+                } else {
+                    s[j][e]
+                };
+                let logit = if self.mods.alibi {
+                    let dist = math::abs(dist0[e / 2] - column(j, e));
+                    math::fma(-self.slope, dist, t)
+                } else {
+                    t
+                };
+                let mut pv = math::ex2(logit * p.scale_log2 - lse);
+                let (query, k) = (q0 + col + (e % 2) as u32, key + 8 * (e / 2) as u32);
+                if self.masked && !self.keys.sees(query, k) {
+                    pv = 0.0;
+                }
+                s[j][e] = pv;
+                let ds = pv * (dp[j][e] - delta);
+                dp[j][e] = if self.mods.softcap {
+                    ds * math::fma(-t, t, 1.0)
+                } else {
+                    ds
+                };
+            });
+        });
+    }
+}
+
 /// A lane's `ldmatrix.x4` row and column (16-bit units) within a 16 x 16
 /// block when matrix `i = lane / 8` sits at (8·(i % 2), 8·(i / 2)): the A
 /// operand from row-major [m][k] storage, and (with `.trans`) two n-tiles of
@@ -237,6 +331,7 @@ pub(crate) fn quad_swap(f: [f32; 4], lane: u32) -> [f32; 4] {
 #[inline(always)]
 pub fn backward<
     T: Element,
+    S: Scores,
     const D: usize,
     const BM: usize,
     const QK: usize,
@@ -347,20 +442,13 @@ pub fn backward<
 
         // Pᵀ = exp(S - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), masked.
         let masked = block_needs_mask(&keys, q0, q0 + BM as u32 - 1, n, bn);
-        unroll::<ST>(|j| {
-            unroll::<4>(|e| {
-                let col = j as u32 * 8 + 2 * pair + (e % 2) as u32;
-                let key = key0 + warp_key + g + 8 * (e / 2) as u32;
-                let lse = f32::from_bits(smem::ld_b32(lse_s + col * 4)) * LOG2_E;
-                let delta = f32::from_bits(smem::ld_b32(delta_s + col * 4));
-                let mut pv = math::ex2(s[j][e] * p.scale_log2 - lse);
-                if masked && !keys.sees(q0 + col, key) {
-                    pv = 0.0;
-                }
-                s[j][e] = pv;
-                dp[j][e] = pv * (dp[j][e] - delta);
-            });
-        });
+        StepScores::new::<T, S>(p, &keys, (b, h), masked).p_and_ds(
+            p,
+            (&mut s, &mut dp),
+            (lse_s, delta_s),
+            (q0, key0 + warp_key + g),
+            lane,
+        );
 
         // dV += Pᵀ·dO and dK += dSᵀ·Q.
         unroll::<ST>(|j| {
@@ -539,4 +627,41 @@ pub fn dq<T: Element>(p: &BwdParams) {
         row_ptr(p.dq, &p.dq_strides, r.batch, r.token, r.head) + (c * CHUNK_BYTES as u32) as u64,
         v,
     );
+}
+
+/// The gradient of head `blockIdx.x`'s sink, `-Σ exp(sink - LSE) · delta`
+/// over its rows of every sequence (the sink's softmax share of each row
+/// times the row's `delta`, as dS of a logit whose value is 0): thread `t`
+/// sums rows `t, t + BWD_THREADS, ...`, then the warps' sums in warp order,
+/// so the result is the same on every run (no atomics).
+#[inline(always)]
+pub fn sinks(p: &BwdParams) {
+    let (h, tid) = (special::block_idx_x(), special::thread_idx_x());
+    let sink = global::ld_nc_f32(p.sinks + h as u64 * 4) * LOG2_E;
+    let rows = p.batch * p.seqlen_q;
+    let mut sum = 0f32;
+    let mut r = tid;
+    while r < rows {
+        let row = stat_row(p, r / p.seqlen_q, h, r % p.seqlen_q) * 4;
+        let (lse, delta) = (
+            global::ld_nc_f32(p.lse + row),
+            global::ld_nc_f32(p.delta + row),
+        );
+        sum = math::fma(math::ex2(sink - lse * LOG2_E), delta, sum);
+        r += BWD_THREADS as u32;
+    }
+    unroll::<5>(|i| sum += shfl::bfly_f32(sum, 16 >> i));
+    let sums = smem::base();
+    let warp = tid / WARP_SIZE as u32;
+    if tid % WARP_SIZE as u32 == 0 {
+        smem::st_b32(sums + warp * 4, sum.to_bits());
+    }
+    barrier::sync_cta();
+    if tid == 0 {
+        let mut total = 0f32;
+        unroll::<{ BWD_THREADS / WARP_SIZE }>(|w| {
+            total += f32::from_bits(smem::ld_b32(sums + w as u32 * 4));
+        });
+        global::st_f32(p.d_sinks + h as u64 * 4, -total);
+    }
 }

@@ -91,6 +91,7 @@ mod sm80 {
         (bwd, $p:ident, $t:ident, $d:literal, $mask:ident, $score:ident, $seq:ident) => {
             backward::<
                 ty!($t),
+                ty!($score),
                 $d,
                 { BwdTile::of($d, PtxArch::TARGET).block_m },
                 { $d / 16 },
@@ -163,6 +164,12 @@ mod sm80 {
     #[no_mangle]
     pub unsafe extern "ptx-kernel" fn flash_bwd_dq_f16(p: BwdParams) {
         backward::dq::<F16>(&p)
+    }
+
+    /// Dtype- and head-dim-agnostic: it reads the f32 LSE and `delta` rows.
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_bwd_sinks(p: BwdParams) {
+        backward::sinks(&p)
     }
 
     for_dtype! { bf16,
@@ -266,6 +273,7 @@ mod sm90a {
             pub unsafe extern "ptx-kernel" fn entry(p: BwdParams) {
                 backward::<
                     ty!($bdtype),
+                    ty!($bscore),
                     $bd,
                     { HopperBwdTile::of($bd).warpgroups },
                     { $bd / 8 },

@@ -8,7 +8,7 @@
 use super::element::Element;
 use crate::arch::{global, math};
 use crate::config::{MaskKind, Policies, ScoreKind, SeqKind};
-use crate::params::AttnParams;
+use crate::params::{AttnParams, BwdParams};
 use crate::unroll::unroll;
 
 pub trait Mask {
@@ -110,6 +110,58 @@ pub const fn policies<M: Mask, S: Scores, L: Seq>() -> Policies {
     }
 }
 
+/// Where a kernel's launch parameters hold the score modifiers' settings
+/// (the forward's [`AttnParams`] and the backward's [`BwdParams`] name them
+/// alike).
+pub trait ScoreArgs {
+    /// `AttnParams::softcap_pre` (0 = off).
+    fn softcap_pre(&self) -> f32;
+    /// `AttnParams::alibi` (0 = off) and `alibi_batch_stride`.
+    fn alibi(&self) -> (u64, u32);
+    /// `AttnParams::inv_scale`.
+    fn inv_scale(&self) -> f32;
+    /// `AttnParams::fixed_max`; the backward reads P from the LSE instead.
+    fn fixed_max(&self) -> bool;
+}
+
+impl ScoreArgs for AttnParams {
+    #[inline(always)]
+    fn softcap_pre(&self) -> f32 {
+        self.softcap_pre
+    }
+    #[inline(always)]
+    fn alibi(&self) -> (u64, u32) {
+        (self.alibi, self.alibi_batch_stride)
+    }
+    #[inline(always)]
+    fn inv_scale(&self) -> f32 {
+        self.inv_scale
+    }
+    #[inline(always)]
+    fn fixed_max(&self) -> bool {
+        self.fixed_max != 0
+    }
+}
+
+impl ScoreArgs for BwdParams {
+    #[inline(always)]
+    fn softcap_pre(&self) -> f32 {
+        self.softcap_pre
+    }
+    #[inline(always)]
+    fn alibi(&self) -> (u64, u32) {
+        (self.alibi, self.alibi_batch_stride)
+    }
+    #[inline(always)]
+    fn inv_scale(&self) -> f32 {
+        self.inv_scale
+    }
+    #[inline(always)]
+    fn fixed_max(&self) -> bool {
+        false
+    }
+}
+
 /// The score modifiers of a CTA, read once from the launch parameters.
 /// Scores stay in S units, which the softmax turns into logits by the factor
 /// in `scale_log2` (softmax_scale, or the softcap c): the softcap is `tanh(pre
@@ -126,19 +178,20 @@ pub struct Modifiers {
 
 impl Modifiers {
     #[inline(always)]
-    pub fn new<T: Element, S: Scores>(p: &AttnParams) -> Modifiers {
+    pub fn new<T: Element, S: Scores>(p: &impl ScoreArgs) -> Modifiers {
         Modifiers {
-            softcap: S::MODIFIED && p.softcap_pre != 0.0,
-            alibi: S::MODIFIED && p.alibi != 0,
-            fixed_max: T::BF16 && S::MODIFIED && p.fixed_max != 0,
+            softcap: S::MODIFIED && p.softcap_pre() != 0.0,
+            alibi: S::MODIFIED && p.alibi().0 != 0,
+            fixed_max: T::BF16 && S::MODIFIED && p.fixed_max(),
         }
     }
 
     /// ALiBi slope of (batch, head) over the logit factor (S units).
     #[inline(always)]
-    pub fn slope(p: &AttnParams, batch: u32, head: u32) -> f32 {
-        let index = batch as u64 * p.alibi_batch_stride as u64 + head as u64;
-        global::ld_nc_f32(p.alibi + index * 4) * p.inv_scale
+    pub fn slope(p: &impl ScoreArgs, batch: u32, head: u32) -> f32 {
+        let (slopes, batch_stride) = p.alibi();
+        let index = batch as u64 * batch_stride as u64 + head as u64;
+        global::ld_nc_f32(slopes + index * 4) * p.inv_scale()
     }
 
     /// Applies the modifiers to one S tile in accumulator layout. `key0` is
@@ -208,6 +261,6 @@ pub fn alibi_one_sided<const ST: usize>(
 /// Key offset of accumulator element `e` of n-tile `j` from the lane's first
 /// column.
 #[inline(always)]
-fn column(j: usize, e: usize) -> f32 {
+pub(crate) fn column(j: usize, e: usize) -> f32 {
     (j * 8 + (e & 1)) as f32
 }

@@ -27,10 +27,11 @@ use crate::index::{
 };
 use crate::kernels::backward::{
     a_fragment, quad_swap, stage_keys, stage_queries, stage_rows, stat_row, store_dk_dv, Rows,
-    Steps, LOG2_E,
+    StepScores, Steps,
 };
 use crate::kernels::copy;
 use crate::kernels::element::Element;
+use crate::kernels::policy::Scores;
 use crate::params::BwdParams;
 use crate::unroll::unroll;
 
@@ -53,6 +54,7 @@ fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, threads: (u32, u
 #[inline(always)]
 pub fn backward<
     T: Element,
+    S: Scores,
     const D: usize,
     const W: usize,
     const DT: usize,
@@ -171,22 +173,13 @@ pub fn backward<
 
         // Pᵀ = exp(S - LSE) and dSᵀ = Pᵀ ∘ (dPᵀ - delta), masked.
         let masked = block_needs_mask(&keys, q0, q0 + bm - 1, n, bn);
-        unroll::<ST>(|j| {
-            let col = j as u32 * 8 + 2 * pair;
-            let (l0, l1) = smem::ld_v2_b32(lse_s + col * 4);
-            let (d0, d1) = smem::ld_v2_b32(delta_s + col * 4);
-            unroll::<4>(|e| {
-                let lse = f32::from_bits(if e % 2 == 0 { l0 } else { l1 }) * LOG2_E;
-                let delta = f32::from_bits(if e % 2 == 0 { d0 } else { d1 });
-                let key = key0 + wg * WGMMA_M as u32 + warp_row + g + 8 * (e / 2) as u32;
-                let mut pv = math::ex2(s[j][e] * p.scale_log2 - lse);
-                if masked && !keys.sees(q0 + col + (e % 2) as u32, key) {
-                    pv = 0.0;
-                }
-                s[j][e] = pv;
-                dp[j][e] = pv * (dp[j][e] - delta);
-            });
-        });
+        StepScores::new::<T, S>(p, &keys, (b, h), masked).p_and_ds(
+            p,
+            (&mut s, &mut dp),
+            (lse_s, delta_s),
+            (q0, key0 + wg * WGMMA_M as u32 + warp_row + g),
+            lane,
+        );
         let mut pf = [[0u32; 4]; PK];
         let mut dsf = [[0u32; 4]; PK];
         unroll::<PK>(|kk| {
