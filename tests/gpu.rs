@@ -3757,13 +3757,13 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     let mut dk = poisoned::<T>(gpu, dkl.span().unwrap())?;
     let mut dv = poisoned::<T>(gpu, dvl.span().unwrap())?;
     let mut d_sinks = s.clone_htod(&vec![f32::NAN; h]).map_err(e)?;
-    let launches = flash_attn::hopper::launches_on_this_thread();
     let (want, p) = with_options(&c.policy, &data, |opts, extras| {
         let opts = AttnOptions {
             softmax_scale: c.softmax_scale,
             ..*opts
         };
         forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ol), &mut lse, &opts)?;
+        let launches = flash_attn::hopper::launches_on_this_thread();
         let grads = Grads::new(
             TensorMut::new(dq.as_view_mut(), dql),
             TensorMut::new(dk.as_view_mut(), dkl),
@@ -3791,6 +3791,7 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
                 &opts,
             )
             .map_err(|x| x.to_string())?;
+        let ran = flash_attn::hopper::launches_on_this_thread() - launches;
         let shape = ForwardShape {
             batch: b,
             seqlen_q: sq,
@@ -3812,11 +3813,10 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         );
         let want = reference::attention_backward_ext(&shape, &q64, &k64, &v64, &do64, extras);
         let p = reference::probabilities_ext(&shape, &q64, &k64, extras);
-        Ok::<_, String>(((want, shape, [q64, k64, v64, do64]), p))
+        Ok::<_, String>(((want, shape, [q64, k64, v64, do64]), (p, ran)))
     })?;
-    let (want, shape, [q64, k64, v64, do64]) = want;
+    let ((want, shape, [q64, k64, v64, do64]), (p, ran)) = (want, p);
     let hopper = gpu.fa.hopper_backward() && flash_attn::HOPPER_BWD_HEAD_DIMS.contains(&d);
-    let ran = flash_attn::hopper::launches_on_this_thread() - launches;
     if ran != hopper as u64 {
         return Err(format!("{ran} Hopper launches, want {}", hopper as u64));
     }
