@@ -1370,7 +1370,16 @@ impl FlashAttention {
             sinks: scores.sinks,
             d_sinks: d_sinks_ptr,
         };
-        let policies = policy.need;
+        // The key-block kernels read P from the LSE, which holds the sinks
+        // already: only a softcap or ALiBi needs their `Modified` variants.
+        let policies = Policies {
+            score: if opts.softcap.is_some() || opts.alibi_slopes.is_some() {
+                ScoreKind::Modified
+            } else {
+                ScoreKind::Plain
+            },
+            ..policy.need
+        };
         let chunks = rows * shape.head_dim / CHUNK_ELEMS;
         let prep = self.kernel(KernelKind::BackwardPrep, T::DTYPE, 0, Policies::PLAIN);
         let dq = self.kernel(KernelKind::BackwardDq, T::DTYPE, 0, Policies::PLAIN);
