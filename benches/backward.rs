@@ -20,7 +20,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BackwardInputs, Dtype, FlashAttention, Grads, Layout,
-    Out, Qkv, TensorMut, TensorRef,
+    Out, Qkv, TensorMut, TensorRef, Varlen,
 };
 use half::{bf16, f16};
 
@@ -58,10 +58,41 @@ struct Row {
     causal: bool,
     dtype: Dtype,
     score: Score,
+    /// Packed sequences of [`varlen_lens`] (`backward_varlen`) in place of
+    /// `batch` x `seqlen`, which then only name the row.
+    varlen: bool,
+}
+
+/// 16 sequence lengths in 64..=2048 from a fixed xorshift stream, summing
+/// to 16k tokens within rounding: the varlen rows' batch.
+fn varlen_lens() -> Vec<usize> {
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let raw: Vec<f64> = (0..16)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            64.0 + (x >> 11) as f64 / (1u64 << 53) as f64 * (2048.0 - 64.0)
+        })
+        .collect();
+    let scale = 16384.0 / raw.iter().sum::<f64>();
+    raw.iter()
+        .map(|l| ((l * scale).round() as usize).clamp(64, 2048))
+        .collect()
 }
 
 impl Row {
     fn label(&self) -> String {
+        if self.varlen {
+            return format!(
+                "backward {} varlen 16 seqs 64..2048 (16k tokens) H={}/{} D={}{}",
+                self.dtype.name(),
+                self.heads,
+                self.kv_heads,
+                self.head_dim,
+                if self.causal { " causal" } else { "" }
+            );
+        }
         format!(
             "backward {} B={} S={} H={}/{} D={}{}{}",
             self.dtype.name(),
@@ -80,18 +111,25 @@ impl Row {
 
     /// FLOPs of the five GEMMs over the visible pairs.
     fn flops(&self) -> f64 {
-        let s = self.seqlen as f64;
-        let pairs = if self.causal {
-            s * (s + 1.0) / 2.0
-        } else {
-            s * s
+        let pairs = |s: f64| {
+            if self.causal {
+                s * (s + 1.0) / 2.0
+            } else {
+                s * s
+            }
         };
-        2.5 * 4.0 * (self.batch * self.heads * self.head_dim) as f64 * pairs
+        let pairs = if self.varlen {
+            varlen_lens().iter().map(|&s| pairs(s as f64)).sum()
+        } else {
+            self.batch as f64 * pairs(self.seqlen as f64)
+        };
+        2.5 * 4.0 * (self.heads * self.head_dim) as f64 * pairs
     }
 }
 
-/// 16k tokens per batch at every head dim, causal and not, plus GQA rows
-/// and the score options at D = 64 and 128, 4k causal.
+/// 16k tokens per batch at every head dim, causal and not, plus GQA rows,
+/// the score options at D = 64 and 128, 4k causal, and packed sequences of
+/// mean length 1k (`varlen_lens`) beside B = 16 x 1k at D = 128.
 fn rows() -> Vec<Row> {
     let mut v = Vec::new();
     for dtype in [Dtype::F16, Dtype::Bf16] {
@@ -108,6 +146,7 @@ fn rows() -> Vec<Row> {
                         causal,
                         dtype,
                         score: Score::Plain,
+                        varlen: false,
                     });
                 }
             }
@@ -123,6 +162,7 @@ fn rows() -> Vec<Row> {
                     causal: true,
                     dtype,
                     score,
+                    varlen: false,
                 });
             }
         }
@@ -136,7 +176,21 @@ fn rows() -> Vec<Row> {
             causal: true,
             dtype,
             score: Score::Plain,
+            varlen: false,
         });
+        for causal in [false, true] {
+            v.push(Row {
+                batch: 16,
+                seqlen: 1024,
+                heads: 16,
+                kv_heads: 16,
+                head_dim: 128,
+                causal,
+                dtype,
+                score: Score::Plain,
+                varlen: true,
+            });
+        }
     }
     v
 }
@@ -180,11 +234,38 @@ fn time_median(stream: &Arc<CudaStream>, reps: usize, mut call: impl FnMut()) ->
 }
 
 fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, reps: usize) -> f64 {
-    let (b, s, h, hkv, d) = (r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim);
-    let (ql, kl) = (
-        Layout::contiguous([b, s, h, d]),
-        Layout::contiguous([b, s, hkv, d]),
-    );
+    let (h, hkv, d) = (r.heads, r.kv_heads, r.head_dim);
+    let lens = varlen_lens();
+    let total: usize = lens.iter().sum();
+    // Packed rows are a batch of one of `total` tokens.
+    let (b, s) = if r.varlen {
+        (1, total)
+    } else {
+        (r.batch, r.seqlen)
+    };
+    let (ql, kl) = if r.varlen {
+        (Layout::packed([s, h, d]), Layout::packed([s, hkv, d]))
+    } else {
+        (
+            Layout::contiguous([b, s, h, d]),
+            Layout::contiguous([b, s, hkv, d]),
+        )
+    };
+    let cu: Vec<i32> = std::iter::once(0)
+        .chain(lens.iter().scan(0, |acc, &l| {
+            *acc += l as i32;
+            Some(*acc)
+        }))
+        .collect();
+    let cu = stream.clone_htod(&cu).expect("upload");
+    let cu = cu.as_view();
+    let max = *lens.iter().max().expect("16 lengths");
+    let seqs = Varlen {
+        cu_seqlens_q: &cu,
+        cu_seqlens_k: &cu,
+        max_seqlen_q: max,
+        max_seqlen_k: max,
+    };
     let (q, k, v) = (
         random::<T>(stream, b * s * h * d, 1),
         random::<T>(stream, b * s * hkv * d, 2),
@@ -220,12 +301,12 @@ fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, r
         k: &kr,
         v: &vr,
     };
-    fa.forward(
-        stream,
-        qkv,
-        Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut()),
-        &opts,
-    )
+    let out = Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut());
+    if r.varlen {
+        fa.forward_varlen(stream, qkv, out, &seqs, &opts)
+    } else {
+        fa.forward(stream, qkv, out, &opts)
+    }
     .expect("forward");
     let (or, dor, lv) = (
         TensorRef::new(o.as_view(), ql),
@@ -233,28 +314,26 @@ fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, r
         lse.as_view(),
     );
     time_median(stream, reps, || {
-        fa.backward(
-            stream,
-            qkv,
-            BackwardInputs {
-                o: &or,
-                lse: &lv,
-                d_o: &dor,
-            },
-            {
-                let grads = Grads::new(
-                    TensorMut::new(dq.as_view_mut(), ql),
-                    TensorMut::new(dk.as_view_mut(), kl),
-                    TensorMut::new(dv.as_view_mut(), kl),
-                );
-                if r.score == Score::Sinks {
-                    grads.with_sinks(d_sinks.as_view_mut())
-                } else {
-                    grads
-                }
-            },
-            &opts,
-        )
+        let saved = BackwardInputs {
+            o: &or,
+            lse: &lv,
+            d_o: &dor,
+        };
+        let grads = Grads::new(
+            TensorMut::new(dq.as_view_mut(), ql),
+            TensorMut::new(dk.as_view_mut(), kl),
+            TensorMut::new(dv.as_view_mut(), kl),
+        );
+        let grads = if r.score == Score::Sinks {
+            grads.with_sinks(d_sinks.as_view_mut())
+        } else {
+            grads
+        };
+        if r.varlen {
+            fa.backward_varlen(stream, qkv, saved, grads, &seqs, &opts)
+        } else {
+            fa.backward(stream, qkv, saved, grads, &opts)
+        }
         .expect("backward")
     })
 }
@@ -303,7 +382,7 @@ fn main() {
         println!("{:<48} {:>10.4} {:>9.1}", r.label(), ms, tflops);
         writeln!(
             json,
-            "{{\"label\":\"{}\",\"dtype\":\"{}\",\"batch\":{},\"seqlen\":{},\"heads\":{},\"kv_heads\":{},\"head_dim\":{},\"causal\":{},\"score\":\"{}\",\"median_ms\":{},\"tflops\":{},\"gpu\":\"{}\"}}",
+            "{{\"label\":\"{}\",\"dtype\":\"{}\",\"batch\":{},\"seqlen\":{},\"heads\":{},\"kv_heads\":{},\"head_dim\":{},\"causal\":{},\"score\":\"{}\",\"varlen\":{},\"median_ms\":{},\"tflops\":{},\"gpu\":\"{}\"}}",
             r.label(),
             r.dtype.name(),
             r.batch,
@@ -313,6 +392,7 @@ fn main() {
             r.head_dim,
             r.causal,
             r.score.name(),
+            r.varlen,
             ms,
             tflops,
             gpu

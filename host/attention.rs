@@ -27,9 +27,9 @@ use crate::hopper::{self, encode_tensor_map, HopperModule, TiledTensor};
 use crate::kernels::{cubins_for, ptx_text};
 use crate::tensor::{AttnElement, Layout, TensorMut, TensorRef};
 use crate::validate::{
-    check_backward, check_decode, check_dtype, check_forward, check_kvcache, check_merge,
-    check_varlen, check_varlen_paged, AlibiSlopes, AttnOptions, BackwardOperands, DecodeShape,
-    ForwardShape, KvCacheShape, Operands, Paging, TensorInfo, VarlenShape, Window,
+    check_backward, check_backward_varlen, check_decode, check_dtype, check_forward, check_kvcache,
+    check_merge, check_varlen, check_varlen_paged, AlibiSlopes, AttnOptions, BackwardOperands,
+    DecodeShape, ForwardShape, KvCacheShape, Operands, Paging, TensorInfo, VarlenShape, Window,
 };
 
 /// Set to `1`, [`FlashAttention::new`] loads the Turing (`sm_75`) module on
@@ -1272,9 +1272,44 @@ impl FlashAttention {
     pub fn backward<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,
+        qkv: Qkv<'_, T>,
+        saved: BackwardInputs<'_, T>,
+        grads: Grads<'_, T>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        self.run_backward(stream, qkv, saved, grads, None, opts)
+    }
+
+    /// The backward pass of [`Self::forward_varlen`], as [`Self::backward`]
+    /// is of [`Self::forward`]: Q, O, dO and dQ are [total_q, H, D], K, V,
+    /// dK and dV [total_k, Hkv, D] (packed layouts, any one-to-one strides
+    /// for the gradients), the LSE is the forward's f32 [H, total_q], and
+    /// `seqlens` must be the forward call's. Every option of the fixed-batch
+    /// backward applies per sequence (ALiBi slopes [B, H] by sequence); the
+    /// sinks' gradient sums over every sequence's rows. `cu_seqlens` live on
+    /// the device and are clamped as in the forward; keys of a sequence past
+    /// `max_seqlen_k` get no dK or dV written, and the call allocates
+    /// 4 · H · total_q · (D + 1) bytes of f32 workspace.
+    pub fn backward_varlen<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
+        qkv: Qkv<'_, T>,
+        saved: BackwardInputs<'_, T>,
+        grads: Grads<'_, T>,
+        seqlens: &Varlen<'_>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        self.run_backward(stream, qkv, saved, grads, Some(seqlens), opts)
+    }
+
+    /// [`Self::backward`], or with `varlen` [`Self::backward_varlen`].
+    fn run_backward<T: AttnElement>(
+        &self,
+        stream: &Arc<CudaStream>,
         Qkv { q, k, v }: Qkv<'_, T>,
         saved: BackwardInputs<'_, T>,
         mut grads: Grads<'_, T>,
+        varlen: Option<&Varlen<'_>>,
         opts: &AttnOptions,
     ) -> Result<(), FlashAttnError> {
         let kinds = [
@@ -1283,7 +1318,12 @@ impl FlashAttention {
             KernelKind::BackwardDq,
             KernelKind::BackwardSinks,
         ];
-        check_dtype(self.arch, T::DTYPE, &kinds, "backward")?;
+        let entry = if varlen.is_some() {
+            "backward_varlen"
+        } else {
+            "backward"
+        };
+        check_dtype(self.arch, T::DTYPE, &kinds, entry)?;
         let (q_ptr, _q_sync) = q.data.device_ptr(stream);
         let (k_ptr, _k_sync) = k.data.device_ptr(stream);
         let (v_ptr, _v_sync) = v.data.device_ptr(stream);
@@ -1317,13 +1357,29 @@ impl FlashAttention {
             dv: info(grads.dv.layout, dv_len, dv_ptr),
             d_sinks_len,
         };
-        let shape = check_backward(&ops, opts)?;
-        let rows = shape.batch * shape.heads * shape.seqlen_q;
+        let (cu_q, _cq_sync) = match varlen {
+            Some(s) => s.cu_seqlens_q.device_ptr(stream),
+            None => (0, SyncOnDrop::Record(None)),
+        };
+        let (cu_k, _ck_sync) = match varlen {
+            Some(s) => s.cu_seqlens_k.device_ptr(stream),
+            None => (0, SyncOnDrop::Record(None)),
+        };
+        let shape = match varlen {
+            None => check_backward(&ops, opts)?,
+            Some(s) => check_backward_varlen(
+                &ops,
+                (s.cu_seqlens_q.len(), s.cu_seqlens_k.len()),
+                (s.max_seqlen_q, s.max_seqlen_k),
+                opts,
+            )?,
+        };
+        let rows = shape.query_rows();
         let dq_accum = stream.alloc_zeros::<f32>(rows * shape.head_dim)?;
         let delta = stream.alloc_zeros::<f32>(rows)?;
         let (dq_accum_ptr, _accum_sync) = dq_accum.device_ptr(stream);
         let (delta_ptr, _delta_sync) = delta.device_ptr(stream);
-        let mask = shape.mask();
+        let mask = shape.mask;
         let policy = policy_args(
             opts,
             mask,
@@ -1369,6 +1425,10 @@ impl FlashAttention {
             alibi_batch_stride: scores.alibi_batch_stride,
             sinks: scores.sinks,
             d_sinks: d_sinks_ptr,
+            cu_seqlens_q: cu_q,
+            cu_seqlens_k: cu_k,
+            total_q: shape.packed.map_or(0, |(total_q, _)| total_q as u32),
+            total_k: shape.packed.map_or(0, |(_, total_k)| total_k as u32),
         };
         // The key-block kernels read P from the LSE, which holds the sinks
         // already: only a softcap or ALiBi needs their `Modified` variants.

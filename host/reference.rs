@@ -23,8 +23,9 @@
 //! Entry points: [`attention`]/[`attention_ext`] (fixed layout),
 //! [`decode`]/[`decode_ext`] (a cache with per-sequence lengths), [`varlen`]
 //! (packed sequences), [`probabilities`] (P itself), [`merge_states`] (the
-//! exact combination of two partial results over disjoint keys) and
-//! [`attention_backward_ext`] (the gradients of [`attention_ext`]); each row is
+//! exact combination of two partial results over disjoint keys),
+//! [`attention_backward_ext`] and [`varlen_backward`] (the gradients of
+//! [`attention_ext`] and [`varlen`]); each row is
 //! [`softmax_row`]/[`output_row`], public for inputs read on demand.
 use crate::validate::{DecodeShape, ForwardShape, VarlenShape, Window};
 use std::ops::Range;
@@ -576,6 +577,82 @@ pub fn attention_backward_ext(
                     }
                 }
             }
+        }
+    }
+    g
+}
+
+/// The backward pass of [`varlen`] for a loss whose gradient with respect
+/// to O is `d_o` ([total_q, H, D]): each sequence's gradients are
+/// [`attention_backward_ext`]'s for a batch of that one sequence (per-batch
+/// ALiBi slopes by sequence), written into the packed layouts of q, k and
+/// v (rows no sequence owns stay 0), and the sinks' gradient sums over the
+/// sequences. V takes Q's head dim.
+///
+/// Panics as [`varlen`] does, or if the shape has a V head dim of its own.
+#[allow(clippy::too_many_arguments)]
+pub fn varlen_backward(
+    shape: &VarlenShape,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+    extras: &Extras,
+) -> RefGrads {
+    let (h, hkv, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+    let cu_q = offsets("cu_seqlens_q", cu_seqlens_q, shape.batch, shape.total_q);
+    let cu_k = offsets("cu_seqlens_k", cu_seqlens_k, shape.batch, shape.total_k);
+    let (q_row, k_row) = (h * d, hkv * d);
+    let mut g = RefGrads {
+        dq: vec![0.0; shape.total_q * q_row],
+        dk: vec![0.0; shape.total_k * k_row],
+        dv: vec![0.0; shape.total_k * k_row],
+        d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
+    };
+    for b in 0..shape.batch {
+        let (qs, ks) = (cu_q[b]..cu_q[b + 1], cu_k[b]..cu_k[b + 1]);
+        let one = ForwardShape {
+            batch: 1,
+            seqlen_q: qs.len(),
+            seqlen_k: ks.len(),
+            heads: h,
+            kv_heads: hkv,
+            head_dim: d,
+            v_head_dim: shape.v_head_dim,
+            causal: shape.causal,
+            softmax_scale: shape.softmax_scale,
+            window: shape.window,
+            softcap: shape.softcap,
+        };
+        let slopes = extras.alibi_slopes.map(|s| {
+            if s.len() == h {
+                s
+            } else {
+                &s[b * h..(b + 1) * h]
+            }
+        });
+        let seq_extras = Extras {
+            alibi_slopes: slopes,
+            sinks: extras.sinks,
+        };
+        let rows = |t: &[f64], r: &std::ops::Range<usize>, width: usize| -> Vec<f64> {
+            t[r.start * width..r.end * width].to_vec()
+        };
+        let gb = attention_backward_ext(
+            &one,
+            &rows(q, &qs, q_row),
+            &rows(k, &ks, k_row),
+            &rows(v, &ks, k_row),
+            &rows(d_o, &qs, q_row),
+            &seq_extras,
+        );
+        g.dq[qs.start * q_row..qs.end * q_row].copy_from_slice(&gb.dq);
+        g.dk[ks.start * k_row..ks.end * k_row].copy_from_slice(&gb.dk);
+        g.dv[ks.start * k_row..ks.end * k_row].copy_from_slice(&gb.dv);
+        for (sum, x) in g.d_sinks.iter_mut().zip(&gb.d_sinks) {
+            *sum += x;
         }
     }
     g

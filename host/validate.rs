@@ -1006,8 +1006,43 @@ pub struct BackwardOperands {
     pub d_sinks_len: Option<usize>,
 }
 
+/// The shape of a backward call, fixed-batch or packed (varlen).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BackwardShape {
+    /// Sequences.
+    pub batch: usize,
+    /// Query tokens per sequence; varlen: the longest sequence's
+    /// (`max_seqlen_q`).
+    pub seqlen_q: usize,
+    /// Keys per sequence; varlen: `max_seqlen_k`.
+    pub seqlen_k: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// K/V heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Head dim of Q, K and V.
+    pub head_dim: usize,
+    /// Varlen: the packed rows of Q (`total_q`) and of K/V (`total_k`).
+    pub packed: Option<(usize, usize)>,
+    /// The window the mask applies (`causal` folded in).
+    pub mask: Window,
+    /// The scale applied to q·k (default 1/sqrt(head_dim) resolved).
+    pub softmax_scale: f32,
+}
+
+impl BackwardShape {
+    /// Query rows of all heads: the f32 rows of the LSE, `delta` and the
+    /// dQ buffer (B · H · Sq, or H · total_q packed).
+    pub fn query_rows(&self) -> usize {
+        match self.packed {
+            Some((total_q, _)) => self.heads * total_q,
+            None => self.batch * self.heads * self.seqlen_q,
+        }
+    }
+}
+
 /// Validates a backward call: the forward's tensors and options as
-/// [`check_forward`] takes them (the LSE required), dO shaped like O, and
+/// [`check_forward`] takes them (the LSE required), dO shaped like O,
 /// one-to-one dQ, dK and dV shaped like Q, K and V, and a sinks' gradient
 /// of `[heads]` (only with sinks). The backward kernels take every mask and
 /// score option and GQA; a V head dim of its own and head dims outside
@@ -1015,35 +1050,104 @@ pub struct BackwardOperands {
 pub fn check_backward(
     t: &BackwardOperands,
     opts: &AttnOptions,
-) -> Result<ForwardShape, FlashAttnError> {
+) -> Result<BackwardShape, FlashAttnError> {
     const ENTRY: &str = "backward";
-    refuse("num_splits", opts.num_splits, ENTRY)?;
-    refuse("hopper_rows", opts.hopper_rows, ENTRY)?;
-    refuse("hopper_keys", opts.hopper_keys, ENTRY)?;
+    refuse_backward_options(t, opts, ENTRY)?;
+    let s = check_dense(&t.fwd, opts)?;
+    let shape = BackwardShape {
+        batch: s.batch,
+        seqlen_q: s.seqlen_q,
+        seqlen_k: s.seqlen_k,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        packed: None,
+        mask: s.mask(),
+        softmax_scale: s.softmax_scale,
+    };
+    check_gradients(t, opts, &shape, s.v_dim(), ENTRY)?;
+    Ok(shape)
+}
+
+/// Validates a varlen backward call: the forward's tensors, `cu_seqlens`
+/// lengths, bounds and options as [`check_varlen`] takes them (the LSE
+/// [H, total_q] required), and the gradients as [`check_backward`] does,
+/// shaped like the packed tensors.
+pub fn check_backward_varlen(
+    t: &BackwardOperands,
+    (cu_seqlens_q_len, cu_seqlens_k_len): (usize, usize),
+    (max_seqlen_q, max_seqlen_k): (usize, usize),
+    opts: &AttnOptions,
+) -> Result<BackwardShape, FlashAttnError> {
+    const ENTRY: &str = "backward_varlen";
+    refuse_backward_options(t, opts, ENTRY)?;
+    let s = check_varlen(
+        &t.fwd,
+        cu_seqlens_q_len,
+        cu_seqlens_k_len,
+        max_seqlen_q,
+        max_seqlen_k,
+        opts,
+    )?;
+    let shape = BackwardShape {
+        batch: s.batch,
+        seqlen_q: s.max_seqlen_q,
+        seqlen_k: s.max_seqlen_k,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        packed: Some((s.total_q, s.total_k)),
+        mask: s.mask(),
+        softmax_scale: s.softmax_scale,
+    };
+    check_gradients(t, opts, &shape, s.v_dim(), ENTRY)?;
+    Ok(shape)
+}
+
+/// The forward options a backward call has no use for, and the LSE it needs.
+fn refuse_backward_options(
+    t: &BackwardOperands,
+    opts: &AttnOptions,
+    entry: &'static str,
+) -> Result<(), FlashAttnError> {
+    refuse("num_splits", opts.num_splits, entry)?;
+    refuse("hopper_rows", opts.hopper_rows, entry)?;
+    refuse("hopper_keys", opts.hopper_keys, entry)?;
     if t.fwd.lse_len.is_none() {
         return Err(FlashAttnError::Unsupported {
             what: "a call without the forward's LSE",
-            entry: ENTRY,
+            entry,
         });
     }
-    let shape = check_dense(&t.fwd, opts)?;
+    Ok(())
+}
+
+/// The backward's own checks, after the forward's: its head dims, dO, the
+/// gradients and the sinks' gradient, and the dQ kernel's grid.
+fn check_gradients(
+    t: &BackwardOperands,
+    opts: &AttnOptions,
+    shape: &BackwardShape,
+    v_dim: usize,
+    entry: &'static str,
+) -> Result<(), FlashAttnError> {
     if !BWD_HEAD_DIMS.contains(&shape.head_dim) {
         return Err(FlashAttnError::UnsupportedHeadDim {
             got: shape.head_dim,
             supported: &BWD_HEAD_DIMS,
         });
     }
-    if shape.v_dim() != shape.head_dim {
+    if v_dim != shape.head_dim {
         return Err(FlashAttnError::Unsupported {
             what: "a V head dim of its own",
-            entry: ENTRY,
+            entry,
         });
     }
     if let Some(got) = t.d_sinks_len {
         if opts.sinks.is_none() {
             return Err(FlashAttnError::Unsupported {
                 what: "d_sinks without sinks",
-                entry: ENTRY,
+                entry,
             });
         }
         if got < shape.heads {
@@ -1067,8 +1171,8 @@ pub fn check_backward(
     }
     // The dQ kernel's grid has a thread per 8-element chunk of dQ, in at
     // most 2^31 - 1 CTAs (grid.x). K/V heads divide the heads, whose bound
-    // (grid.y) `check_dense` has checked.
-    let chunks = shape.batch * shape.heads * shape.seqlen_q * shape.head_dim / CHUNK_ELEMS;
+    // (grid.y) the forward's checks have checked.
+    let chunks = shape.query_rows() * shape.head_dim / CHUNK_ELEMS;
     let limit = i32::MAX as usize * BWD_THREADS;
     if chunks > limit {
         return Err(FlashAttnError::TooLarge {
@@ -1077,7 +1181,7 @@ pub fn check_backward(
             limit,
         });
     }
-    Ok(shape)
+    Ok(())
 }
 
 /// Validates a `merge_states` call: three O tensors of one [B, S, H, D]

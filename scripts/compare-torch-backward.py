@@ -67,10 +67,10 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=21)
     a = ap.parse_args()
-    # SDPA has no softcap, ALiBi or sinks: rows with a score option compare
-    # with our own plain rows instead.
+    # SDPA has no softcap, ALiBi, sinks or packed sequences: those rows
+    # compare with our own plain rows instead.
     rows = [json.loads(line) for line in open(a.ours) if line.strip()]
-    rows = [r for r in rows if r.get("score", "plain") == "plain"]
+    rows = [r for r in rows if r.get("score", "plain") == "plain" and not r.get("varlen")]
     os.makedirs(a.out, exist_ok=True)
     out = []
     for r in rows:

@@ -4445,7 +4445,7 @@ mod varlen_paged_validation {
 mod backward_reference {
     use super::{forward_shape, qkv, random_vec, window};
     use flash_attn::reference;
-    use flash_attn::validate::ForwardShape;
+    use flash_attn::validate::{ForwardShape, VarlenShape};
     use proptest::prelude::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
@@ -4527,6 +4527,75 @@ mod backward_reference {
                     close(fd, g.d_sinks[head]),
                     "sink {}: finite difference {} vs {}", head, fd, g.d_sinks[head]
                 );
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        /// `varlen_backward` against central differences of the packed
+        /// forward reference (`reference::varlen`), with empty sequences,
+        /// rows before and after every sequence, masks, softcaps, ALiBi
+        /// slopes per sequence and sinks.
+        #[test]
+        fn varlen_gradients_match_finite_differences(
+            lens in proptest::collection::vec((0usize..9, 0usize..9), 1..4),
+            pad in 0usize..3,
+            (kv_heads, heads) in prop_oneof![Just((1usize, 1usize)), Just((1, 2)), Just((2, 2))],
+            causal in any::<bool>(), w in window(), seed in any::<u64>(),
+            softcap in proptest::option::of(0.3f32..4.0),
+            alibi in proptest::option::of(any::<bool>()),
+            sinks in any::<bool>(),
+        ) {
+            let batch = lens.len();
+            let cu = |len: fn(&(usize, usize)) -> usize| -> Vec<i32> {
+                let ends = lens.iter().scan(pad, |acc, l| { *acc += len(l); Some(*acc as i32) });
+                std::iter::once(pad as i32).chain(ends).collect()
+            };
+            let (cu_q, cu_k) = (cu(|l| l.0), cu(|l| l.1));
+            let (total_q, total_k) = (cu_q[batch] as usize + pad, cu_k[batch] as usize + pad);
+            let head_dim = 4;
+            let shape = VarlenShape {
+                batch, total_q, total_k,
+                max_seqlen_q: lens.iter().map(|l| l.0).max().unwrap(),
+                max_seqlen_k: lens.iter().map(|l| l.1).max().unwrap(),
+                heads, kv_heads, head_dim, v_head_dim: 0, causal,
+                softmax_scale: 0.7, window: w, softcap,
+            };
+            let mut rng = StdRng::seed_from_u64(seed);
+            let q = random_vec(&mut rng, total_q * heads * head_dim);
+            let k = random_vec(&mut rng, total_k * kv_heads * head_dim);
+            let v = random_vec(&mut rng, total_k * kv_heads * head_dim);
+            let d_o = random_vec(&mut rng, q.len());
+            let slopes: Option<Vec<f64>> = alibi.map(|per_batch| {
+                let n = if per_batch { batch * heads } else { heads };
+                (0..n).map(|_| rng.random_range(0.0..0.6)).collect()
+            });
+            let sink: Option<Vec<f64>> = sinks.then(|| (0..heads).map(|_| rng.random_range(-2.0..2.0)).collect());
+            let ext = reference::Extras { alibi_slopes: slopes.as_deref(), sinks: sink.as_deref() };
+            let g = reference::varlen_backward(&shape, &cu_q, &cu_k, &q, &k, &v, &d_o, &ext);
+            let loss = |t: &[Vec<f64>; 3]| -> f64 {
+                let o = reference::varlen(&shape, &cu_q, &cu_k, &t[0], &t[1], &t[2], &ext).o;
+                o.iter().zip(&d_o).map(|(a, b)| a * b).sum()
+            };
+            let h = 1e-5;
+            for (which, grad) in [(0, &g.dq), (1, &g.dk), (2, &g.dv)] {
+                if grad.is_empty() {
+                    continue;
+                }
+                for _ in 0..6 {
+                    let mut t = [q.clone(), k.clone(), v.clone()];
+                    let i = rng.random_range(0..t[which].len());
+                    t[which][i] += h;
+                    let up = loss(&t);
+                    t[which][i] -= 2.0 * h;
+                    let down = loss(&t);
+                    let fd = (up - down) / (2.0 * h);
+                    prop_assert!(
+                        (fd - grad[i]).abs() <= 1e-6 * (1.0 + fd.abs()),
+                        "tensor {} element {}: finite difference {} vs {}", which, i, fd, grad[i]
+                    );
+                }
             }
         }
     }
@@ -4686,6 +4755,67 @@ mod backward_validation {
         ));
         // ALiBi slopes, sinks and their gradient live on the device: the GPU
         // suite checks their lengths (`backward_checks_device_options`).
+    }
+
+    /// A varlen backward: packed [1, total, heads, D] tensors, cu_seqlens of
+    /// one length, the bounds within the totals, and the entry's name in
+    /// its refusals.
+    #[test]
+    fn varlen_backward_checks_its_shapes() {
+        use flash_attn::validate::check_backward_varlen;
+        let (q, kv) = ([1, 300, 8, 64], [1, 200, 2, 64]);
+        let ops = BackwardOperands {
+            fwd: Operands {
+                q: t(q, 1 << 24),
+                k: t(kv, 2 << 24),
+                v: t(kv, 3 << 24),
+                o: t(q, 4 << 24),
+                lse_len: Some(8 * 300),
+            },
+            d_o: t(q, 5 << 24),
+            dq: t(q, 6 << 24),
+            dk: t(kv, 7 << 24),
+            dv: t(kv, 8 << 24),
+            d_sinks_len: None,
+        };
+        let opts = AttnOptions::default();
+        let s = check_backward_varlen(&ops, (4, 4), (150, 120), &opts).unwrap();
+        assert_eq!(
+            (s.batch, s.seqlen_q, s.seqlen_k, s.packed, s.query_rows()),
+            (3, 150, 120, Some((300, 200)), 8 * 300)
+        );
+        assert!(matches!(
+            check_backward_varlen(&ops, (4, 3), (150, 120), &opts),
+            Err(FlashAttnError::SeqlensLength { .. })
+        ));
+        assert!(matches!(
+            check_backward_varlen(&ops, (4, 4), (301, 120), &opts),
+            Err(FlashAttnError::TooLarge {
+                what: "max_seqlen_q",
+                ..
+            })
+        ));
+        let mut dk = ops;
+        dk.dk = t([1, 199, 2, 64], 7 << 24);
+        assert!(matches!(
+            check_backward_varlen(&dk, (4, 4), (150, 120), &opts),
+            Err(FlashAttnError::ShapeMismatch { tensor: "dk", .. })
+        ));
+        let mut no_lse = ops;
+        no_lse.fwd.lse_len = None;
+        assert!(matches!(
+            check_backward_varlen(&no_lse, (4, 4), (150, 120), &opts),
+            Err(FlashAttnError::Unsupported {
+                entry: "backward_varlen",
+                ..
+            })
+        ));
+        let mut short_lse = ops;
+        short_lse.fwd.lse_len = Some(8 * 300 - 1);
+        assert!(matches!(
+            check_backward_varlen(&short_lse, (4, 4), (150, 120), &opts),
+            Err(FlashAttnError::LseLength { .. })
+        ));
     }
 
     #[test]

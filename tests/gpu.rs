@@ -3939,6 +3939,370 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     Ok(())
 }
 
+/// A varlen backward problem: (query, key) lengths per sequence, the
+/// first non-empty, the others possibly empty or of one token.
+#[derive(Clone, Debug)]
+struct BwdVarlenCase {
+    lens: Vec<(usize, usize)>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    policy: Policy,
+    seed: u64,
+}
+
+fn bwd_varlen_strategy() -> impl Strategy<Value = BwdVarlenCase> {
+    let len = || prop_oneof![1 => Just(0usize), 1 => Just(1usize), 4 => 2usize..=200];
+    (
+        (
+            (1usize..=200, 1usize..=200),
+            prop::collection::vec((len(), len()), 0..4),
+        ),
+        head_counts(),
+        prop::sample::select(flash_attn::BWD_HEAD_DIMS.to_vec()),
+        policy_strategy(),
+        any::<u64>(),
+    )
+        .prop_map(
+            |((first, rest), (heads, kv_heads), head_dim, policy, seed)| BwdVarlenCase {
+                lens: std::iter::once(first).chain(rest).collect(),
+                heads,
+                kv_heads,
+                head_dim,
+                policy,
+                seed,
+            },
+        )
+}
+
+/// One sequence's dense forward and backward (a batch of one), as host
+/// rows: O, LSE [H, Sq], dQ, dK, dV and the sinks' gradient.
+type SeqGrads<T> = (Vec<T>, Vec<f32>, Vec<T>, Vec<T>, Vec<T>, Vec<f32>);
+
+/// The varlen backward against each sequence's fixed-batch backward (a
+/// batch of one, which `backward_random_*` checks against the reference),
+/// fed the same O and LSE: dK and dV must match bit for bit (the same
+/// sums in the same order), dQ within one rounding of the dtype (its f32
+/// buffer adds the key blocks' shares in either order), the sinks'
+/// gradient within f32 rounding of the sum over sequences. A sequence
+/// without queries has dK = dV = 0, one without keys dQ = 0; every
+/// output starts as NaN.
+fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let s = &gpu.stream;
+    let (h, hkv, d) = (c.heads, c.kv_heads, c.head_dim);
+    let mut rng = StdRng::seed_from_u64(c.seed);
+    let batch = c.lens.len();
+    let mut cu_q = vec![0usize];
+    let mut cu_k = vec![0usize];
+    for &(sq, sk) in &c.lens {
+        cu_q.push(cu_q.last().unwrap() + sq);
+        cu_k.push(cu_k.last().unwrap() + sk);
+    }
+    let (total_q, total_k) = (cu_q[batch], cu_k[batch]);
+    let (q_row, k_row) = (h * d, hkv * d);
+    let q_host = random_values::<T>(&mut rng, total_q * q_row);
+    let k_host = random_values::<T>(&mut rng, total_k * k_row);
+    let v_host = random_values::<T>(&mut rng, total_k * k_row);
+    let do_host = random_values::<T>(&mut rng, total_q * q_row);
+    // Slopes [B, H] when the case asks for per-batch ones.
+    let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
+    let mut o_host = vec![T::from_f64(0.0); total_q * q_row];
+    let sink_lse = |hi: usize| {
+        data.sinks
+            .as_ref()
+            .map_or(f32::NEG_INFINITY, |(v, _)| v[hi] as f32)
+    };
+    let mut lse_host: Vec<f32> = (0..h * total_q).map(|i| sink_lse(i / total_q)).collect();
+    let mut want_dq = vec![T::from_f64(0.0); total_q * q_row];
+    let mut want_dk = vec![T::from_f64(0.0); total_k * k_row];
+    let mut want_dv = vec![T::from_f64(0.0); total_k * k_row];
+    let mut want_sinks = vec![0f64; h];
+    let mut sinks_scale = vec![0f64; h];
+    for (b, &(sq, sk)) in c.lens.iter().enumerate() {
+        if sq == 0 || sk == 0 {
+            continue;
+        }
+        let (qs, ks) = (
+            cu_q[b] * q_row..cu_q[b + 1] * q_row,
+            cu_k[b] * k_row..cu_k[b + 1] * k_row,
+        );
+        // This sequence's slopes: row b of [B, H] ones.
+        let one_data = PolicyData {
+            slopes: match (&data.slopes, c.policy.alibi) {
+                (Some((v, _)), Some(true)) => {
+                    let row: Vec<f32> = v[b * h..(b + 1) * h].iter().map(|&x| x as f32).collect();
+                    Some((vec![], s.clone_htod(&row).map_err(e)?))
+                }
+                (Some((v, dev)), _) => Some((v.clone(), dev.clone())),
+                (None, _) => None,
+            },
+            sinks: data.sinks.clone(),
+        };
+        let one_policy = Policy {
+            alibi: c.policy.alibi.map(|_| false),
+            ..c.policy.clone()
+        };
+        let (o1, lse1, dq1, dk1, dv1, ds1): SeqGrads<T> =
+            with_options(&one_policy, &one_data, |opts, _| {
+                dense_backward_of_one(
+                    gpu,
+                    [
+                        &q_host[qs.clone()],
+                        &k_host[ks.clone()],
+                        &v_host[ks.clone()],
+                    ],
+                    &do_host[qs.clone()],
+                    [sq, sk, h, hkv, d],
+                    opts,
+                )
+            })?;
+        o_host[qs.clone()].copy_from_slice(&o1);
+        for hi in 0..h {
+            lse_host[hi * total_q + cu_q[b]..][..sq].copy_from_slice(&lse1[hi * sq..][..sq]);
+        }
+        want_dq[qs.clone()].copy_from_slice(&dq1);
+        want_dk[ks.clone()].copy_from_slice(&dk1);
+        want_dv[ks.clone()].copy_from_slice(&dv1);
+        for hi in 0..ds1.len() {
+            want_sinks[hi] += ds1[hi] as f64;
+            sinks_scale[hi] += (ds1[hi] as f64).abs();
+        }
+    }
+
+    let up = |x: &[T]| s.clone_htod(x).map_err(e);
+    let (q, k, v, o, d_o) = (
+        up(&q_host)?,
+        up(&k_host)?,
+        up(&v_host)?,
+        up(&o_host)?,
+        up(&do_host)?,
+    );
+    let lse = s.clone_htod(&lse_host).map_err(e)?;
+    let to_i32 = |cu: &[usize]| cu.iter().map(|&x| x as i32).collect::<Vec<_>>();
+    let (cq, ck) = (
+        s.clone_htod(&to_i32(&cu_q)).map_err(e)?,
+        s.clone_htod(&to_i32(&cu_k)).map_err(e)?,
+    );
+    let mut dq = poisoned::<T>(gpu, total_q * q_row)?;
+    let mut dk = poisoned::<T>(gpu, total_k * k_row)?;
+    let mut dv = poisoned::<T>(gpu, total_k * k_row)?;
+    let mut d_sinks = s.clone_htod(&vec![f32::NAN; h]).map_err(e)?;
+    let (ql, kl) = (
+        Layout::packed([total_q, h, d]),
+        Layout::packed([total_k, hkv, d]),
+    );
+    with_options(&c.policy, &data, |opts, _| {
+        let grads = Grads::new(
+            TensorMut::new(dq.as_view_mut(), ql),
+            TensorMut::new(dk.as_view_mut(), kl),
+            TensorMut::new(dv.as_view_mut(), kl),
+        );
+        let grads = if c.policy.sinks {
+            grads.with_sinks(d_sinks.as_view_mut())
+        } else {
+            grads
+        };
+        gpu.fa
+            .backward_varlen(
+                s,
+                Qkv {
+                    q: &TensorRef::new(q.as_view(), ql),
+                    k: &TensorRef::new(k.as_view(), kl),
+                    v: &TensorRef::new(v.as_view(), kl),
+                },
+                BackwardInputs {
+                    o: &TensorRef::new(o.as_view(), ql),
+                    lse: &lse.as_view(),
+                    d_o: &TensorRef::new(d_o.as_view(), ql),
+                },
+                grads,
+                &Varlen {
+                    cu_seqlens_q: &cq.as_view(),
+                    cu_seqlens_k: &ck.as_view(),
+                    max_seqlen_q: c.lens.iter().map(|l| l.0).max().unwrap(),
+                    max_seqlen_k: c.lens.iter().map(|l| l.1).max().unwrap(),
+                },
+                opts,
+            )
+            .map_err(|x| x.to_string())
+    })?;
+    let (dq_got, dk_got, dv_got) = (
+        s.clone_dtoh(&dq).map_err(e)?,
+        s.clone_dtoh(&dk).map_err(e)?,
+        s.clone_dtoh(&dv).map_err(e)?,
+    );
+    let row_of = |i: usize, width: usize, cu: &[usize]| {
+        let r = i / width;
+        (cu.partition_point(|&x| x <= r) - 1, r)
+    };
+    for (name, got, want) in [("dk", &dk_got, &want_dk), ("dv", &dv_got, &want_dv)] {
+        if let Some(i) =
+            (0..got.len()).find(|&i| got[i].to_f64().to_bits() != want[i].to_f64().to_bits())
+        {
+            let (b, r) = row_of(i, k_row, &cu_k);
+            return Err(format!(
+                "{name} (sequence {b}, packed row {r}, element {}): got {}, want {}",
+                i % k_row,
+                got[i].to_f64(),
+                want[i].to_f64()
+            ));
+        }
+    }
+    let u = abs_tol(T::DTYPE) / 4.0;
+    for i in 0..dq_got.len() {
+        let (g, w) = (dq_got[i].to_f64(), want_dq[i].to_f64());
+        // Plus f32 rounding of the head row's sums, for entries near 0.
+        let head_row = &want_dq[i / d * d..][..d];
+        let row_max = head_row.iter().fold(0f64, |m, x| m.max(x.to_f64().abs()));
+        if (g - w).is_nan() || (g - w).abs() > 2.0 * u * w.abs() + 1e-6 * row_max {
+            let (b, r) = row_of(i, q_row, &cu_q);
+            return Err(format!(
+                "dq (sequence {b}, packed row {r}, element {}): got {g}, want {w}",
+                i % q_row
+            ));
+        }
+    }
+    let sinks_got = s.clone_dtoh(&d_sinks).map_err(e)?;
+    for hi in 0..h {
+        let g = sinks_got[hi] as f64;
+        if !c.policy.sinks {
+            if !g.is_nan() {
+                return Err("d_sinks written without being asked for".into());
+            }
+            continue;
+        }
+        let bound = 1e-5 * sinks_scale[hi] + 1e-7;
+        if (g - want_sinks[hi]).is_nan() || (g - want_sinks[hi]).abs() > bound {
+            return Err(format!(
+                "d_sinks head {hi}: got {g}, want {} (bound {bound:.3e})",
+                want_sinks[hi]
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// `cu_seqlens` the host cannot check (decreasing, negative, past the
+/// packed rows): the kernels clamp them (`block_info::packed_range`), so
+/// the call runs to completion and every sequence stays inside the
+/// tensors. Its values are not checked; the suite runs it under memcheck,
+/// which sees any access outside the buffers.
+fn backward_varlen_clamps_device_offsets(gpu: &Gpu) -> Result<(), String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let s = &gpu.stream;
+    let (total, h, d) = (100, 2, 64);
+    let l = Layout::packed([total, h, d]);
+    let x = s
+        .clone_htod(&vec![f16::from_f32(0.25); total * h * d])
+        .map_err(e)?;
+    let lse = s.clone_htod(&vec![0f32; h * total]).map_err(e)?;
+    let cu = s.clone_htod(&[0i32, 90, 30, 5000, -7]).map_err(e)?;
+    let mut g = [
+        poisoned::<f16>(gpu, total * h * d)?,
+        poisoned::<f16>(gpu, total * h * d)?,
+        poisoned::<f16>(gpu, total * h * d)?,
+    ];
+    let [dq, dk, dv] = &mut g;
+    let t = TensorRef::new(x.as_view(), l);
+    gpu.fa
+        .backward_varlen(
+            s,
+            Qkv {
+                q: &t,
+                k: &t,
+                v: &t,
+            },
+            BackwardInputs {
+                o: &t,
+                lse: &lse.as_view(),
+                d_o: &t,
+            },
+            Grads::new(
+                TensorMut::new(dq.as_view_mut(), l),
+                TensorMut::new(dk.as_view_mut(), l),
+                TensorMut::new(dv.as_view_mut(), l),
+            ),
+            &Varlen {
+                cu_seqlens_q: &cu.as_view(),
+                cu_seqlens_k: &cu.as_view(),
+                max_seqlen_q: total,
+                max_seqlen_k: total,
+            },
+            &AttnOptions {
+                causal: true,
+                ..Default::default()
+            },
+        )
+        .map_err(|x| x.to_string())?;
+    s.synchronize().map_err(e)
+}
+
+/// [`SeqGrads`] of one sequence ([sq, sk, h, hkv, d]) from host rows.
+fn dense_backward_of_one<T: AttnElement>(
+    gpu: &Gpu,
+    [q, k, v]: [&[T]; 3],
+    d_o: &[T],
+    [sq, sk, h, hkv, d]: [usize; 5],
+    opts: &AttnOptions,
+) -> Result<SeqGrads<T>, String> {
+    let e = |x: cudarc::driver::DriverError| x.to_string();
+    let s = &gpu.stream;
+    let x = upload_inputs(gpu, q.to_vec(), k.to_vec(), v.to_vec())?;
+    let (ql, kl) = (
+        Layout::contiguous([1, sq, h, d]),
+        Layout::contiguous([1, sk, hkv, d]),
+    );
+    let mut o = poisoned::<T>(gpu, sq * h * d)?;
+    let mut lse = s.clone_htod(&vec![f32::NAN; h * sq]).map_err(e)?;
+    forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ql), &mut lse, opts)?;
+    let d_o = s.clone_htod(d_o).map_err(e)?;
+    let mut dq = poisoned::<T>(gpu, sq * h * d)?;
+    let mut dk = poisoned::<T>(gpu, sk * hkv * d)?;
+    let mut dv = poisoned::<T>(gpu, sk * hkv * d)?;
+    let mut d_sinks = s.clone_htod(&vec![f32::NAN; h]).map_err(e)?;
+    let grads = Grads::new(
+        TensorMut::new(dq.as_view_mut(), ql),
+        TensorMut::new(dk.as_view_mut(), kl),
+        TensorMut::new(dv.as_view_mut(), kl),
+    );
+    let grads = if opts.sinks.is_some() {
+        grads.with_sinks(d_sinks.as_view_mut())
+    } else {
+        grads
+    };
+    gpu.fa
+        .backward(
+            s,
+            Qkv {
+                q: &TensorRef::new(x.q.as_view(), ql),
+                k: &TensorRef::new(x.k.as_view(), kl),
+                v: &TensorRef::new(x.v.as_view(), kl),
+            },
+            BackwardInputs {
+                o: &TensorRef::new(o.as_view(), ql),
+                lse: &lse.as_view(),
+                d_o: &TensorRef::new(d_o.as_view(), ql),
+            },
+            grads,
+            opts,
+        )
+        .map_err(|x| x.to_string())?;
+    let sinks = if opts.sinks.is_some() {
+        s.clone_dtoh(&d_sinks).map_err(e)?
+    } else {
+        vec![]
+    };
+    Ok((
+        s.clone_dtoh(&o).map_err(e)?,
+        s.clone_dtoh(&lse).map_err(e)?,
+        s.clone_dtoh(&dq).map_err(e)?,
+        s.clone_dtoh(&dk).map_err(e)?,
+        s.clone_dtoh(&dv).map_err(e)?,
+        sinks,
+    ))
+}
+
 /// A backward call with Q = K = V = O = dO = `x` ([`Layout`] `l`) and
 /// gradients (and `d_sinks`, `d_sinks_len` f32, if given) poisoned with
 /// NaN; returns the call's result after checking that nothing was written
@@ -4295,6 +4659,28 @@ fn main() {
         bwd_strategy(),
         run_backward::<bf16>
     );
+    random_trial!(
+        "backward_varlen_random_",
+        "f16",
+        case_count().div_ceil(2),
+        bwd_varlen_strategy(),
+        run_backward_varlen::<f16>
+    );
+    random_trial!(
+        "backward_varlen_random_",
+        "bf16",
+        case_count().div_ceil(2),
+        bwd_varlen_strategy(),
+        run_backward_varlen::<bf16>
+    );
+    let g = gpu.clone();
+    trials.push(Trial::test(
+        "backward_varlen_clamps_device_offsets",
+        move || {
+            backward_varlen_clamps_device_offsets(g.as_ref().as_ref().unwrap())
+                .map_err(Failed::from)
+        },
+    ));
     // The `mma.sync` kernel at the head dims the Hopper one takes.
     let gpu_mma = Arc::new(gpu.as_ref().as_ref().map(Gpu::mma_backward));
     macro_rules! mma_backward_trial {

@@ -360,6 +360,19 @@ pub struct BwdParams {
     pub sinks: u64,
     /// f32 `[heads]`: the sinks' gradients, written by `BackwardSinks`.
     pub d_sinks: u64,
+    /// Varlen: i32 [B + 1] starts of each sequence in the packed rows of Q,
+    /// O, dO and dQ (`cu_seqlens_q`) and of K, V, dK and dV (`cu_seqlens_k`),
+    /// clamped to `total_q` / `total_k` as in [`AttnParams::cu_seqlens_q`];
+    /// 0 = the dense layout. With them, `seqlen_q` and `seqlen_k` are the
+    /// longest sequences (the grid's), the tensors' batch strides are
+    /// unused, and the LSE, `delta` and the dQ buffer are [H, total_q] rows.
+    pub cu_seqlens_q: u64,
+    /// See `cu_seqlens_q`.
+    pub cu_seqlens_k: u64,
+    /// Packed query rows (varlen).
+    pub total_q: u32,
+    /// Packed key rows (varlen).
+    pub total_k: u32,
 }
 
 /// A TMA tensor map (`CUtensorMap`), as `cuTensorMapEncodeTiled` writes it:

@@ -11,6 +11,7 @@
 //! the forward's P·V). dQ = dS·K needs dS with queries as rows, so dSᵀ goes
 //! through shared memory and comes back transposed by `ldmatrix.trans`.
 //! Tiles are row-major with a padded row (`BwdTile`), not swizzled.
+use super::block_info::packed_range;
 use super::copy;
 use super::element::Element;
 use super::policy::{column, Modifiers, Scores};
@@ -36,10 +37,73 @@ pub(crate) fn row_ptr(base: u64, s: &BshStrides, b: u32, t: u32, h: u32) -> u64 
     base + 2 * (b as i64 * s.batch + t as i64 * s.row + h as i64 * s.head) as u64
 }
 
-/// The `[B, H, Sq]` index of a query row (LSE, `delta`; times D: the dQ buffer).
+/// (B, S) of the f32 rows [B, H, S] (the LSE, `delta`, and times D the dQ
+/// buffer): (B, Sq) dense, (1, total_q) varlen, whose rows are [H, total_q].
+#[inline(always)]
+fn stat_shape(p: &BwdParams) -> (u32, u32) {
+    if p.cu_seqlens_q != 0 {
+        (1, p.total_q)
+    } else {
+        (p.batch, p.seqlen_q)
+    }
+}
+
+/// The index of query row (`b`, `h`, `t`) among the f32 rows, in the
+/// tensors' coordinates (a packed row: `b` = 0, `t` its packed row).
 #[inline(always)]
 pub(crate) fn stat_row(p: &BwdParams, b: u32, h: u32, t: u32) -> u64 {
-    (b as u64 * p.heads as u64 + h as u64) * p.seqlen_q as u64 + t as u64
+    (b as u64 * p.heads as u64 + h as u64) * stat_shape(p).1 as u64 + t as u64
+}
+
+/// Where sequence `b`'s rows lie: its batch index for the tensors' batch
+/// strides (0 when packed), its first query and key rows (0 when dense) and
+/// its lengths. Packed sequences come from `cu_seqlens`, clamped to the
+/// packed rows (`block_info::packed_range`): a bad entry shortens a
+/// sequence, never reaches past the tensors.
+#[derive(Clone, Copy)]
+pub(crate) struct SeqSpan {
+    pub batch: u32,
+    pub q_start: u32,
+    pub seqlen_q: u32,
+    pub k_start: u32,
+    pub seqlen_k: u32,
+}
+
+impl SeqSpan {
+    #[inline(always)]
+    pub(crate) fn new(p: &BwdParams, b: u32) -> SeqSpan {
+        if p.cu_seqlens_q != 0 {
+            let (q_start, seqlen_q) = packed_range(p.cu_seqlens_q, b, p.total_q);
+            let (k_start, seqlen_k) = packed_range(p.cu_seqlens_k, b, p.total_k);
+            SeqSpan {
+                batch: 0,
+                q_start,
+                seqlen_q,
+                k_start,
+                seqlen_k,
+            }
+        } else {
+            SeqSpan {
+                batch: b,
+                q_start: 0,
+                seqlen_q: p.seqlen_q,
+                k_start: 0,
+                seqlen_k: p.seqlen_k,
+            }
+        }
+    }
+
+    /// The f32 row of the sequence's query `t` of head `h`.
+    #[inline(always)]
+    pub(crate) fn stat_row(&self, p: &BwdParams, h: u32, t: u32) -> u64 {
+        stat_row(p, self.batch, h, self.q_start + t)
+    }
+
+    /// The keys each of the sequence's queries sees.
+    #[inline(always)]
+    pub(crate) fn keys(&self, p: &BwdParams) -> KeyWindow {
+        KeyWindow::new(self.seqlen_q, self.seqlen_k, p.window_left, p.window_right)
+    }
 }
 
 /// Tokens `first..` of head `head` of sequence `batch` in a [B, S, H, D]
@@ -132,11 +196,12 @@ impl Steps {
 }
 
 /// Stages the K and V rows of the key block from `key0` (`count` keys of
-/// KV head `kv_head`) with `load(tile, count, rows)`.
+/// KV head `kv_head` of sequence `seq`) with `load(tile, count, rows)`.
 #[inline(always)]
 pub(crate) fn stage_keys(
     p: &BwdParams,
-    (b, kv_head, key0): (u32, u32, u32),
+    seq: &SeqSpan,
+    (kv_head, key0): (u32, u32),
     count: u32,
     (k_s, v_s): (u32, u32),
     load: impl Fn(u32, u32, Rows),
@@ -144,16 +209,16 @@ pub(crate) fn stage_keys(
     let rows = |base, strides| Rows {
         base,
         strides,
-        batch: b,
+        batch: seq.batch,
         head: kv_head,
-        first: key0,
-        limit: p.seqlen_k,
+        first: seq.k_start + key0,
+        limit: seq.k_start + seq.seqlen_k,
     };
     load(k_s, count, rows(p.k, &p.k_strides));
     load(v_s, count, rows(p.v, &p.v_strides));
 }
 
-/// Stages query rows `q0..q0 + count` of head `h`: Q and dO with
+/// Stages query rows `q0..q0 + count` of head `h` of sequence `seq`: Q and dO with
 /// `load(tile, count, rows)` into `q_s` and `do_s`, and their LSE and
 /// `delta` (f32, `count` each, LSE first) into `stats`, a word per thread
 /// below 2·count. Rows past the sequence are zeros: with Q = dO = 0 they add
@@ -163,7 +228,8 @@ pub(crate) fn stage_keys(
 #[inline(always)]
 pub(crate) fn stage_queries(
     p: &BwdParams,
-    (b, h, q0): (u32, u32, u32),
+    seq: &SeqSpan,
+    (h, q0): (u32, u32),
     count: u32,
     tid: u32,
     (q_s, do_s, stats): (u32, u32, u32),
@@ -172,17 +238,17 @@ pub(crate) fn stage_queries(
     let rows = |base, strides| Rows {
         base,
         strides,
-        batch: b,
+        batch: seq.batch,
         head: h,
-        first: q0,
-        limit: p.seqlen_q,
+        first: seq.q_start + q0,
+        limit: seq.q_start + seq.seqlen_q,
     };
     load(q_s, count, rows(p.q, &p.q_strides));
     load(do_s, count, rows(p.d_o, &p.do_strides));
     if tid < 2 * count {
         let (r, src) = (tid % count, if tid < count { p.lse } else { p.delta });
-        let valid = q0 + r < p.seqlen_q;
-        let row = if valid { stat_row(p, b, h, q0 + r) } else { 0 };
+        let valid = q0 + r < seq.seqlen_q;
+        let row = if valid { seq.stat_row(p, h, q0 + r) } else { 0 };
         copy::word(stats + tid * 4, src + row * 4, valid);
     }
 }
@@ -263,7 +329,7 @@ impl<'a> StepScores<'a> {
     ) {
         let pair = lane % 4;
         // Key minus the lane's first query's diagonal position, per row half.
-        let diag0 = (q0 + 2 * pair) as i32 + p.seqlen_k as i32 - p.seqlen_q as i32;
+        let diag0 = (q0 + 2 * pair) as i32 + self.keys.diag;
         let dist0 = [0, 1].map(|r| (key as i32 + 8 * r - diag0) as f32);
         unroll::<ST>(|j| {
             let col = j as u32 * 8 + 2 * pair;
@@ -380,11 +446,16 @@ pub fn backward<
 
     let bn = BWD_BLOCK_N as u32;
     let key0 = n * bn;
+    let seq = SeqSpan::new(p, b);
+    // The grid covers the longest sequence's keys (varlen).
+    if key0 >= seq.seqlen_k {
+        return;
+    }
     let load = |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, tid, rows);
-    stage_keys(p, (b, kv_head, key0), bn, (k_s, v_s), load);
+    stage_keys(p, &seq, (kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
-    let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    let keys = seq.keys(p);
     let steps = Steps::new(p, &keys, (n, kv_head), bn, BM as u32);
     let stages = tile.q_stages as u32;
     // Step i's Q, dO, LSE and `delta` rows into `stage`.
@@ -395,7 +466,8 @@ pub fn backward<
         let stats = base + tile.stats_offset(stage as usize) as u32;
         stage_queries(
             p,
-            (b, h, m * BM as u32),
+            &seq,
+            (h, m * BM as u32),
             BM as u32,
             tid,
             (q_s, do_s, stats),
@@ -514,21 +586,21 @@ pub fn backward<
             });
         });
         let row0 = q0 + q_tile * 16;
-        let row_at = |t: u32| p.dq_accum + stat_row(p, b, h, t) * D as u64 * 4;
+        let row_at = |t: u32| p.dq_accum + seq.stat_row(p, h, t) * D as u64 * 4;
         if matches!(PtxArch::TARGET, PtxArch::Sm90) {
             let (r, c) = quad_of(lane);
             let t = row0 + r;
             let dst = row_at(t) + (d0 + c) as u64 * 4;
             unroll::<QOT>(|d| {
                 let v = quad_swap(dq[d], lane);
-                if t < p.seqlen_q {
+                if t < seq.seqlen_q {
                     global::red_add_v4_f32(dst + d as u64 * 32, v);
                 }
             });
         } else {
             unroll::<2>(|r| {
                 let t = row0 + g + 8 * r as u32;
-                if t < p.seqlen_q {
+                if t < seq.seqlen_q {
                     let dst = row_at(t) + (d0 + 2 * pair) as u64 * 4;
                     unroll::<QOT>(|d| {
                         global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
@@ -542,16 +614,17 @@ pub fn backward<
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();
 
-    store_dk_dv::<T, OT>(p, (b, kv_head), key0 + warp_key, lane, (&dk, &dv));
+    store_dk_dv::<T, OT>(p, &seq, kv_head, key0 + warp_key, lane, (&dk, &dv));
 }
 
-/// Writes dK (times `softmax_scale`) and dV of a warp's 16 keys, from
-/// first key `key` on, out of their accumulators (m16n8 C fragments of
+/// Writes dK (times `softmax_scale`) and dV of a warp's 16 keys of
+/// sequence `seq`, from first key `key` on, out of their accumulators (m16n8 C fragments of
 /// `N` n-tiles); keys past the sequence are not written.
 #[inline(always)]
 pub(crate) fn store_dk_dv<T: Element, const N: usize>(
     p: &BwdParams,
-    (b, kv_head): (u32, u32),
+    seq: &SeqSpan,
+    kv_head: u32,
     key: u32,
     lane: u32,
     (dk, dv): (&[[f32; 4]; N], &[[f32; 4]; N]),
@@ -559,9 +632,10 @@ pub(crate) fn store_dk_dv<T: Element, const N: usize>(
     let (g, pair) = (lane / 4, lane % 4);
     unroll::<2>(|r| {
         let key = key + g + 8 * r as u32;
-        if key < p.seqlen_k {
-            let dk_row = row_ptr(p.dk, &p.dk_strides, b, key, kv_head) + 4 * pair as u64;
-            let dv_row = row_ptr(p.dv, &p.dv_strides, b, key, kv_head) + 4 * pair as u64;
+        if key < seq.seqlen_k {
+            let (b, row) = (seq.batch, seq.k_start + key);
+            let dk_row = row_ptr(p.dk, &p.dk_strides, b, row, kv_head) + 4 * pair as u64;
+            let dv_row = row_ptr(p.dv, &p.dv_strides, b, row, kv_head) + 4 * pair as u64;
             unroll::<N>(|d| {
                 let (c0, c1) = (dk[d][2 * r], dk[d][2 * r + 1]);
                 global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));
@@ -574,7 +648,8 @@ pub(crate) fn store_dk_dv<T: Element, const N: usize>(
     });
 }
 
-/// A query row in `[B, H, Sq]` order: its index there, and its coordinates.
+/// A query row in the f32 rows' order (`stat_shape`): its index there, and
+/// its coordinates in the tensors (packed: batch 0, token = packed row).
 struct QueryRow {
     index: u64,
     batch: u32,
@@ -588,17 +663,18 @@ struct QueryRow {
 #[inline(always)]
 fn thread_row(p: &BwdParams, per_row: u32) -> Option<(QueryRow, u32)> {
     let i = special::block_idx_x() as u64 * BWD_THREADS as u64 + special::thread_idx_x() as u64;
-    let rows = p.batch as u64 * p.heads as u64 * p.seqlen_q as u64;
+    let (batches, seqlen) = stat_shape(p);
+    let rows = batches as u64 * p.heads as u64 * seqlen as u64;
     if i >= rows * per_row as u64 {
         return None;
     }
     let (index, part) = (i / per_row as u64, (i % per_row as u64) as u32);
-    let bh = index / p.seqlen_q as u64;
+    let bh = index / seqlen as u64;
     let row = QueryRow {
         index,
         batch: (bh / p.heads as u64) as u32,
         head: (bh % p.heads as u64) as u32,
-        token: (index % p.seqlen_q as u64) as u32,
+        token: (index % seqlen as u64) as u32,
     };
     Some((row, part))
 }
@@ -655,11 +731,12 @@ pub fn dq<T: Element>(p: &BwdParams) {
 pub fn sinks(p: &BwdParams) {
     let (h, tid) = (special::block_idx_x(), special::thread_idx_x());
     let sink = global::ld_nc_f32(p.sinks + h as u64 * 4) * LOG2_E;
-    let rows = p.batch * p.seqlen_q;
+    let (batches, seqlen) = stat_shape(p);
+    let rows = batches * seqlen;
     let mut sum = 0f32;
     let mut r = tid;
     while r < rows {
-        let row = stat_row(p, r / p.seqlen_q, h, r % p.seqlen_q) * 4;
+        let row = stat_row(p, r / seqlen, h, r % seqlen) * 4;
         let (lse, delta) = (
             global::ld_nc_f32(p.lse + row),
             global::ld_nc_f32(p.delta + row),

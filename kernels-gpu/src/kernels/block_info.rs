@@ -63,7 +63,7 @@ fn row_ptr(base: u64, s: &BshStrides, batch: u32, row: u32, head: u32) -> u64 {
 /// total]`, so a bad entry shortens a sequence but never reaches outside the
 /// tensor.
 #[inline(always)]
-fn packed_range(cu_seqlens: u64, b: u32, total: u32) -> (u32, u32) {
+pub(crate) fn packed_range(cu_seqlens: u64, b: u32, total: u32) -> (u32, u32) {
     let start = global::ld_nc_s32(cu_seqlens + b as u64 * 4);
     let end = global::ld_nc_s32(cu_seqlens + (b as u64 + 1) * 4);
     index::clamp_range(start, end, total)

@@ -22,11 +22,11 @@ use crate::config::{
     HopperBwdTile, CHUNK_ELEMS, HOPPER_BWD_BLOCK_M, WARPGROUP_THREADS, WARP_SIZE, WGMMA_M,
 };
 use crate::index::{
-    block_needs_mask, k_major_desc, mn_major_desc, quad_of, sw128_offset, KeyWindow,
-    SW128_ATOM_BYTES, SW128_ROW_BYTES,
+    block_needs_mask, k_major_desc, mn_major_desc, quad_of, sw128_offset, SW128_ATOM_BYTES,
+    SW128_ROW_BYTES,
 };
 use crate::kernels::backward::{
-    a_fragment, quad_swap, stage_keys, stage_queries, stage_rows, stat_row, store_dk_dv, Rows,
+    a_fragment, quad_swap, stage_keys, stage_queries, stage_rows, store_dk_dv, Rows, SeqSpan,
     StepScores, Steps,
 };
 use crate::kernels::copy;
@@ -94,12 +94,17 @@ pub fn backward<
     let threads = (tid, tile.threads() as u32);
 
     let key0 = n * bn;
+    let seq = SeqSpan::new(p, b);
+    // The grid covers the longest sequence's keys (varlen).
+    if key0 >= seq.seqlen_k {
+        return;
+    }
     let load =
         |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, threads, rows);
-    stage_keys(p, (b, kv_head, key0), bn, (k_s, v_s), load);
+    stage_keys(p, &seq, (kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
-    let keys = KeyWindow::new(p.seqlen_q, p.seqlen_k, p.window_left, p.window_right);
+    let keys = seq.keys(p);
     let steps = Steps::new(p, &keys, (n, kv_head), bn, bm);
     let issue = |i: u32, stage: usize| {
         let (h, m) = steps.at(i);
@@ -108,7 +113,7 @@ pub fn backward<
             at(tile.do_offset(stage)),
             at(tile.stats_offset(stage)),
         );
-        stage_queries(p, (b, h, m * bm), bm, tid, tiles, load);
+        stage_queries(p, &seq, (h, m * bm), bm, tid, tiles, load);
     };
     if steps.count > 0 {
         issue(0, 0);
@@ -254,10 +259,10 @@ pub fn backward<
 
         let (r, c) = quad_of(lane);
         let t = q0 + warp_row + r;
-        let dst = p.dq_accum + (stat_row(p, b, h, t) * D as u64 + (dq_cols + c) as u64) * 4;
+        let dst = p.dq_accum + (seq.stat_row(p, h, t) * D as u64 + (dq_cols + c) as u64) * 4;
         unroll::<QT>(|d| {
             let v = quad_swap(dq[d], lane);
-            if t < p.seqlen_q {
+            if t < seq.seqlen_q {
                 global::red_add_v4_f32(dst + d as u64 * 32, v);
             }
         });
@@ -267,5 +272,5 @@ pub fn backward<
     copy::wait_all();
 
     let warp_key = key0 + wg * WGMMA_M as u32 + warp_row;
-    store_dk_dv::<T, DT>(p, (b, kv_head), warp_key, lane, (&dk, &dv));
+    store_dk_dv::<T, DT>(p, &seq, kv_head, warp_key, lane, (&dk, &dv));
 }
