@@ -3764,33 +3764,20 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         };
         forward_with_lse(gpu, &x, [ql, kl, kl], (&mut o, ol), &mut lse, &opts)?;
         let launches = flash_attn::hopper::launches_on_this_thread();
-        let grads = Grads::new(
-            TensorMut::new(dq.as_view_mut(), dql),
-            TensorMut::new(dk.as_view_mut(), dkl),
-            TensorMut::new(dv.as_view_mut(), dvl),
-        );
-        let grads = if c.policy.sinks {
-            grads.with_sinks(d_sinks.as_view_mut())
-        } else {
-            grads
+        let call = BwdCall {
+            qkv: [(&x.q, ql), (&x.k, kl), (&x.v, kl)],
+            o: (&o, ol),
+            d_o: (&d_o, dol),
+            lse: &lse,
         };
-        gpu.fa
-            .backward(
-                s,
-                Qkv {
-                    q: &TensorRef::new(x.q.as_view(), ql),
-                    k: &TensorRef::new(x.k.as_view(), kl),
-                    v: &TensorRef::new(x.v.as_view(), kl),
-                },
-                BackwardInputs {
-                    o: &TensorRef::new(o.as_view(), ol),
-                    lse: &lse.as_view(),
-                    d_o: &TensorRef::new(d_o.as_view(), dol),
-                },
-                grads,
-                &opts,
-            )
-            .map_err(|x| x.to_string())?;
+        call.run(
+            gpu,
+            [(&mut dq, dql), (&mut dk, dkl), (&mut dv, dvl)],
+            c.policy.sinks.then_some(&mut d_sinks),
+            None,
+            &opts,
+        )
+        .map_err(|x| x.to_string())?;
         let ran = flash_attn::hopper::launches_on_this_thread() - launches;
         let shape = ForwardShape {
             batch: b,
@@ -4092,40 +4079,27 @@ fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(
         Layout::packed([total_q, h, d]),
         Layout::packed([total_k, hkv, d]),
     );
+    let seqlens = Varlen {
+        cu_seqlens_q: &cq.as_view(),
+        cu_seqlens_k: &ck.as_view(),
+        max_seqlen_q: c.lens.iter().map(|l| l.0).max().unwrap(),
+        max_seqlen_k: c.lens.iter().map(|l| l.1).max().unwrap(),
+    };
+    let call = BwdCall {
+        qkv: [(&q, ql), (&k, kl), (&v, kl)],
+        o: (&o, ql),
+        d_o: (&d_o, ql),
+        lse: &lse,
+    };
     with_options(&c.policy, &data, |opts, _| {
-        let grads = Grads::new(
-            TensorMut::new(dq.as_view_mut(), ql),
-            TensorMut::new(dk.as_view_mut(), kl),
-            TensorMut::new(dv.as_view_mut(), kl),
-        );
-        let grads = if c.policy.sinks {
-            grads.with_sinks(d_sinks.as_view_mut())
-        } else {
-            grads
-        };
-        gpu.fa
-            .backward_varlen(
-                s,
-                Qkv {
-                    q: &TensorRef::new(q.as_view(), ql),
-                    k: &TensorRef::new(k.as_view(), kl),
-                    v: &TensorRef::new(v.as_view(), kl),
-                },
-                BackwardInputs {
-                    o: &TensorRef::new(o.as_view(), ql),
-                    lse: &lse.as_view(),
-                    d_o: &TensorRef::new(d_o.as_view(), ql),
-                },
-                grads,
-                &Varlen {
-                    cu_seqlens_q: &cq.as_view(),
-                    cu_seqlens_k: &ck.as_view(),
-                    max_seqlen_q: c.lens.iter().map(|l| l.0).max().unwrap(),
-                    max_seqlen_k: c.lens.iter().map(|l| l.1).max().unwrap(),
-                },
-                opts,
-            )
-            .map_err(|x| x.to_string())
+        call.run(
+            gpu,
+            [(&mut dq, ql), (&mut dk, kl), (&mut dv, kl)],
+            c.policy.sinks.then_some(&mut d_sinks),
+            Some(&seqlens),
+            opts,
+        )
+        .map_err(|x| x.to_string())
     })?;
     let (dq_got, dk_got, dv_got) = (
         s.clone_dtoh(&dq).map_err(e)?,
@@ -4198,43 +4172,17 @@ fn backward_varlen_clamps_device_offsets(gpu: &Gpu) -> Result<(), String> {
         .map_err(e)?;
     let lse = s.clone_htod(&vec![0f32; h * total]).map_err(e)?;
     let cu = s.clone_htod(&[0i32, 90, 30, 5000, -7]).map_err(e)?;
-    let mut g = [
-        poisoned::<f16>(gpu, total * h * d)?,
-        poisoned::<f16>(gpu, total * h * d)?,
-        poisoned::<f16>(gpu, total * h * d)?,
-    ];
-    let [dq, dk, dv] = &mut g;
-    let t = TensorRef::new(x.as_view(), l);
-    gpu.fa
-        .backward_varlen(
-            s,
-            Qkv {
-                q: &t,
-                k: &t,
-                v: &t,
-            },
-            BackwardInputs {
-                o: &t,
-                lse: &lse.as_view(),
-                d_o: &t,
-            },
-            Grads::new(
-                TensorMut::new(dq.as_view_mut(), l),
-                TensorMut::new(dk.as_view_mut(), l),
-                TensorMut::new(dv.as_view_mut(), l),
-            ),
-            &Varlen {
-                cu_seqlens_q: &cu.as_view(),
-                cu_seqlens_k: &cu.as_view(),
-                max_seqlen_q: total,
-                max_seqlen_k: total,
-            },
-            &AttnOptions {
-                causal: true,
-                ..Default::default()
-            },
-        )
-        .map_err(|x| x.to_string())?;
+    let seqlens = Varlen {
+        cu_seqlens_q: &cu.as_view(),
+        cu_seqlens_k: &cu.as_view(),
+        max_seqlen_q: total,
+        max_seqlen_k: total,
+    };
+    let opts = AttnOptions {
+        causal: true,
+        ..Default::default()
+    };
+    backward_of_one(gpu, &x, l, &lse, &opts, None, Some(&seqlens))?.map_err(|x| x.to_string())?;
     s.synchronize().map_err(e)
 }
 
@@ -4261,33 +4209,20 @@ fn dense_backward_of_one<T: AttnElement>(
     let mut dk = poisoned::<T>(gpu, sk * hkv * d)?;
     let mut dv = poisoned::<T>(gpu, sk * hkv * d)?;
     let mut d_sinks = s.clone_htod(&vec![f32::NAN; h]).map_err(e)?;
-    let grads = Grads::new(
-        TensorMut::new(dq.as_view_mut(), ql),
-        TensorMut::new(dk.as_view_mut(), kl),
-        TensorMut::new(dv.as_view_mut(), kl),
-    );
-    let grads = if opts.sinks.is_some() {
-        grads.with_sinks(d_sinks.as_view_mut())
-    } else {
-        grads
+    let call = BwdCall {
+        qkv: [(&x.q, ql), (&x.k, kl), (&x.v, kl)],
+        o: (&o, ql),
+        d_o: (&d_o, ql),
+        lse: &lse,
     };
-    gpu.fa
-        .backward(
-            s,
-            Qkv {
-                q: &TensorRef::new(x.q.as_view(), ql),
-                k: &TensorRef::new(x.k.as_view(), kl),
-                v: &TensorRef::new(x.v.as_view(), kl),
-            },
-            BackwardInputs {
-                o: &TensorRef::new(o.as_view(), ql),
-                lse: &lse.as_view(),
-                d_o: &TensorRef::new(d_o.as_view(), ql),
-            },
-            grads,
-            opts,
-        )
-        .map_err(|x| x.to_string())?;
+    call.run(
+        gpu,
+        [(&mut dq, ql), (&mut dk, kl), (&mut dv, kl)],
+        opts.sinks.is_some().then_some(&mut d_sinks),
+        None,
+        opts,
+    )
+    .map_err(|x| x.to_string())?;
     let sinks = if opts.sinks.is_some() {
         s.clone_dtoh(&d_sinks).map_err(e)?
     } else {
@@ -4303,10 +4238,61 @@ fn dense_backward_of_one<T: AttnElement>(
     ))
 }
 
-/// A backward call with Q = K = V = O = dO = `x` ([`Layout`] `l`) and
-/// gradients (and `d_sinks`, `d_sinks_len` f32, if given) poisoned with
-/// NaN; returns the call's result after checking that nothing was written
-/// if it was refused.
+/// The tensors of one backward call: Q, K and V, the forward's O, dO (each
+/// with its layout) and the LSE.
+struct BwdCall<'a, T> {
+    qkv: [(&'a CudaSlice<T>, Layout); 3],
+    o: (&'a CudaSlice<T>, Layout),
+    d_o: (&'a CudaSlice<T>, Layout),
+    lse: &'a CudaSlice<f32>,
+}
+
+impl<'a, T: AttnElement> BwdCall<'a, T> {
+    /// Our backward (with `seqlens`, the varlen one) into `grads` (dQ, dK
+    /// and dV with their layouts) and, if given, `d_sinks`.
+    fn run(
+        &self,
+        gpu: &Gpu,
+        [dq, dk, dv]: [(&mut CudaSlice<T>, Layout); 3],
+        d_sinks: Option<&mut CudaSlice<f32>>,
+        seqlens: Option<&Varlen>,
+        opts: &AttnOptions,
+    ) -> Result<(), FlashAttnError> {
+        let r = |&(x, l): &(&'a CudaSlice<T>, Layout)| TensorRef::new(x.as_view(), l);
+        let [q, k, v] = self.qkv.each_ref().map(r);
+        let (o, d_o, lse) = (r(&self.o), r(&self.d_o), self.lse.as_view());
+        let qkv = Qkv {
+            q: &q,
+            k: &k,
+            v: &v,
+        };
+        let saved = BackwardInputs {
+            o: &o,
+            lse: &lse,
+            d_o: &d_o,
+        };
+        let grads = Grads::new(
+            TensorMut::new(dq.0.as_view_mut(), dq.1),
+            TensorMut::new(dk.0.as_view_mut(), dk.1),
+            TensorMut::new(dv.0.as_view_mut(), dv.1),
+        );
+        let grads = match d_sinks {
+            Some(d) => grads.with_sinks(d.as_view_mut()),
+            None => grads,
+        };
+        match seqlens {
+            Some(s) => gpu
+                .fa
+                .backward_varlen(&gpu.stream, qkv, saved, grads, s, opts),
+            None => gpu.fa.backward(&gpu.stream, qkv, saved, grads, opts),
+        }
+    }
+}
+
+/// A backward call (with `seqlens`, the varlen one) with Q = K = V = O =
+/// dO = `x` ([`Layout`] `l`) and gradients (and `d_sinks`, `d_sinks_len`
+/// f32, if given) poisoned with NaN; returns the call's result after
+/// checking that nothing was written if it was refused.
 fn backward_of_one<T: AttnElement>(
     gpu: &Gpu,
     x: &CudaSlice<T>,
@@ -4314,6 +4300,7 @@ fn backward_of_one<T: AttnElement>(
     lse: &CudaSlice<f32>,
     opts: &AttnOptions,
     d_sinks_len: Option<usize>,
+    seqlens: Option<&Varlen>,
 ) -> Result<Result<(), FlashAttnError>, String> {
     let n = x.len();
     let mut g = [
@@ -4326,29 +4313,17 @@ fn backward_of_one<T: AttnElement>(
         .clone_htod(&vec![f32::NAN; d_sinks_len.unwrap_or(1)])
         .map_err(|e| e.to_string())?;
     let [dq, dk, dv] = &mut g;
-    let t = TensorRef::new(x.as_view(), l);
-    let grads = Grads::new(
-        TensorMut::new(dq.as_view_mut(), l),
-        TensorMut::new(dk.as_view_mut(), l),
-        TensorMut::new(dv.as_view_mut(), l),
-    );
-    let grads = match d_sinks_len {
-        Some(_) => grads.with_sinks(d_sinks.as_view_mut()),
-        None => grads,
+    let call = BwdCall {
+        qkv: [(x, l), (x, l), (x, l)],
+        o: (x, l),
+        d_o: (x, l),
+        lse,
     };
-    let got = gpu.fa.backward(
-        &gpu.stream,
-        Qkv {
-            q: &t,
-            k: &t,
-            v: &t,
-        },
-        BackwardInputs {
-            o: &t,
-            lse: &lse.as_view(),
-            d_o: &t,
-        },
-        grads,
+    let got = call.run(
+        gpu,
+        [(dq, l), (dk, l), (dv, l)],
+        d_sinks_len.map(|_| &mut d_sinks),
+        seqlens,
         opts,
     );
     if got.is_err() {
@@ -4398,13 +4373,13 @@ fn backward_checks_device_options(gpu: &Gpu) -> Result<(), String> {
         (sinks, None, "sinks"),
         (with_sinks, Some(h - 1), "d_sinks"),
     ] {
-        match backward_of_one(gpu, &x, l, &lse, &opts, d_sinks)? {
+        match backward_of_one(gpu, &x, l, &lse, &opts, d_sinks, None)? {
             Err(FlashAttnError::ParamLength { what: w, .. }) if w == what => {}
             other => return Err(format!("{what}: expected ParamLength, got {other:?}")),
         }
     }
     let x32 = s.clone_htod(&vec![0.5f32; b * sq * h * d]).map_err(e)?;
-    match backward_of_one(gpu, &x32, l, &lse, &AttnOptions::default(), None)? {
+    match backward_of_one(gpu, &x32, l, &lse, &AttnOptions::default(), None, None)? {
         Err(FlashAttnError::UnsupportedDtype { .. }) => Ok(()),
         other => Err(format!("f32: expected UnsupportedDtype, got {other:?}")),
     }
