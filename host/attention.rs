@@ -268,7 +268,7 @@ pub struct Grads<'a, T> {
     pub dk: TensorMut<'a, T>,
     /// dV [B, Skv, Hkv, D].
     pub dv: TensorMut<'a, T>,
-    /// f32 [H]: the gradient of the loss with respect to each head's sink
+    /// f32 `[H]`: the gradient of the loss with respect to each head's sink
     /// logit (`AttnOptions::sinks`, which it needs), summed over the batch
     /// and the head's rows; overwritten, as the other gradients are.
     pub d_sinks: Option<CudaViewMut<'a, f32>>,
