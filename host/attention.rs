@@ -1287,9 +1287,10 @@ impl FlashAttention {
     /// `seqlens` must be the forward call's. Every option of the fixed-batch
     /// backward applies per sequence (ALiBi slopes [B, H] by sequence); the
     /// sinks' gradient sums over every sequence's rows. `cu_seqlens` live on
-    /// the device and are clamped as in the forward; keys of a sequence past
-    /// `max_seqlen_k` get no dK or dV written, and the call allocates
-    /// 4 · H · total_q · (D + 1) bytes of f32 workspace.
+    /// the device and are clamped as in the forward; packed rows that no
+    /// sequence owns get dQ = 0 and keep their dK and dV, as do keys of a
+    /// sequence past `max_seqlen_k`; the call allocates 4 · H · total_q ·
+    /// (D + 1) bytes of f32 workspace.
     pub fn backward_varlen<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,

@@ -3927,10 +3927,13 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
 }
 
 /// A varlen backward problem: (query, key) lengths per sequence, the
-/// first non-empty, the others possibly empty or of one token.
+/// first non-empty, the others possibly empty or of one token, and packed
+/// rows that no sequence owns before and after them (query front, query
+/// back, key front, key back).
 #[derive(Clone, Debug)]
 struct BwdVarlenCase {
     lens: Vec<(usize, usize)>,
+    pads: [usize; 4],
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -3948,11 +3951,12 @@ fn bwd_varlen_strategy() -> impl Strategy<Value = BwdVarlenCase> {
         head_counts(),
         prop::sample::select(flash_attn::BWD_HEAD_DIMS.to_vec()),
         policy_strategy(),
-        any::<u64>(),
+        (any::<u64>(), prop::array::uniform4(0usize..3)),
     )
         .prop_map(
-            |((first, rest), (heads, kv_heads), head_dim, policy, seed)| BwdVarlenCase {
+            |((first, rest), (heads, kv_heads), head_dim, policy, (seed, pads))| BwdVarlenCase {
                 lens: std::iter::once(first).chain(rest).collect(),
+                pads,
                 heads,
                 kv_heads,
                 head_dim,
@@ -3972,21 +3976,23 @@ type SeqGrads<T> = (Vec<T>, Vec<f32>, Vec<T>, Vec<T>, Vec<T>, Vec<f32>);
 /// sums in the same order), dQ within one rounding of the dtype (its f32
 /// buffer adds the key blocks' shares in either order), the sinks'
 /// gradient within f32 rounding of the sum over sequences. A sequence
-/// without queries has dK = dV = 0, one without keys dQ = 0; every
-/// output starts as NaN.
+/// without queries has dK = dV = 0, one without keys dQ = 0; rows no
+/// sequence owns (whose O is noise and LSE NaN) get dQ = 0 and keep their
+/// dK and dV; every output starts as NaN.
 fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(), String> {
     let e = |x: cudarc::driver::DriverError| x.to_string();
     let s = &gpu.stream;
     let (h, hkv, d) = (c.heads, c.kv_heads, c.head_dim);
     let mut rng = StdRng::seed_from_u64(c.seed);
     let batch = c.lens.len();
-    let mut cu_q = vec![0usize];
-    let mut cu_k = vec![0usize];
+    let [q_front, q_back, k_front, k_back] = c.pads;
+    let mut cu_q = vec![q_front];
+    let mut cu_k = vec![k_front];
     for &(sq, sk) in &c.lens {
         cu_q.push(cu_q.last().unwrap() + sq);
         cu_k.push(cu_k.last().unwrap() + sk);
     }
-    let (total_q, total_k) = (cu_q[batch], cu_k[batch]);
+    let (total_q, total_k) = (cu_q[batch] + q_back, cu_k[batch] + k_back);
     let (q_row, k_row) = (h * d, hkv * d);
     let q_host = random_values::<T>(&mut rng, total_q * q_row);
     let k_host = random_values::<T>(&mut rng, total_k * k_row);
@@ -3994,19 +4000,27 @@ fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(
     let do_host = random_values::<T>(&mut rng, total_q * q_row);
     // Slopes [B, H] when the case asks for per-batch ones.
     let data = policy_data(gpu, &c.policy, batch, h, &mut rng)?;
-    let mut o_host = vec![T::from_f64(0.0); total_q * q_row];
+    // Rows no sequence owns: O noise, LSE NaN; owned rows of sequences
+    // without keys: O = 0, LSE = the sink (or -inf), as the forward leaves them.
+    let mut o_host = random_values::<T>(&mut rng, total_q * q_row);
     let sink_lse = |hi: usize| {
         data.sinks
             .as_ref()
             .map_or(f32::NEG_INFINITY, |(v, _)| v[hi] as f32)
     };
-    let mut lse_host: Vec<f32> = (0..h * total_q).map(|i| sink_lse(i / total_q)).collect();
+    let mut lse_host = vec![f32::NAN; h * total_q];
     let mut want_dq = vec![T::from_f64(0.0); total_q * q_row];
-    let mut want_dk = vec![T::from_f64(0.0); total_k * k_row];
-    let mut want_dv = vec![T::from_f64(0.0); total_k * k_row];
+    let mut want_dk = vec![nan::<T>(); total_k * k_row];
+    let mut want_dv = vec![nan::<T>(); total_k * k_row];
     let mut want_sinks = vec![0f64; h];
     let mut sinks_scale = vec![0f64; h];
     for (b, &(sq, sk)) in c.lens.iter().enumerate() {
+        for hi in 0..h {
+            lse_host[hi * total_q + cu_q[b]..][..sq].fill(sink_lse(hi));
+        }
+        o_host[cu_q[b] * q_row..cu_q[b + 1] * q_row].fill(T::from_f64(0.0));
+        want_dk[cu_k[b] * k_row..cu_k[b + 1] * k_row].fill(T::from_f64(0.0));
+        want_dv[cu_k[b] * k_row..cu_k[b + 1] * k_row].fill(T::from_f64(0.0));
         if sq == 0 || sk == 0 {
             continue;
         }
@@ -4106,9 +4120,16 @@ fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(
         s.clone_dtoh(&dk).map_err(e)?,
         s.clone_dtoh(&dv).map_err(e)?,
     );
+    // The owner of the element's packed row, for messages.
     let row_of = |i: usize, width: usize, cu: &[usize]| {
         let r = i / width;
-        (cu.partition_point(|&x| x <= r) - 1, r)
+        let b = cu.partition_point(|&x| x <= r);
+        let owner = if b == 0 || b == cu.len() {
+            "no sequence".to_string()
+        } else {
+            format!("sequence {}", b - 1)
+        };
+        (owner, r)
     };
     for (name, got, want) in [("dk", &dk_got, &want_dk), ("dv", &dv_got, &want_dv)] {
         if let Some(i) =
@@ -4116,7 +4137,7 @@ fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(
         {
             let (b, r) = row_of(i, k_row, &cu_k);
             return Err(format!(
-                "{name} (sequence {b}, packed row {r}, element {}): got {}, want {}",
+                "{name} ({b}, packed row {r}, element {}): got {}, want {}",
                 i % k_row,
                 got[i].to_f64(),
                 want[i].to_f64()
@@ -4132,7 +4153,7 @@ fn run_backward_varlen<T: AttnElement>(gpu: &Gpu, c: &BwdVarlenCase) -> Result<(
         if (g - w).is_nan() || (g - w).abs() > 2.0 * u * w.abs() + 1e-6 * row_max {
             let (b, r) = row_of(i, q_row, &cu_q);
             return Err(format!(
-                "dq (sequence {b}, packed row {r}, element {}): got {g}, want {w}",
+                "dq ({b}, packed row {r}, element {}): got {g}, want {w}",
                 i % q_row
             ));
         }

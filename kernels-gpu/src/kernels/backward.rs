@@ -725,24 +725,29 @@ pub fn dq<T: Element>(p: &BwdParams) {
 /// The gradient of head `blockIdx.x`'s sink, `-Σ exp(sink - LSE) · delta`
 /// over its rows of every sequence (the sink's softmax share of each row
 /// times the row's `delta`, as dS of a logit whose value is 0): thread `t`
-/// sums rows `t, t + BWD_THREADS, ...`, then the warps' sums in warp order,
-/// so the result is the same on every run (no atomics).
+/// sums rows `t, t + BWD_THREADS, ...` of each sequence, then the warps'
+/// sums in warp order, so the result is the same on every run (no
+/// atomics).
 #[inline(always)]
 pub fn sinks(p: &BwdParams) {
     let (h, tid) = (special::block_idx_x(), special::thread_idx_x());
     let sink = global::ld_nc_f32(p.sinks + h as u64 * 4) * LOG2_E;
-    let (batches, seqlen) = stat_shape(p);
-    let rows = batches * seqlen;
     let mut sum = 0f32;
-    let mut r = tid;
-    while r < rows {
-        let row = stat_row(p, r / seqlen, h, r % seqlen) * 4;
-        let (lse, delta) = (
-            global::ld_nc_f32(p.lse + row),
-            global::ld_nc_f32(p.delta + row),
-        );
-        sum = math::fma(math::ex2(sink - lse * LOG2_E), delta, sum);
-        r += BWD_THREADS as u32;
+    // Sequence by sequence: packed rows that no sequence owns hold no LSE.
+    let mut b = 0;
+    while b < p.batch {
+        let seq = SeqSpan::new(p, b);
+        let mut t = tid;
+        while t < seq.seqlen_q {
+            let row = seq.stat_row(p, h, t) * 4;
+            let (lse, delta) = (
+                global::ld_nc_f32(p.lse + row),
+                global::ld_nc_f32(p.delta + row),
+            );
+            sum = math::fma(math::ex2(sink - lse * LOG2_E), delta, sum);
+            t += BWD_THREADS as u32;
+        }
+        b += 1;
     }
     unroll::<5>(|i| sum += shfl::bfly_f32(sum, 16 >> i));
     let sums = smem::base();
