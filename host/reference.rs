@@ -601,61 +601,319 @@ pub fn varlen_backward(
     d_o: &[f64],
     extras: &Extras,
 ) -> RefGrads {
-    let (h, hkv, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-    let cu_q = offsets("cu_seqlens_q", cu_seqlens_q, shape.batch, shape.total_q);
-    let cu_k = offsets("cu_seqlens_k", cu_seqlens_k, shape.batch, shape.total_k);
-    let (q_row, k_row) = (h * d, hkv * d);
-    let mut g = RefGrads {
-        dq: vec![0.0; shape.total_q * q_row],
-        dk: vec![0.0; shape.total_k * k_row],
-        dv: vec![0.0; shape.total_k * k_row],
-        d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
-    };
-    for b in 0..shape.batch {
-        let (qs, ks) = (cu_q[b]..cu_q[b + 1], cu_k[b]..cu_k[b + 1]);
-        let one = ForwardShape {
-            batch: 1,
-            seqlen_q: qs.len(),
-            seqlen_k: ks.len(),
-            heads: h,
-            kv_heads: hkv,
-            head_dim: d,
-            v_head_dim: shape.v_head_dim,
-            causal: shape.causal,
-            softmax_scale: shape.softmax_scale,
-            window: shape.window,
-            softcap: shape.softcap,
-        };
-        let slopes = extras.alibi_slopes.map(|s| {
-            if s.len() == h {
-                s
-            } else {
-                &s[b * h..(b + 1) * h]
-            }
-        });
-        let seq_extras = Extras {
-            alibi_slopes: slopes,
-            sinks: extras.sinks,
-        };
-        let rows = |t: &[f64], r: &std::ops::Range<usize>, width: usize| -> Vec<f64> {
-            t[r.start * width..r.end * width].to_vec()
-        };
-        let gb = attention_backward_ext(
-            &one,
-            &rows(q, &qs, q_row),
-            &rows(k, &ks, k_row),
-            &rows(v, &ks, k_row),
-            &rows(d_o, &qs, q_row),
-            &seq_extras,
-        );
-        g.dq[qs.start * q_row..qs.end * q_row].copy_from_slice(&gb.dq);
-        g.dk[ks.start * k_row..ks.end * k_row].copy_from_slice(&gb.dk);
-        g.dv[ks.start * k_row..ks.end * k_row].copy_from_slice(&gb.dv);
-        for (sum, x) in g.d_sinks.iter_mut().zip(&gb.d_sinks) {
-            *sum += x;
+    let seqs = PackedSeqs::new(shape, cu_seqlens_q, cu_seqlens_k);
+    seqs.each(
+        &[q, d_o],
+        &[k, v],
+        extras,
+        shape.head_dim,
+        |one, [q, d_o], [k, v], e| attention_backward_ext(one, q, k, v, d_o, e),
+    )
+}
+
+/// The sequences of a packed problem, for functions that run the fixed
+/// layout's version once per sequence.
+struct PackedSeqs<'a> {
+    shape: &'a VarlenShape,
+    cu_q: Vec<usize>,
+    cu_k: Vec<usize>,
+}
+
+impl<'a> PackedSeqs<'a> {
+    fn new(shape: &'a VarlenShape, cu_seqlens_q: &[i32], cu_seqlens_k: &[i32]) -> Self {
+        PackedSeqs {
+            shape,
+            cu_q: offsets("cu_seqlens_q", cu_seqlens_q, shape.batch, shape.total_q),
+            cu_k: offsets("cu_seqlens_k", cu_seqlens_k, shape.batch, shape.total_k),
         }
     }
-    g
+
+    /// `f` over each sequence as a batch of one (per-batch ALiBi slopes by
+    /// sequence), given that sequence's rows of the query-row tensors `qs`
+    /// ([total_q, H, D]) and key-row tensors `ks` ([total_k, Hkv, D]); its
+    /// results, `width` values per head of a row, are written into the
+    /// packed layouts (rows no sequence owns stay 0) and the sinks' entries
+    /// summed over the sequences.
+    fn each<const NQ: usize, const NK: usize>(
+        &self,
+        qs: &[&[f64]; NQ],
+        ks: &[&[f64]; NK],
+        extras: &Extras,
+        width: usize,
+        mut f: impl FnMut(&ForwardShape, [&[f64]; NQ], [&[f64]; NK], &Extras) -> RefGrads,
+    ) -> RefGrads {
+        let shape = self.shape;
+        let (h, hkv, d) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let (q_row, k_row) = (h * d, hkv * d);
+        let (q_out, k_out) = (h * width, hkv * width);
+        let mut g = RefGrads {
+            dq: vec![0.0; shape.total_q * q_out],
+            dk: vec![0.0; shape.total_k * k_out],
+            dv: vec![0.0; shape.total_k * k_out],
+            d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
+        };
+        for b in 0..shape.batch {
+            let (qs_at, ks_at) = (
+                self.cu_q[b]..self.cu_q[b + 1],
+                self.cu_k[b]..self.cu_k[b + 1],
+            );
+            let (qr, kr) = (
+                qs_at.start * q_row..qs_at.end * q_row,
+                ks_at.start * k_row..ks_at.end * k_row,
+            );
+            let one = ForwardShape {
+                batch: 1,
+                seqlen_q: qs_at.len(),
+                seqlen_k: ks_at.len(),
+                heads: h,
+                kv_heads: hkv,
+                head_dim: d,
+                v_head_dim: shape.v_head_dim,
+                causal: shape.causal,
+                softmax_scale: shape.softmax_scale,
+                window: shape.window,
+                softcap: shape.softcap,
+            };
+            let slopes = extras.alibi_slopes.map(|s| {
+                if s.len() == h {
+                    s
+                } else {
+                    &s[b * h..(b + 1) * h]
+                }
+            });
+            let seq_extras = Extras {
+                alibi_slopes: slopes,
+                sinks: extras.sinks,
+            };
+            let gb = f(
+                &one,
+                qs.map(|t| &t[qr.clone()]),
+                ks.map(|t| &t[kr.clone()]),
+                &seq_extras,
+            );
+            let (qo, ko) = (
+                qs_at.start * q_out..qs_at.end * q_out,
+                ks_at.start * k_out..ks_at.end * k_out,
+            );
+            g.dq[qo].copy_from_slice(&gb.dq);
+            g.dk[ko.clone()].copy_from_slice(&gb.dk);
+            g.dv[ko].copy_from_slice(&gb.dv);
+            for (sum, x) in g.d_sinks.iter_mut().zip(&gb.d_sinks) {
+                *sum += x;
+            }
+        }
+        g
+    }
+}
+
+/// How a backward pass may err, for [`backward_bounds`].
+#[derive(Clone, Copy, Debug)]
+pub struct BwdErrorModel {
+    /// Unit roundoff of the inputs' type: 2^-11 for f16, 2^-8 for bf16.
+    pub unit: f64,
+    /// The largest relative error of the kernel's `tanh` (softcap only).
+    pub tanh_rel_err: f64,
+    /// The largest absolute error of the forward's LSE.
+    pub lse_tol: f64,
+}
+
+/// Error bounds, row by row, of a backward pass that computes
+/// [`attention_backward_ext`] in the arithmetic `model` describes, given the
+/// O its forward produced (`o`, contiguous [B, Sq, H, D]). The result's
+/// `dq` holds one bound per row of dQ ([B, Sq, H]), `dk` and `dv` per row
+/// of theirs ([B, Skv, Hkv]), `d_sinks` per head; [`check_backward`] adds
+/// each row's rounding of its largest value.
+///
+/// The model: P and dS are rounded to the inputs' type before their
+/// products, `delta` is taken from the rounded O, and each gradient is
+/// rounded once (f32 accumulation is exact by comparison). With M_ij = P_ij
+/// times the sum of |dP_ij|, |delta_i| and Σ|dO_i ∘ O_i|, the bounds are 2u
+/// · Σ_i P_ij max|dO_i| for dV_j, 2u · scale · Σ_i M_ij max|Q_i| for dK_j
+/// and 2u · scale · Σ_j M_ij max|K_j| for dQ_i. A softcap c adds the
+/// `tanh`'s error ε: a logit c·t moves by up to c·|t|·ε, so P_ij by that
+/// and by the LSE's share, at most the row's largest, e_i, and dS's factor
+/// 1 - t² by 2t²ε; each row's terms take a relative error of 2e_i + 2ε
+/// more, on M_ij plus P_ij Σ_l P_il |dP_il| (`delta`'s error). The sinks'
+/// gradient -Σ_i P_sink,i · delta_i (P_sink,i the share of row i's
+/// denominator that is the sink's) takes the LSE's error (and e_i)
+/// relative to each term and 4u · Σ|dO_i ∘ O_i| for `delta`'s rounding.
+///
+/// Panics as [`attention_backward_ext`] does, or if `o` is shorter than
+/// the shape requires.
+#[allow(clippy::too_many_arguments)]
+pub fn backward_bounds(
+    shape: &ForwardShape,
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+    o: &[f64],
+    extras: &Extras,
+    model: &BwdErrorModel,
+) -> RefGrads {
+    let (b, sq, sk, h, hkv, d) = (
+        shape.batch,
+        shape.seqlen_q,
+        shape.seqlen_k,
+        shape.heads,
+        shape.kv_heads,
+        shape.head_dim,
+    );
+    assert!(o.len() >= b * sq * h * d, "o is shorter than the shape");
+    let p = probabilities_ext(shape, q, k, extras);
+    let u = model.unit;
+    let scale = shape.softmax_scale as f64;
+    let group = h / hkv;
+    let row_max = |t: &[f64], at: usize| t[at..at + d].iter().fold(0f64, |m, x| m.max(x.abs()));
+    let q_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
+    let k_at = |bi: usize, j: usize, hk: usize| ((bi * sk + j) * hkv + hk) * d;
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    let mut tol = RefGrads {
+        dq: vec![0.0; b * sq * h],
+        dk: vec![0.0; b * sk * hkv],
+        dv: vec![0.0; b * sk * hkv],
+        d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
+    };
+    for bi in 0..b {
+        for hi in 0..h {
+            let hk = hi / group;
+            for i in 0..sq {
+                let prow = &p[((bi * h + hi) * sq + i) * sk..][..sk];
+                let qa = q_at(bi, i, hi);
+                let (dmax, qmax) = (row_max(d_o, qa), row_max(q, qa));
+                let dp: Vec<f64> = (0..sk)
+                    .map(|j| dot(&d_o[qa..][..d], &v[k_at(bi, j, hk)..][..d]))
+                    .collect();
+                let delta: f64 = (0..sk).map(|j| prow[j] * dp[j]).sum();
+                let spread: f64 = (0..sk).map(|j| prow[j] * dp[j].abs()).sum();
+                let od: f64 = (0..d).map(|t| (d_o[qa + t] * o[qa + t]).abs()).sum();
+                // The largest logit error of the row's softcapped scores.
+                let capped = shape.softcap.map_or(0.0, |cap| {
+                    let cap = cap as f64;
+                    (0..sk)
+                        .filter(|&j| prow[j] != 0.0)
+                        .map(|j| {
+                            let t = scale * dot(&q[qa..][..d], &k[k_at(bi, j, hk)..][..d]);
+                            cap * (t / cap).tanh().abs() * model.tanh_rel_err
+                        })
+                        .fold(0.0, f64::max)
+                });
+                let extra = if shape.softcap.is_some() {
+                    2.0 * capped + 2.0 * model.tanh_rel_err
+                } else {
+                    0.0
+                };
+                for j in (0..sk).filter(|&j| prow[j] != 0.0) {
+                    let m = prow[j] * (dp[j].abs() + delta.abs() + od);
+                    let m = 2.0 * u * m + extra * (m + prow[j] * spread);
+                    let kr = (bi * sk + j) * hkv + hk;
+                    tol.dv[kr] += (2.0 * u + extra) * prow[j] * dmax;
+                    tol.dk[kr] += scale * m * qmax;
+                    tol.dq[(bi * sq + i) * h + hi] += scale * m * row_max(k, k_at(bi, j, hk));
+                }
+                if extras.sinks.is_some() {
+                    let share = (1.0 - prow.iter().sum::<f64>()).max(0.0);
+                    tol.d_sinks[hi] +=
+                        share * (delta.abs() * (model.lse_tol + capped) + 4.0 * u * od);
+                }
+            }
+        }
+    }
+    tol
+}
+
+/// [`backward_bounds`] of a packed problem: each sequence's as a batch of
+/// one (see [`varlen_backward`]); `o` is the forward's [total_q, H, D].
+///
+/// Panics as [`varlen_backward`] does, or if `o` is shorter than `q`.
+#[allow(clippy::too_many_arguments)]
+pub fn varlen_backward_bounds(
+    shape: &VarlenShape,
+    cu_seqlens_q: &[i32],
+    cu_seqlens_k: &[i32],
+    q: &[f64],
+    k: &[f64],
+    v: &[f64],
+    d_o: &[f64],
+    o: &[f64],
+    extras: &Extras,
+    model: &BwdErrorModel,
+) -> RefGrads {
+    let seqs = PackedSeqs::new(shape, cu_seqlens_q, cu_seqlens_k);
+    seqs.each(
+        &[q, d_o, o],
+        &[k, v],
+        extras,
+        1,
+        |one, [q, d_o, o], [k, v], e| backward_bounds(one, q, k, v, d_o, o, e, model),
+    )
+}
+
+/// Gradients `got` against `want` within `bounds` ([`backward_bounds`]),
+/// all contiguous in [`RefGrads`]' layouts with rows of `head_dim` values:
+/// each row's bound plus `unit` times the row's largest reference value
+/// (the gradient's own rounding), and 1e-6 for sums that cancel to 0. The
+/// first value outside, or any NaN, is the error.
+pub fn check_backward(
+    got: &RefGrads,
+    want: &RefGrads,
+    bounds: &RefGrads,
+    unit: f64,
+    head_dim: usize,
+) -> Result<(), String> {
+    let rows = |name: &str, got: &[f64], want: &[f64], tol: &[f64]| -> Result<(), String> {
+        if got.len() != want.len() || want.len() != tol.len() * head_dim {
+            return Err(format!(
+                "{name}: {} values, want {} ({} rows of {head_dim})",
+                got.len(),
+                want.len(),
+                tol.len()
+            ));
+        }
+        for (row, ((g, w), t)) in got
+            .chunks(head_dim)
+            .zip(want.chunks(head_dim))
+            .zip(tol)
+            .enumerate()
+        {
+            let bound = t + unit * w.iter().fold(0f64, |m, x| m.max(x.abs())) + 1e-6;
+            for (col, (&g, &w)) in g.iter().zip(w).enumerate() {
+                let err = (g - w).abs();
+                if err.is_nan() || err > bound {
+                    return Err(format!(
+                        "{name} row {row} col {col}: got {g}, want {w}, row bound {bound:.3e}"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    };
+    rows("dv", &got.dv, &want.dv, &bounds.dv)?;
+    rows("dk", &got.dk, &want.dk, &bounds.dk)?;
+    rows("dq", &got.dq, &want.dq, &bounds.dq)?;
+    if got.d_sinks.len() != want.d_sinks.len() {
+        return Err(format!(
+            "d_sinks: {} values, want {}",
+            got.d_sinks.len(),
+            want.d_sinks.len()
+        ));
+    }
+    for (hi, ((&g, &w), &t)) in got
+        .d_sinks
+        .iter()
+        .zip(&want.d_sinks)
+        .zip(&bounds.d_sinks)
+        .enumerate()
+    {
+        let bound = t + 1e-6;
+        let err = (g - w).abs();
+        if err.is_nan() || err > bound {
+            return Err(format!(
+                "d_sinks head {hi}: got {g}, want {w}, bound {bound:.3e}"
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Decode with the shape's mask and softcap and no extras; the same as

@@ -4649,6 +4649,72 @@ mod backward_reference {
         assert!(g.dk[..8].iter().chain(&g.dv[..8]).all(|&x| x == 0.0));
         assert!(g.dk[8..].iter().chain(&g.dv[8..]).all(|&x| x != 0.0));
     }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(32))]
+        /// `check_backward` passes the reference against itself, and fails
+        /// one gradient value moved past its row's bound (or NaN); the
+        /// bounds of a packed problem of one sequence are the fixed
+        /// layout's.
+        #[test]
+        fn backward_bounds_bind(
+            sq in 1usize..10, sk in 1usize..10,
+            causal in any::<bool>(), w in window(), seed in any::<u64>(),
+            softcap in proptest::option::of(0.5f32..4.0),
+            sinks in any::<bool>(), which in 0usize..4, nan in any::<bool>(),
+        ) {
+            let (heads, kv_heads, d) = (2, 1, 4);
+            let shape = ForwardShape {
+                batch: 1, seqlen_q: sq, seqlen_k: sk, heads, kv_heads, head_dim: d,
+                v_head_dim: 0, causal, softmax_scale: 0.7, window: w, softcap,
+            };
+            let mut rng = StdRng::seed_from_u64(seed);
+            let q = random_vec(&mut rng, sq * heads * d);
+            let k = random_vec(&mut rng, sk * kv_heads * d);
+            let v = random_vec(&mut rng, sk * kv_heads * d);
+            let d_o = random_vec(&mut rng, q.len());
+            let sink: Vec<f64> = (0..heads).map(|_| rng.random_range(-2.0..2.0)).collect();
+            let ext = reference::Extras { alibi_slopes: None, sinks: sinks.then_some(&sink[..]) };
+            let model = reference::BwdErrorModel { unit: 1.0 / 2048.0, tanh_rel_err: 5e-4, lse_tol: 2e-3 };
+            let want = reference::attention_backward_ext(&shape, &q, &k, &v, &d_o, &ext);
+            let o = reference::attention_ext(&shape, &q, &k, &v, &ext).o;
+            let bounds = reference::backward_bounds(&shape, &q, &k, &v, &d_o, &o, &ext, &model);
+            prop_assert_eq!(reference::check_backward(&want, &want, &bounds, model.unit, d), Ok(()));
+
+            let packed = VarlenShape {
+                batch: 1, total_q: sq, total_k: sk, max_seqlen_q: sq, max_seqlen_k: sk,
+                heads, kv_heads, head_dim: d, v_head_dim: 0, causal,
+                softmax_scale: 0.7, window: w, softcap,
+            };
+            let (cu_q, cu_k) = ([0, sq as i32], [0, sk as i32]);
+            let one = reference::varlen_backward_bounds(
+                &packed, &cu_q, &cu_k, &q, &k, &v, &d_o, &o, &ext, &model,
+            );
+            prop_assert_eq!(&one, &bounds);
+
+            let mut got = want.clone();
+            let (values, tol, refs) = match which {
+                0 => (&mut got.dq, &bounds.dq, &want.dq),
+                1 => (&mut got.dk, &bounds.dk, &want.dk),
+                2 => (&mut got.dv, &bounds.dv, &want.dv),
+                _ if sinks => (&mut got.d_sinks, &bounds.d_sinks, &want.d_sinks),
+                _ => return Ok(()),
+            };
+            let i = rng.random_range(0..values.len());
+            let width = if which == 3 { 1 } else { d };
+            let row_max = if which == 3 {
+                0.0
+            } else {
+                refs[i / d * d..][..d].iter().fold(0f64, |m, x| m.max(x.abs()))
+            };
+            values[i] = if nan {
+                f64::NAN
+            } else {
+                refs[i] + 1.5 * (tol[i / width] + model.unit * row_max + 1e-6)
+            };
+            prop_assert!(reference::check_backward(&got, &want, &bounds, model.unit, d).is_err());
+        }
+    }
 }
 
 mod backward_validation {

@@ -17,7 +17,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
 use flash_attn::hopper::probes::Probes;
-use flash_attn::reference;
+use flash_attn::reference::{self, BwdErrorModel, Extras, RefGrads};
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BackwardInputs, BlockTable, DecodeStep, Dtype,
@@ -3710,23 +3710,11 @@ fn bwd_strategy() -> impl Strategy<Value = BwdCase> {
 const TANH_REL_ERR: f64 = 5.0e-4;
 
 /// The backward against the f64 reference of the same (rounded) inputs,
-/// row by row. The forward that makes O and the LSE is ours. Tolerance per
-/// row of each gradient, from the dtype's unit roundoff u (2^-11 f16, 2^-8
-/// bf16; f32 accumulation is exact by comparison): P and dS are rounded to
-/// the dtype before their products, `delta` is taken from the rounded O,
-/// and each gradient is rounded once. With M_ij = P_ij times the sum of
-/// |dP_ij|, |delta_i| and Σ|dO_i ∘ O_i|, the bounds are 2u · Σ_i P_ij
-/// max|dO_i| for dV_j, 2u · scale · Σ_i M_ij max|Q_i| for dK_j and 2u ·
-/// scale · Σ_j M_ij max|K_j| for dQ_i, each plus u times the row's largest
-/// reference value. A softcap c adds `tanh.approx`'s error: a logit c·t
-/// moves by up to c·|t|·ε (ε = [`TANH_REL_ERR`]), so P_ij by that and by
-/// the LSE's share, at most the row's largest, e_i, and dS's factor 1 - t²
-/// by 2t²ε; each row's terms take a relative error of 2e_i + 2ε more, on
-/// M_ij plus P_ij Σ_l P_il |dP_il| (`delta`'s error). The sinks' gradient
-/// -Σ_i exp(sink - LSE_i) · delta_i takes the LSE's tolerance (and e_i)
-/// relative to each term and 4u · Σ|dO_i ∘ O_i| for `delta`'s rounding.
-/// dQ is written through strides with a gap after each head, which must
-/// stay untouched; every gradient starts as NaN.
+/// row by row within [`reference::backward_bounds`] (the dtype's unit
+/// roundoff, `tanh.approx`'s error under a softcap, the LSE's tolerance for
+/// the sinks' gradient). The forward that makes O and the LSE is ours. dQ
+/// is written through strides with a gap after each head, which must stay
+/// untouched; every gradient starts as NaN.
 fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     let (b, sq, sk, h, hkv, d) = (
         c.batch, c.seqlen_q, c.seqlen_k, c.heads, c.kv_heads, c.head_dim,
@@ -3757,7 +3745,7 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     let mut dk = poisoned::<T>(gpu, dkl.span().unwrap())?;
     let mut dv = poisoned::<T>(gpu, dvl.span().unwrap())?;
     let mut d_sinks = s.clone_htod(&vec![f32::NAN; h]).map_err(e)?;
-    let (want, p) = with_options(&c.policy, &data, |opts, extras| {
+    let want = with_options(&c.policy, &data, |opts, extras| {
         let opts = AttnOptions {
             softmax_scale: c.softmax_scale,
             ..*opts
@@ -3799,10 +3787,9 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
             to_f64(&do_host),
         );
         let want = reference::attention_backward_ext(&shape, &q64, &k64, &v64, &do64, extras);
-        let p = reference::probabilities_ext(&shape, &q64, &k64, extras);
-        Ok::<_, String>(((want, shape, [q64, k64, v64, do64]), (p, ran)))
+        Ok::<_, String>((want, shape, [q64, k64, v64, do64], ran))
     })?;
-    let ((want, shape, [q64, k64, v64, do64]), (p, ran)) = (want, p);
+    let (want, shape, [q64, k64, v64, do64], ran) = want;
     let hopper = gpu.fa.hopper_backward() && flash_attn::HOPPER_BWD_HEAD_DIMS.contains(&d);
     if ran != hopper as u64 {
         return Err(format!("{ran} Hopper launches, want {}", hopper as u64));
@@ -3813,7 +3800,6 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
         s.clone_dtoh(&dv).map_err(e)?,
     );
     let d_sinks_got = s.clone_dtoh(&d_sinks).map_err(e)?;
-    let lse_got = s.clone_dtoh(&lse).map_err(e)?;
     let o_host = gather(&s.clone_dtoh(&o).map_err(e)?, &ol);
     check_untouched_outside(&dq_got, &dql, "dq")?;
     check_untouched_outside(&dk_got, &dkl, "dk")?;
@@ -3822,108 +3808,28 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
     }
 
     let u = abs_tol(T::DTYPE) / 4.0;
-    let scale = shape.softmax_scale as f64;
-    let group = h / hkv;
-    let row_max = |t: &[f64], at: usize| t[at..at + d].iter().fold(0f64, |m, x| m.max(x.abs()));
-    let (q_at, k_at) = (
-        |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d,
-        |bi: usize, j: usize, hk: usize| ((bi * sk + j) * hkv + hk) * d,
-    );
-    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
-    // Error bounds, accumulated per row.
-    let mut tol_dq = vec![0f64; b * sq * h];
-    let mut tol_dk = vec![0f64; b * sk * hkv];
-    let mut tol_dv = vec![0f64; b * sk * hkv];
-    let mut tol_sinks = vec![1e-6f64; h];
-    for bi in 0..b {
-        for hi in 0..h {
-            let hk = hi / group;
-            for i in 0..sq {
-                let prow = &p[((bi * h + hi) * sq + i) * sk..][..sk];
-                let (qa, dmax, qmax) = (
-                    q_at(bi, i, hi),
-                    row_max(&do64, q_at(bi, i, hi)),
-                    row_max(&q64, q_at(bi, i, hi)),
-                );
-                let dp: Vec<f64> = (0..sk)
-                    .map(|j| dot(&do64[qa..][..d], &v64[k_at(bi, j, hk)..][..d]))
-                    .collect();
-                let delta: f64 = (0..sk).map(|j| prow[j] * dp[j]).sum();
-                let spread: f64 = (0..sk).map(|j| prow[j] * dp[j].abs()).sum();
-                let od: f64 = (0..d).map(|t| (do64[qa + t] * o_host[qa + t]).abs()).sum();
-                // The largest logit error of the row's softcapped scores.
-                let capped = shape.softcap.map_or(0.0, |cap| {
-                    let cap = cap as f64;
-                    (0..sk)
-                        .filter(|&j| prow[j] != 0.0)
-                        .map(|j| {
-                            let t = scale * dot(&q64[qa..][..d], &k64[k_at(bi, j, hk)..][..d]);
-                            cap * (t / cap).tanh().abs() * TANH_REL_ERR
-                        })
-                        .fold(0.0, f64::max)
-                });
-                let extra = if shape.softcap.is_some() {
-                    2.0 * capped + 2.0 * TANH_REL_ERR
-                } else {
-                    0.0
-                };
-                for j in (0..sk).filter(|&j| prow[j] != 0.0) {
-                    let m = prow[j] * (dp[j].abs() + delta.abs() + od);
-                    let m = 2.0 * u * m + extra * (m + prow[j] * spread);
-                    let kr = (bi * sk + j) * hkv + hk;
-                    tol_dv[kr] += (2.0 * u + extra) * prow[j] * dmax;
-                    tol_dk[kr] += scale * m * qmax;
-                    tol_dq[(bi * sq + i) * h + hi] += scale * m * row_max(&k64, k_at(bi, j, hk));
-                }
-                if let Some((sinks, _)) = &data.sinks {
-                    let lse = lse_got[(bi * h + hi) * sq + i] as f64;
-                    let share = (sinks[hi] - lse).exp();
-                    tol_sinks[hi] += share * (delta.abs() * (LSE_TOL + capped) + 4.0 * u * od);
-                }
-            }
-        }
-    }
-    let check = |name: &str,
-                 got: &[T],
-                 layout: &Layout,
-                 want: &[f64],
-                 tol: &[f64]|
-     -> Result<(), String> {
-        let [nb, ns, nh, _] = layout.shape;
-        for bi in 0..nb {
-            for si in 0..ns {
-                for hi in 0..nh {
-                    let row = (bi * ns + si) * nh + hi;
-                    let at =
-                        bi * layout.strides[0] + si * layout.strides[1] + hi * layout.strides[2];
-                    let bound = tol[row] + u * row_max(want, row * d) + 1e-6;
-                    for t in 0..d {
-                        let (g, w) = (got[at + t].to_f64(), want[row * d + t]);
-                        let err = (g - w).abs();
-                        if err.is_nan() || err > bound {
-                            return Err(format!(
-                                "{name} (b {bi}, token {si}, head {hi}, col {t}): got {g}, want {w}, row bound {bound:.3e}"
-                            ));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(())
+    let model = BwdErrorModel {
+        unit: u,
+        tanh_rel_err: TANH_REL_ERR,
+        lse_tol: LSE_TOL,
     };
-    check("dv", &dv_got, &dvl, &want.dv, &tol_dv)?;
-    check("dk", &dk_got, &dkl, &want.dk, &tol_dk)?;
-    check("dq", &dq_got, &dql, &want.dq, &tol_dq)?;
-    for (hi, (&g, &w)) in d_sinks_got.iter().zip(&want.d_sinks).enumerate() {
-        let err = (g as f64 - w).abs();
-        if err.is_nan() || err > tol_sinks[hi] {
-            return Err(format!(
-                "d_sinks head {hi}: got {g}, want {w}, bound {:.3e}",
-                tol_sinks[hi]
-            ));
-        }
-    }
-    Ok(())
+    let extras = Extras {
+        alibi_slopes: data.slopes.as_ref().map(|(s64, _)| s64.as_slice()),
+        sinks: data.sinks.as_ref().map(|(s64, _)| s64.as_slice()),
+    };
+    let bounds =
+        reference::backward_bounds(&shape, &q64, &k64, &v64, &do64, &o_host, &extras, &model);
+    let got = RefGrads {
+        dq: gather(&dq_got, &dql),
+        dk: gather(&dk_got, &dkl),
+        dv: gather(&dv_got, &dvl),
+        d_sinks: if c.policy.sinks {
+            d_sinks_got.iter().map(|&x| x as f64).collect()
+        } else {
+            Vec::new()
+        },
+    };
+    reference::check_backward(&got, &want, &bounds, u, d)
 }
 
 /// A varlen backward problem: (query, key) lengths per sequence, the
