@@ -6,7 +6,11 @@
 //! [`flash_attn_lse`] and [`flash_attn_varlen_lse`] return the log-sum-exp
 //! beside O, take attention sinks and ALiBi per batch, [`flash_attn_with_kvcache`]
 //! decodes against a contiguous or paged KV cache after appending new K/V,
-//! and [`merge_states`] combines two partial attentions.
+//! and [`merge_states`] combines two partial attentions. The attention ops
+//! (all but the paged one, the KV-cache decode and `merge_states`) have a
+//! backward: `loss.backward()` gives Q, K, V and trained sinks their
+//! gradients through flash-attn's backward kernels (head dims 32-128; see
+//! `docs/candle.md`, Training).
 //!
 //! Tensors live on a candle CUDA device, in f16 or bf16. Any strides work
 //! where the last (head) dimension is contiguous: a transposed or sliced
@@ -30,7 +34,7 @@
 //! ```
 use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::backend::BackendStorage;
+use candle_core::backend::{BackendDevice, BackendStorage};
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage};
 use candle_core::op::BackpropOp;
 use candle_core::{
@@ -41,8 +45,8 @@ use cudarc::driver::{CudaSlice, CudaStream, CudaView, DevicePtr};
 use half::{bf16, f16};
 
 use crate::{
-    AlibiSlopes, AttnElement, AttnOptions, BlockTable, DecodeStep, FlashAttention, KvCache, Layout,
-    Out, PagedVarlen, Qkv, State, TensorMut, TensorRef, Varlen, Window,
+    AlibiSlopes, AttnElement, AttnOptions, BackwardInputs, BlockTable, DecodeStep, FlashAttention,
+    Grads, KvCache, Layout, Out, PagedVarlen, Qkv, State, TensorMut, TensorRef, Varlen, Window,
 };
 
 /// Options of the entry points candle-flash-attn lacks.
@@ -93,8 +97,9 @@ impl Policy {
     }
 
     /// candle-flash-attn's arguments: a window side wider than `seqlen_k` is
-    /// unbounded, and `(None, Some(0))` is the causal mask (which then runs
-    /// the causal kernels rather than a window's).
+    /// unbounded, `(None, Some(0))` is the causal mask (which then runs the
+    /// causal kernels rather than a window's), and a softcap of 0 is none
+    /// (FlashAttention-2 caps only with a positive one).
     fn windowed(
         softmax_scale: f32,
         left: Option<usize>,
@@ -114,7 +119,7 @@ impl Policy {
             } else {
                 Window { left, right }
             },
-            softcap,
+            softcap: softcap.filter(|&c| c != 0.0),
             alibi_slopes: alibi_slopes.cloned(),
             sinks: None,
         }
@@ -304,29 +309,121 @@ enum Seqs {
     },
 }
 
-/// Forward attention as a candle op over (q, k, v).
-struct Attn {
-    policy: Policy,
-    seqs: Seqs,
-    /// The LSE of the last launch, when asked for.
-    lse: Option<Mutex<Option<CudaSlice<f32>>>>,
-}
+/// Where an op leaves a tensor it makes beside its output: the LSE (for the
+/// caller of a `*_lse` function, and in training for the op's backward) or
+/// the sinks' gradient (for [`SinksTie`]). Shared, because candle owns an op
+/// once the op is in the graph.
+#[derive(Clone, Default)]
+struct Slot(Arc<Mutex<Option<Tensor>>>);
 
-impl Attn {
-    fn new(policy: Policy, seqs: Seqs, with_lse: bool) -> Attn {
-        Attn {
-            policy,
-            seqs,
-            lse: with_lse.then(|| Mutex::new(None)),
+impl Slot {
+    fn put(&self, t: Tensor) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(t);
+    }
+
+    /// A clone (cheap: candle tensors share their storage).
+    fn get(&self, what: &str) -> Result<Tensor> {
+        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(t) => Ok(t.clone()),
+            None => bail!("flash-attn: the op ran without producing its {what}"),
         }
     }
 
-    fn apply(self, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Option<Tensor>)> {
-        let o = q.apply_op3_no_bwd(k, v, &self)?;
-        let lse = take_lse(self.lse, &o, |dims| match self.seqs {
-            Seqs::Dense => vec![dims[0], dims[2], dims[1]],
-            _ => vec![dims[1], dims[0]],
-        })?;
+    fn take(&self, what: &str) -> Result<Tensor> {
+        match self.0.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(t) => Ok(t),
+            None => bail!("flash-attn: the op ran without producing its {what}"),
+        }
+    }
+}
+
+/// A device buffer as a candle tensor of `dims`, outside the graph.
+fn tensor_of<T: CudaDType>(data: CudaSlice<T>, dims: Vec<usize>, dev: &CudaDevice) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(data, dev.clone()));
+    Tensor::from_storage(storage, dims, BackpropOp::none(), false)
+}
+
+impl Seqs {
+    /// `f` over the device views of packed sequences' offsets; an error for
+    /// the other layouts.
+    fn with_varlen<R>(&self, f: impl FnOnce(&Varlen<'_>) -> R) -> Result<R> {
+        let Seqs::Varlen {
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        } = self
+        else {
+            bail!("flash-attn: not packed sequences")
+        };
+        let (gq, gk) = (
+            cu_seqlens_q.storage_and_layout(),
+            cu_seqlens_k.storage_and_layout(),
+        );
+        let (cu_q, cu_k) = (index_view(&gq, "seqlens_q")?, index_view(&gk, "seqlens_k")?);
+        Ok(f(&Varlen {
+            cu_seqlens_q: &cu_q,
+            cu_seqlens_k: &cu_k,
+            max_seqlen_q: *max_seqlen_q,
+            max_seqlen_k: *max_seqlen_k,
+        }))
+    }
+}
+
+/// Forward attention as a candle op over (q, k, v); its backward is
+/// flash-attn's.
+struct Attn {
+    policy: Policy,
+    seqs: Seqs,
+    /// The LSE of the launch, when the caller or the backward needs it.
+    lse: Option<Slot>,
+    /// The sinks' gradient, when the sinks take one.
+    d_sinks: Option<Slot>,
+}
+
+impl Attn {
+    fn new(policy: Policy, seqs: Seqs) -> Attn {
+        Attn {
+            policy,
+            seqs,
+            lse: None,
+            d_sinks: None,
+        }
+    }
+
+    /// O, and the LSE when `with_lse`. When any of q, k, v or the sinks is
+    /// tracked by candle's graph, the op enters the graph with its backward
+    /// and keeps the LSE for it (4 bytes a query row and head, as
+    /// FlashAttention keeps it for PyTorch's autograd); otherwise nothing is
+    /// kept.
+    fn apply(
+        mut self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        with_lse: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let sinks = self.policy.sinks.clone().filter(Tensor::track_op);
+        let train = sinks.is_some() || [q, k, v].iter().any(|t| t.track_op());
+        let lse = (with_lse || train).then(Slot::default);
+        self.lse = lse.clone();
+        let o = if train {
+            let k = match sinks {
+                Some(sinks) => {
+                    let d_sinks = Slot::default();
+                    self.d_sinks = Some(d_sinks.clone());
+                    k.apply_op2(&sinks, SinksTie { d_sinks })?
+                }
+                None => k.clone(),
+            };
+            q.apply_op3(&k, v, self)?
+        } else {
+            q.apply_op3_no_bwd(k, v, &self)?
+        };
+        let lse = match lse.filter(|_| with_lse) {
+            Some(slot) => Some(slot.get("LSE")?),
+            None => None,
+        };
         Ok((o, lse))
     }
 
@@ -373,6 +470,10 @@ impl Attn {
             Some(_) => Some(dev.alloc_zeros::<f32>(b * s * h)?),
             None => None,
         };
+        let lse_dims = match self.seqs {
+            Seqs::Dense => vec![b, h, s],
+            _ => vec![h, s],
+        };
         let out = Out {
             o: TensorMut::new(o.as_view_mut(), o_layout),
             lse: lse.as_mut().map(|l| l.as_view_mut()),
@@ -384,25 +485,9 @@ impl Attn {
         };
         match &self.seqs {
             Seqs::Dense => fa.forward(&stream, qkv, out, &opts),
-            Seqs::Varlen {
-                cu_seqlens_q,
-                cu_seqlens_k,
-                max_seqlen_q,
-                max_seqlen_k,
-            } => {
-                let (gq, gk) = (
-                    cu_seqlens_q.storage_and_layout(),
-                    cu_seqlens_k.storage_and_layout(),
-                );
-                let (cu_q, cu_k) = (index_view(&gq, "seqlens_q")?, index_view(&gk, "seqlens_k")?);
-                let seqs = Varlen {
-                    cu_seqlens_q: &cu_q,
-                    cu_seqlens_k: &cu_k,
-                    max_seqlen_q: *max_seqlen_q,
-                    max_seqlen_k: *max_seqlen_k,
-                };
-                fa.forward_varlen(&stream, qkv, out, &seqs, &opts)
-            }
+            Seqs::Varlen { .. } => self
+                .seqs
+                .with_varlen(|seqs| fa.forward_varlen(&stream, qkv, out, seqs, &opts))?,
             Seqs::Paged {
                 cu_seqlens_q,
                 max_seqlen_q,
@@ -427,46 +512,35 @@ impl Attn {
             }
         }
         .map_err(wrap)?;
-        stash_lse(&self.lse, lse);
+        if let (Some(slot), Some(lse)) = (&self.lse, lse) {
+            slot.put(tensor_of(lse, lse_dims, dev));
+        }
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), shape))
     }
-}
-
-fn stash_lse(slot: &Option<Mutex<Option<CudaSlice<f32>>>>, lse: Option<CudaSlice<f32>>) {
-    if let (Some(slot), Some(lse)) = (slot, lse) {
-        *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(lse);
-    }
-}
-
-/// The LSE an op stashed, as a tensor on `o`'s device of the shape
-/// `lse_dims(o.dims())`.
-fn take_lse(
-    slot: Option<Mutex<Option<CudaSlice<f32>>>>,
-    o: &Tensor,
-    lse_dims: impl FnOnce(&[usize]) -> Vec<usize>,
-) -> Result<Option<Tensor>> {
-    let Some(slot) = slot else { return Ok(None) };
-    let Some(lse) = slot.into_inner().unwrap_or_else(|p| p.into_inner()) else {
-        bail!("flash-attn: the op ran without producing its LSE")
-    };
-    let dev = o.device().as_cuda_device()?.clone();
-    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(lse, dev));
-    Ok(Some(Tensor::from_storage(
-        storage,
-        lse_dims(o.dims()),
-        BackpropOp::none(),
-        false,
-    )))
 }
 
 /// A candle op over (q, k, v) whose `run::<T>` does the work: CPU tensors
 /// and dtypes without kernels are candle errors.
 macro_rules! qkv_op {
-    ($op:ty, $name:literal) => {
+    ($op:ty, $name:literal $(, $backward:ident)?) => {
         impl CustomOp3 for $op {
             fn name(&self) -> &'static str {
                 $name
             }
+
+            $(
+                fn bwd(
+                    &self,
+                    q: &Tensor,
+                    k: &Tensor,
+                    v: &Tensor,
+                    o: &Tensor,
+                    d_o: &Tensor,
+                ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+                    let [dq, dk, dv] = self.$backward(q, k, v, o, d_o)?;
+                    Ok((Some(dq), Some(dk), Some(dv)))
+                }
+            )?
 
             fn cpu_fwd(
                 &self,
@@ -500,7 +574,173 @@ macro_rules! qkv_op {
     };
 }
 
-qkv_op!(Attn, "flash-attn");
+qkv_op!(Attn, "flash-attn", backward);
+
+impl Attn {
+    /// dQ, dK and dV of the op's forward, given its O and dO, by
+    /// [`FlashAttention::backward`] (or `backward_varlen`) with the
+    /// forward's options and LSE; the sinks' gradient goes to
+    /// [`SinksTie`]. f32 inputs, which the forward rounded to f16, are
+    /// rounded the same way here and their gradients come back as f32.
+    fn backward(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        o: &Tensor,
+        d_o: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        if let Seqs::Paged { .. } = self.seqs {
+            bail!("flash-attn: no backward through a paged K/V cache (an inference layout)")
+        }
+        let lse = match &self.lse {
+            Some(slot) => slot.get("LSE")?,
+            None => bail!("flash-attn: the forward kept no LSE for a backward"),
+        };
+        match q.dtype() {
+            DType::F16 => self.backward_as::<f16>([q, k, v, o, d_o], &lse),
+            DType::BF16 => self.backward_as::<bf16>([q, k, v, o, d_o], &lse),
+            DType::F32 => {
+                let h = |t: &Tensor| t.to_dtype(DType::F16);
+                let x = [h(q)?, h(k)?, h(v)?, h(o)?, h(d_o)?];
+                let grads = self.backward_as::<f16>(x.each_ref(), &lse)?;
+                let [dq, dk, dv] = grads.each_ref().map(|g| g.to_dtype(DType::F32));
+                Ok([dq?, dk?, dv?])
+            }
+            dt => bail!("flash-attn supports f16, bf16 and f32 tensors, got {dt:?}"),
+        }
+    }
+
+    fn backward_as<T: AttnElement + CudaDType>(
+        &self,
+        [q, k, v, o, d_o]: [&Tensor; 5],
+        lse: &Tensor,
+    ) -> Result<[Tensor; 3]> {
+        // candle's backprop hands `bwd` a gradient it has just summed
+        // (contiguous); a layout the kernels cannot read would be refused by
+        // validation like any other operand.
+        let dev = q.device().as_cuda_device()?;
+        let fa = kernels(dev)?;
+        let stream = dev.cuda_stream();
+        let names = ["q", "k", "v", "o", "d_o"];
+        let guards = [q, k, v, o, d_o].map(Tensor::storage_and_layout);
+        let mut views = Vec::with_capacity(5);
+        for ((storage, layout), name) in guards.iter().zip(names) {
+            let (view, layout) = operand::<T>(cuda_storage(storage, name)?, layout, name)?;
+            views.push(TensorRef::new(view, layout));
+        }
+        let [q_ref, k_ref, v_ref, o_ref, do_ref] = <[TensorRef<T>; 5]>::try_from(views)
+            .map_err(|_| candle_core::Error::Msg("five operands".into()))?;
+        let lse_guard = lse.storage_and_layout();
+        let lse_view = f32_view(&lse_guard, "lse")?;
+        let shapes = [&q_ref, &k_ref, &v_ref].map(|t| t.layout.shape);
+        let alloc = |shape: [usize; 4]| -> Result<CudaSlice<T>> {
+            let n = shape.iter().product();
+            match self.seqs {
+                // SAFETY: the fixed-batch backward writes every element of
+                // dQ, dK and dV (0 where no query or key is seen); a refused
+                // call drops the buffers unread.
+                Seqs::Dense => Ok(unsafe { dev.alloc::<T>(n)? }),
+                // Packed rows that no sequence owns keep their dK and dV.
+                _ => dev.alloc_zeros::<T>(n),
+            }
+        };
+        let [mut dq, mut dk, mut dv] = [alloc(shapes[0])?, alloc(shapes[1])?, alloc(shapes[2])?];
+        let heads = q_ref.layout.shape[2];
+        let mut d_sinks = match &self.d_sinks {
+            Some(_) => Some(dev.alloc_zeros::<f32>(heads)?),
+            None => None,
+        };
+        let guards = self.policy.lock();
+        let policy_views = guards.views()?;
+        let opts = policy_views.options(&self.policy)?;
+        let [dql, dkl, dvl] = shapes.map(Layout::contiguous);
+        let mut out = Grads::new(
+            TensorMut::new(dq.as_view_mut(), dql),
+            TensorMut::new(dk.as_view_mut(), dkl),
+            TensorMut::new(dv.as_view_mut(), dvl),
+        );
+        if let Some(d) = d_sinks.as_mut() {
+            out = out.with_sinks(d.as_view_mut());
+        }
+        let qkv = Qkv {
+            q: &q_ref,
+            k: &k_ref,
+            v: &v_ref,
+        };
+        let saved = BackwardInputs {
+            o: &o_ref,
+            lse: &lse_view,
+            d_o: &do_ref,
+        };
+        match self.seqs {
+            Seqs::Dense => fa.backward(&stream, qkv, saved, out, &opts),
+            _ => self
+                .seqs
+                .with_varlen(|seqs| fa.backward_varlen(&stream, qkv, saved, out, seqs, &opts))?,
+        }
+        .map_err(wrap)?;
+        if let (Some(slot), Some(d)) = (&self.d_sinks, d_sinks) {
+            slot.put(tensor_of(d, vec![heads], dev));
+        }
+        Ok([
+            tensor_of(dq, q.dims().to_vec(), dev),
+            tensor_of(dk, k.dims().to_vec(), dev),
+            tensor_of(dv, v.dims().to_vec(), dev),
+        ])
+    }
+}
+
+/// Gives the sinks a gradient. candle's custom ops take up to three
+/// tensors, and attention's are q, k and v, so trained sinks join the graph
+/// through K: this op's output is K (a contiguous copy, made only when the
+/// sinks are tracked), its backward passes dK through and hands the sinks
+/// the gradient that attention's backward left in `d_sinks`. candle runs
+/// attention's backward first, as its K is this op's output.
+struct SinksTie {
+    d_sinks: Slot,
+}
+
+impl CustomOp2 for SinksTie {
+    fn name(&self) -> &'static str {
+        "flash-attn-sinks"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &CandleLayout,
+        _: &CpuStorage,
+        _: &CandleLayout,
+    ) -> Result<(CpuStorage, Shape)> {
+        bail!("flash-attn runs on CUDA tensors only (got CPU tensors)")
+    }
+
+    fn cuda_fwd(
+        &self,
+        k: &CudaStorage,
+        k_l: &CandleLayout,
+        _: &CudaStorage,
+        _: &CandleLayout,
+    ) -> Result<(CudaStorage, Shape)> {
+        let mut copy = k.device().zeros_impl(k_l.shape(), k.dtype())?;
+        k.copy_strided_src(&mut copy, 0, k_l)?;
+        Ok((copy, k_l.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        d_k: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((
+            Some(d_k.clone()),
+            Some(self.d_sinks.take("sinks' gradient")?),
+        ))
+    }
+}
 
 /// Flash attention: `softmax(q·kᵀ · softmax_scale) · v`, as candle-flash-attn's.
 ///
@@ -591,7 +831,8 @@ pub fn flash_attn_alibi_windowed(
 }
 
 /// Optional ALiBi, a sliding window and a Gemma-style logit softcap:
-/// score = `softcap · tanh(softmax_scale · q·k / softcap)`.
+/// score = `softcap · tanh(softmax_scale · q·k / softcap)`; a softcap of 0
+/// is none, as in candle-flash-attn.
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_alibi_windowed_softcap(
     q: &Tensor,
@@ -628,7 +869,7 @@ fn flash_attn_alibi_windowed_impl(
 ) -> Result<Tensor> {
     let seqlen_k = k.dims().get(1).copied().unwrap_or(0);
     let policy = Policy::windowed(softmax_scale, left, right, seqlen_k, softcap, alibi_slopes);
-    Ok(Attn::new(policy, Seqs::Dense, false).apply(q, k, v)?.0)
+    Ok(Attn::new(policy, Seqs::Dense).apply(q, k, v, false)?.0)
 }
 
 /// Attention over full sequences with the log-sum-exp: returns O (`q`'s
@@ -640,7 +881,7 @@ pub fn flash_attn_lse(
     v: &Tensor,
     args: &AttnArgs,
 ) -> Result<(Tensor, Tensor)> {
-    let (o, lse) = Attn::new(Policy::new(args), Seqs::Dense, true).apply(q, k, v)?;
+    let (o, lse) = Attn::new(Policy::new(args), Seqs::Dense).apply(q, k, v, true)?;
     Ok((o, lse.expect("asked for")))
 }
 
@@ -851,7 +1092,7 @@ pub fn flash_attn_varlen_paged_windowed(
         seqlens_k: counts,
         block_table: block_table.clone(),
     };
-    Ok(Attn::new(policy, seqs, false).apply(q, k, v)?.0)
+    Ok(Attn::new(policy, seqs).apply(q, k, v, false)?.0)
 }
 
 fn varlen_impl(
@@ -867,7 +1108,7 @@ fn varlen_impl(
         max_seqlen_q,
         max_seqlen_k,
     };
-    Ok(Attn::new(policy, seqs, false).apply(q, k, v)?.0)
+    Ok(Attn::new(policy, seqs).apply(q, k, v, false)?.0)
 }
 
 /// [`flash_attn_varlen`] with [`AttnArgs`], returning O and the f32 LSE
@@ -889,7 +1130,7 @@ pub fn flash_attn_varlen_lse(
         max_seqlen_q,
         max_seqlen_k,
     };
-    let (o, lse) = Attn::new(Policy::new(args), seqs, true).apply(q, k, v)?;
+    let (o, lse) = Attn::new(Policy::new(args), seqs).apply(q, k, v, true)?;
     Ok((o, lse.expect("asked for")))
 }
 
@@ -899,7 +1140,7 @@ struct KvDecode {
     cache_seqlens: Tensor,
     block_table: Option<Tensor>,
     new_kv: Option<(Tensor, Tensor)>,
-    lse: Option<Mutex<Option<CudaSlice<f32>>>>,
+    lse: Slot,
 }
 
 /// Device memory candle owns, handed to flash-attn as writable for one call
@@ -990,21 +1231,18 @@ impl KvDecode {
         let shape = q_l.shape().clone();
         let mut o = unsafe { dev.alloc::<T>(shape.elem_count())? };
         let [b, s, h, _] = q_layout.shape;
-        let mut lse = match &self.lse {
-            Some(_) => Some(dev.alloc_zeros::<f32>(b * s * h)?),
-            None => None,
-        };
+        let mut lse = dev.alloc_zeros::<f32>(b * s * h)?;
         let step = DecodeStep {
             q: &q,
             new_kv: new_views.as_ref().map(|(k, v)| (k, v)),
         };
         let out = Out {
             o: TensorMut::new(o.as_view_mut(), Layout::contiguous(q_layout.shape)),
-            lse: lse.as_mut().map(|l| l.as_view_mut()),
+            lse: Some(lse.as_view_mut()),
         };
         fa.decode_kvcache(&stream, step, &mut cache, out, &opts, None)
             .map_err(wrap)?;
-        stash_lse(&self.lse, lse);
+        self.lse.put(tensor_of(lse, vec![b, h, s], dev));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), shape))
     }
 }
@@ -1045,11 +1283,14 @@ pub fn flash_attn_with_kvcache(
         cache_seqlens: cache_seqlens.clone(),
         block_table: block_table.cloned(),
         new_kv,
-        lse: Some(Mutex::new(None)),
+        lse: Slot::default(),
     };
-    let o = q.apply_op3_no_bwd(k_cache, v_cache, &op)?;
-    let lse = take_lse(op.lse, &o, |d| vec![d[0], d[2], d[1]])?;
-    Ok((o, lse.expect("asked for")))
+    // In the graph without a backward: a loss through it fails at
+    // `backward()` (candle's `BackwardNotSupported`) instead of giving q no
+    // gradient.
+    let lse = op.lse.clone();
+    let o = q.apply_op3(k_cache, v_cache, op)?;
+    Ok((o, lse.get("LSE")?))
 }
 
 /// Merges two attention states over disjoint key sets (FlashInfer's
@@ -1065,17 +1306,18 @@ pub fn merge_states(
     let op = Merge {
         lse_a: lse_a.clone(),
         lse_b: lse_b.clone(),
-        lse: Mutex::new(None),
+        lse: Slot::default(),
     };
-    let o = o_a.apply_op2_no_bwd(o_b, &op)?;
-    let lse = take_lse(Some(op.lse), &o, |d| vec![d[0], d[2], d[1]])?;
-    Ok((o, lse.expect("asked for")))
+    // No backward, as `flash_attn_with_kvcache`.
+    let lse = op.lse.clone();
+    let o = o_a.apply_op2(o_b, op)?;
+    Ok((o, lse.get("LSE")?))
 }
 
 struct Merge {
     lse_a: Tensor,
     lse_b: Tensor,
-    lse: Mutex<Option<CudaSlice<f32>>>,
+    lse: Slot,
 }
 
 impl Merge {
@@ -1116,7 +1358,7 @@ impl Merge {
             ),
         )
         .map_err(wrap)?;
-        *self.lse.lock().unwrap_or_else(|p| p.into_inner()) = Some(lse);
+        self.lse.put(tensor_of(lse, vec![bs, h, s], dev));
         Ok((CudaStorage::wrap_cuda_slice(o, dev.clone()), shape))
     }
 }

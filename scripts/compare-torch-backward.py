@@ -10,6 +10,12 @@ Each PyTorch call is ``torch.autograd.grad(O, (Q, K, V), dO, retain_graph=True)`
 after one forward: the backward kernels, their workspace and autograd's
 dispatch, as a training step runs them. Writes DIR/compare-backward.md
 (also printed) and DIR/compare-backward.json.
+
+With ``--step``, ``--ours`` is the candle bench's JSON (``cargo bench
+--features candle --bench candle_training -- --json ours.jsonl``) and each PyTorch
+call is a whole step, the forward and ``torch.autograd.grad`` with dO = 1
+(what candle's ``o.backward()`` seeds), beside our step through candle and
+through flash-attn's own API; written as DIR/compare-step.md and .json.
 """
 import argparse
 import json
@@ -37,7 +43,7 @@ def time_median(call, reps):
     return statistics.median_high([batch(n) for _ in range(reps)])
 
 
-def torch_ms(row, backend, reps):
+def torch_ms(row, backend, reps, step=False):
     dtype = {"f16": torch.float16, "bf16": torch.bfloat16}[row["dtype"]]
     b, s, h, hkv, d = row["batch"], row["seqlen"], row["heads"], row["kv_heads"], row["head_dim"]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -48,12 +54,18 @@ def torch_ms(row, backend, reps):
 
     q, k, v = rand(h), rand(hkv), rand(hkv)
     d_o = torch.rand(b, h, s, d, device="cuda", generator=gen).to(dtype) * 2 - 1
+    if step:
+        d_o = torch.ones_like(d_o)
     try:
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(
+            sdpa = lambda: F.scaled_dot_product_attention(
                 q, k, v, is_causal=row["causal"], enable_gqa=(h != hkv)
             )
-            grad = lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
+            if step:
+                grad = lambda: torch.autograd.grad(sdpa(), (q, k, v), d_o)
+            else:
+                out = sdpa()
+                grad = lambda: torch.autograd.grad(out, (q, k, v), d_o, retain_graph=True)
             grad()
             torch.cuda.synchronize()
             return time_median(grad, reps)
@@ -66,7 +78,10 @@ def main():
     ap.add_argument("--ours", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--reps", type=int, default=21)
+    ap.add_argument("--step", action="store_true")
     a = ap.parse_args()
+    if a.step:
+        return step_table(a)
     # SDPA has no softcap, ALiBi, sinks or packed sequences: those rows
     # compare with our own plain rows instead.
     rows = [json.loads(line) for line in open(a.ours) if line.strip()]
@@ -100,6 +115,38 @@ def main():
     print(text)
     open(os.path.join(a.out, "compare-backward.md"), "w").write(text)
     json.dump({"gpu": gpu, "rows": out}, open(os.path.join(a.out, "compare-backward.json"), "w"), indent=1)
+
+
+def step_table(a):
+    rows = [json.loads(line) for line in open(a.ours) if line.strip()]
+    os.makedirs(a.out, exist_ok=True)
+    out = [
+        {"ours": r, "torch_ms": {n: torch_ms(r, be, a.reps, step=True) for n, be in BACKENDS.items()}}
+        for r in rows
+    ]
+    gpu = torch.cuda.get_device_name()
+    lines = [
+        f"# training step (forward + backward) on {gpu} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
+        "",
+        "| row | ours via candle ms | ours via API ms | FA2 ms | cuDNN ms | FA2 ms / candle ms | cuDNN ms / candle ms | FA2 ms / API ms | cuDNN ms / API ms |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+
+    def ratio(x, ours):
+        return f"{x / ours:.3f}" if isinstance(x, float) else "-"
+
+    for o in out:
+        r, t = o["ours"], o["torch_ms"]
+        ms = [f"{x:.4f}" if isinstance(x, float) else x for x in (t["FA2"], t["cuDNN"])]
+        lines.append(
+            f"| {r['label']} | {r['ours_ms']:.4f} | {r['api_ms']:.4f} | {ms[0]} | {ms[1]} | "
+            f"{ratio(t['FA2'], r['ours_ms'])} | {ratio(t['cuDNN'], r['ours_ms'])} | "
+            f"{ratio(t['FA2'], r['api_ms'])} | {ratio(t['cuDNN'], r['api_ms'])} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    open(os.path.join(a.out, "compare-step.md"), "w").write(text)
+    json.dump({"gpu": gpu, "rows": out}, open(os.path.join(a.out, "compare-step.json"), "w"), indent=1)
 
 
 if __name__ == "__main__":

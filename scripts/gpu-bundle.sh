@@ -3,8 +3,9 @@
 # binaries (release) and puts them in DIR with run-tests.sh and run-bench.sh,
 # so they run on a GPU host that has no Rust toolchain:
 #   scripts/gpu-bundle.sh bundle && (cd bundle && ./run-tests.sh && ./run-bench.sh --quick)
-# With --candle, also the candle integration's tests and example (candle-tests,
-# example-candle_llama_attention), built with nvcc from
+# With --candle, also the candle integration's tests, training bench and
+# example (candle-tests, bench-candle_training, example-candle_llama_attention),
+# built with nvcc from
 # scripts/setup-candle-cuda.sh for CUDA_COMPUTE_CAP (default 90).
 # Refuses to bundle binaries whose committed cubins were not assembled from
 # the embedded PTX (the GPU host would JIT-compile the whole module on first
@@ -31,6 +32,7 @@ build() {
       eval "$(scripts/setup-candle-cuda.sh)"
       export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP_GPU:-90}"
       cargo test --release --no-run --features candle --message-format=json-render-diagnostics --test candle
+      cargo bench --no-run --features candle --message-format=json-render-diagnostics --bench candle_training
       cargo build --release --features candle --message-format=json-render-diagnostics \
         --example candle_llama_attention
     )
@@ -53,6 +55,7 @@ build 2>/dev/null | python3 scripts/cargo-executables.py | while read -r name ex
     candle) cp "$exe" "$dir/candle-tests" ;;
     attention) cp "$exe" "$dir/bench" ;;
     backward) cp "$exe" "$dir/bench-backward" ;;
+    candle_training) cp "$exe" "$dir/bench-candle_training" ;;
     *) cp "$exe" "$dir/example-$name" ;;
   esac
 done

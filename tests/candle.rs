@@ -8,12 +8,14 @@
 //! `gpu_bf16_refused_without_sm80` checks that bf16 is refused there.
 use std::sync::Arc;
 
-use candle_core::{DType, Device, IndexOp, Tensor, D};
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, IndexOp, Tensor, Var, D};
 use flash_attn::candle as fa;
 use flash_attn::candle::AttnArgs;
-use flash_attn::reference::{self, Extras};
+use flash_attn::reference::{self, BwdErrorModel, Extras, RefGrads};
 use flash_attn::validate::{DecodeShape, ForwardShape, VarlenShape};
 use flash_attn::{Dtype, FlashAttention, Window};
+use half::{bf16, f16};
 use libtest_mimic::{Arguments, Failed, Trial};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1009,6 +1011,449 @@ fn bf16_refused(dev: &Device) -> R<()> {
     Ok(())
 }
 
+/// Unit roundoff of the arithmetic the backward runs in for `dtype` (f32
+/// inputs run as f16).
+fn unit(dtype: DType) -> f64 {
+    match dtype {
+        DType::BF16 => 1.0 / 256.0,
+        _ => 1.0 / 2048.0,
+    }
+}
+
+/// `n` random values in -1..1 that `dtype` holds exactly, and that f16
+/// holds exactly for f32 (which the kernels round to f16): the reference
+/// then sees what the kernels see.
+fn exact_values(rng: &mut StdRng, n: usize, dtype: DType) -> Vec<f32> {
+    (0..n)
+        .map(|_| {
+            let x: f32 = rng.random_range(-1.0..1.0);
+            match dtype {
+                DType::BF16 => bf16::from_f32(x).to_f32(),
+                _ => f16::from_f32(x).to_f32(),
+            }
+        })
+        .collect()
+}
+
+fn exact_var(rng: &mut StdRng, dims: &[usize], dtype: DType, dev: &Device) -> R<Var> {
+    let data = exact_values(rng, dims.iter().product(), dtype);
+    let t = c(c(Tensor::from_vec(data, dims, dev))?.to_dtype(dtype))?;
+    c(Var::from_tensor(&t))
+}
+
+/// The loss `Σ O ∘ W` for fixed random weights W of `dims`: its gradient
+/// with respect to O is W (exact in the dtype, so dO is W as given).
+fn weighted_loss(rng: &mut StdRng, o: &Tensor, dtype: DType) -> R<(Tensor, Vec<f64>)> {
+    let data = exact_values(rng, o.elem_count(), dtype);
+    let w64 = data.iter().map(|&x| x as f64).collect();
+    let w = c(Tensor::from_vec(data, o.dims(), o.device()))?;
+    let loss = c(c(c(o.to_dtype(DType::F32))? * w)?.sum_all())?;
+    Ok((loss, w64))
+}
+
+/// The window candle-flash-attn's functions mean by `window` for keys of
+/// length `seqlen_k` (the longest sequence's for varlen): a side wider
+/// than that is unbounded (the same mask unless a sequence has more
+/// queries than keys).
+fn candle_fa_window(window: Window, seqlen_k: usize) -> Window {
+    Window {
+        left: window.left.filter(|&w| w <= seqlen_k),
+        right: window.right.filter(|&w| w <= seqlen_k),
+    }
+}
+
+/// The error model of `reference::backward_bounds` for `dtype`.
+fn bwd_model(dtype: DType) -> BwdErrorModel {
+    BwdErrorModel {
+        unit: unit(dtype),
+        // `tanh.approx.f32`'s largest relative error (PTX ISA: 2^-10.987).
+        tanh_rel_err: 5.0e-4,
+        lse_tol: LSE_TOL,
+    }
+}
+
+/// A variable's gradient, which must exist and have its shape.
+fn grad_of(grads: &GradStore, var: &Var, what: &str) -> R<Tensor> {
+    let g = grads
+        .get(var.as_tensor())
+        .ok_or_else(|| Failed::from(format!("no gradient for {what}")))?;
+    if g.dims() != var.dims() {
+        return Err(format!(
+            "{what}: gradient shape {:?}, want {:?}",
+            g.dims(),
+            var.dims()
+        )
+        .into());
+    }
+    Ok(g.clone())
+}
+
+/// Training through the ops: `loss.backward()` through each dense entry
+/// point reaches Q (a transposed view of a [b, h, s, d] variable), K and V
+/// (halves of one fused variable) and the sinks, against the f64
+/// reference's gradients within `reference::backward_bounds`.
+fn backward_trial(dev: &Device, dtype: DType, seed: u64) -> R<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    for i in 0..6 {
+        let mut cs = random_case(&mut rng);
+        cs.d = flash_attn::BWD_HEAD_DIMS[rng.random_range(0..flash_attn::BWD_HEAD_DIMS.len())];
+        // Even cases through candle-flash-attn's functions (no LSE asked
+        // for, so the op keeps one for its backward by itself), odd ones
+        // through `flash_attn_lse` with sinks and per-batch slopes.
+        let extras = i % 2 == 1;
+        backward_case(dev, dtype, &mut rng, &cs, extras).map_err(|e| {
+            Failed::from(format!(
+                "seed {seed}, {cs:?}, extras {extras}: {}",
+                e.message().unwrap_or("")
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+fn backward_case(dev: &Device, dtype: DType, rng: &mut StdRng, cs: &Case, extras: bool) -> R<()> {
+    let Case {
+        b,
+        sq,
+        sk,
+        h,
+        hkv,
+        d,
+        window,
+        softcap,
+        alibi,
+    } = *cs;
+    let q_var = exact_var(rng, &[b, h, sq, d], dtype, dev)?;
+    let kv_var = exact_var(rng, &[b, sk, 2 * hkv, d], dtype, dev)?;
+    let q = c(q_var.transpose(1, 2))?;
+    let (k, v) = (c(kv_var.narrow(2, 0, hkv))?, c(kv_var.narrow(2, hkv, hkv))?);
+    let scale = 1.0 / (d as f32).sqrt();
+    let (l, r) = (window.left, window.right);
+    let slope_count = if extras { b * h } else { h };
+    let sl: Vec<f32> = (0..slope_count)
+        .map(|_| rng.random_range(0.0..0.5))
+        .collect();
+    let sl_t = c(Tensor::from_vec(sl.clone(), slope_count, dev))?;
+    let sl_t = if extras {
+        c(sl_t.reshape((b, h)))?
+    } else {
+        sl_t
+    };
+    let sinks: Vec<f32> = (0..h).map(|_| rng.random_range(-2.0..3.0)).collect();
+    let sinks_var = c(Var::from_vec(sinks.clone(), h, dev))?;
+    let o = if extras {
+        let args = AttnArgs {
+            softmax_scale: Some(scale),
+            window_size_left: l,
+            window_size_right: r,
+            softcap,
+            alibi_slopes: alibi.then_some(&sl_t),
+            sinks: Some(sinks_var.as_tensor()),
+            ..Default::default()
+        };
+        c(fa::flash_attn_lse(&q, &k, &v, &args))?.0
+    } else {
+        match (alibi, softcap) {
+            (false, None) => c(fa::flash_attn_windowed(&q, &k, &v, scale, l, r))?,
+            (true, None) => c(fa::flash_attn_alibi_windowed(
+                &q, &k, &v, &sl_t, scale, l, r,
+            ))?,
+            (_, Some(cap)) => c(fa::flash_attn_alibi_windowed_softcap(
+                &q,
+                &k,
+                &v,
+                alibi.then_some(&sl_t),
+                scale,
+                l,
+                r,
+                cap,
+            ))?,
+        }
+    };
+    let (loss, do64) = weighted_loss(rng, &o, dtype)?;
+    let grads = c(loss.backward())?;
+    let dq = grad_of(&grads, &q_var, "q")?;
+    let dkv = grad_of(&grads, &kv_var, "the fused kv")?;
+    let got = RefGrads {
+        dq: host_f64(&c(dq.transpose(1, 2))?)?,
+        dk: host_f64(&c(dkv.narrow(2, 0, hkv))?)?,
+        dv: host_f64(&c(dkv.narrow(2, hkv, hkv))?)?,
+        d_sinks: if extras {
+            host_f64(&grad_of(&grads, &sinks_var, "sinks")?)?
+        } else {
+            Vec::new()
+        },
+    };
+    let shape = ForwardShape {
+        batch: b,
+        seqlen_q: sq,
+        seqlen_k: sk,
+        heads: h,
+        kv_heads: hkv,
+        head_dim: d,
+        v_head_dim: d,
+        causal: false,
+        softmax_scale: scale,
+        window: if extras {
+            window
+        } else {
+            candle_fa_window(window, sk)
+        },
+        softcap,
+    };
+    let (sl64, sinks64): (Vec<f64>, Vec<f64>) = (
+        sl.iter().map(|&x| x as f64).collect(),
+        sinks.iter().map(|&x| x as f64).collect(),
+    );
+    let ext = Extras {
+        alibi_slopes: alibi.then_some(&sl64[..]),
+        sinks: extras.then_some(&sinks64[..]),
+    };
+    let (q64, k64, v64, o64) = (host_f64(&q)?, host_f64(&k)?, host_f64(&v)?, host_f64(&o)?);
+    let want = reference::attention_backward_ext(&shape, &q64, &k64, &v64, &do64, &ext);
+    let bounds = reference::backward_bounds(
+        &shape,
+        &q64,
+        &k64,
+        &v64,
+        &do64,
+        &o64,
+        &ext,
+        &bwd_model(dtype),
+    );
+    Ok(reference::check_backward(
+        &got,
+        &want,
+        &bounds,
+        unit(dtype),
+        d,
+    )?)
+}
+
+/// Training through the varlen ops: sequences of 0, 1 and up to 200
+/// tokens, rows after the last sequence that no sequence owns (their
+/// gradients 0), Q a transposed view of a [h, total, d] variable.
+fn varlen_backward_trial(dev: &Device, dtype: DType, seed: u64) -> R<()> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    for i in 0..6 {
+        let mut cs = random_case(&mut rng);
+        cs.d = flash_attn::BWD_HEAD_DIMS[rng.random_range(0..flash_attn::BWD_HEAD_DIMS.len())];
+        let extras = i % 2 == 1;
+        varlen_backward_case(dev, dtype, &mut rng, &cs, extras).map_err(|e| {
+            Failed::from(format!(
+                "seed {seed}, {cs:?}, extras {extras}: {}",
+                e.message().unwrap_or("")
+            ))
+        })?;
+    }
+    Ok(())
+}
+
+fn varlen_backward_case(
+    dev: &Device,
+    dtype: DType,
+    rng: &mut StdRng,
+    cs: &Case,
+    extras: bool,
+) -> R<()> {
+    let Case {
+        b,
+        h,
+        hkv,
+        d,
+        window,
+        softcap,
+        alibi,
+        ..
+    } = *cs;
+    let len = |rng: &mut StdRng| match rng.random_range(0..6) {
+        0 => 0,
+        1 => 1,
+        _ => rng.random_range(2..200),
+    };
+    let lens: Vec<(usize, usize)> = (0..b).map(|_| (len(rng), len(rng))).collect();
+    let cum = |f: fn(&(usize, usize)) -> usize| -> Vec<i32> {
+        std::iter::once(0)
+            .chain(lens.iter().scan(0, |acc, x| {
+                *acc += f(x) as i32;
+                Some(*acc)
+            }))
+            .collect()
+    };
+    let (cu_q, cu_k) = (cum(|x| x.0), cum(|x| x.1));
+    let (pad_q, pad_k) = (rng.random_range(0..3), rng.random_range(0..3));
+    let total_q = *cu_q.last().unwrap() as usize + pad_q;
+    let total_k = *cu_k.last().unwrap() as usize + pad_k;
+    if total_q == 0 || total_k == 0 {
+        return Ok(()); // candle has no empty tensors to pack
+    }
+    let max_q = lens.iter().map(|x| x.0).max().unwrap().max(1);
+    let max_k = lens.iter().map(|x| x.1).max().unwrap().max(1);
+    let q_var = exact_var(rng, &[h, total_q, d], dtype, dev)?;
+    let kv_var = exact_var(rng, &[total_k, 2 * hkv, d], dtype, dev)?;
+    let q = c(q_var.transpose(0, 1))?;
+    let (k, v) = (c(kv_var.narrow(1, 0, hkv))?, c(kv_var.narrow(1, hkv, hkv))?);
+    let (cu_q_t, cu_k_t) = (
+        c(Tensor::new(&cu_q[..], dev))?,
+        c(Tensor::new(&cu_k[..], dev))?,
+    );
+    let scale = 1.0 / (d as f32).sqrt();
+    let (l, r) = (window.left, window.right);
+    let slope_count = if extras { b * h } else { h };
+    let sl: Vec<f32> = (0..slope_count)
+        .map(|_| rng.random_range(0.0..0.5))
+        .collect();
+    let sl_t = c(Tensor::from_vec(sl.clone(), slope_count, dev))?;
+    let sl_t = if extras {
+        c(sl_t.reshape((b, h)))?
+    } else {
+        sl_t
+    };
+    let sinks: Vec<f32> = (0..h).map(|_| rng.random_range(-2.0..3.0)).collect();
+    let sinks_var = c(Var::from_vec(sinks.clone(), h, dev))?;
+    let o = if extras {
+        let args = AttnArgs {
+            softmax_scale: Some(scale),
+            window_size_left: l,
+            window_size_right: r,
+            softcap,
+            alibi_slopes: alibi.then_some(&sl_t),
+            sinks: Some(sinks_var.as_tensor()),
+            ..Default::default()
+        };
+        c(fa::flash_attn_varlen_lse(
+            &q, &k, &v, &cu_q_t, &cu_k_t, max_q, max_k, &args,
+        ))?
+        .0
+    } else {
+        c(fa::flash_attn_varlen_alibi_windowed_softcap(
+            &q,
+            &k,
+            &v,
+            alibi.then_some(&sl_t),
+            &cu_q_t,
+            &cu_k_t,
+            max_q,
+            max_k,
+            scale,
+            l,
+            r,
+            softcap.unwrap_or(0.0),
+        ))?
+    };
+    let (loss, do64) = weighted_loss(rng, &o, dtype)?;
+    let grads = c(loss.backward())?;
+    let dq = grad_of(&grads, &q_var, "q")?;
+    let dkv = grad_of(&grads, &kv_var, "the fused kv")?;
+    let got = RefGrads {
+        dq: host_f64(&c(dq.transpose(0, 1))?)?,
+        dk: host_f64(&c(dkv.narrow(1, 0, hkv))?)?,
+        dv: host_f64(&c(dkv.narrow(1, hkv, hkv))?)?,
+        d_sinks: if extras {
+            host_f64(&grad_of(&grads, &sinks_var, "sinks")?)?
+        } else {
+            Vec::new()
+        },
+    };
+    let shape = VarlenShape {
+        batch: b,
+        total_q,
+        total_k,
+        max_seqlen_q: max_q,
+        max_seqlen_k: max_k,
+        heads: h,
+        kv_heads: hkv,
+        head_dim: d,
+        v_head_dim: d,
+        causal: false,
+        softmax_scale: scale,
+        window: if extras {
+            window
+        } else {
+            candle_fa_window(window, max_k)
+        },
+        softcap,
+    };
+    let (sl64, sinks64): (Vec<f64>, Vec<f64>) = (
+        sl.iter().map(|&x| x as f64).collect(),
+        sinks.iter().map(|&x| x as f64).collect(),
+    );
+    let ext = Extras {
+        alibi_slopes: alibi.then_some(&sl64[..]),
+        sinks: extras.then_some(&sinks64[..]),
+    };
+    let (q64, k64, v64, o64) = (host_f64(&q)?, host_f64(&k)?, host_f64(&v)?, host_f64(&o)?);
+    let at = |e: Failed| {
+        Failed::from(format!(
+            "lens (q, k) {lens:?}, pads ({pad_q}, {pad_k}): {}",
+            e.message().unwrap_or("")
+        ))
+    };
+    let fwd = reference::varlen(&shape, &cu_q, &cu_k, &q64, &k64, &v64, &ext);
+    check_rows(&o64, &fwd.o, d, abs_tol(dtype), "O").map_err(at)?;
+    let want = reference::varlen_backward(&shape, &cu_q, &cu_k, &q64, &k64, &v64, &do64, &ext);
+    let bounds = reference::varlen_backward_bounds(
+        &shape,
+        &cu_q,
+        &cu_k,
+        &q64,
+        &k64,
+        &v64,
+        &do64,
+        &o64,
+        &ext,
+        &bwd_model(dtype),
+    );
+    reference::check_backward(&got, &want, &bounds, unit(dtype), d).map_err(|e| at(Failed::from(e)))
+}
+
+/// What the backward refuses, as errors from `loss.backward()` (the
+/// forward ran): a head dim without backward kernels, a V head dim of its
+/// own, a paged K/V cache, the ops without a backward (decode against a KV
+/// cache, `merge_states`).
+fn backward_errors(dev: &Device) -> R<()> {
+    let mut rng = StdRng::seed_from_u64(7);
+    let q = exact_var(&mut rng, &[1, 8, 2, 256], DType::F16, dev)?;
+    let o = c(fa::flash_attn(&q, &q, &q, 0.1, true))?;
+    expect_err(c(o.sum_all())?.backward(), "head dim 256")?;
+    let q = exact_var(&mut rng, &[1, 8, 2, 128], DType::F16, dev)?;
+    let v = exact_var(&mut rng, &[1, 8, 2, 64], DType::F16, dev)?;
+    let o = c(fa::flash_attn(&q, &q, &v, 0.1, true))?;
+    expect_err(c(o.sum_all())?.backward(), "V head dim")?;
+    let q = exact_var(&mut rng, &[16, 2, 64], DType::F16, dev)?;
+    let pool = c(Tensor::zeros((2, 16, 2, 64), DType::F16, dev))?;
+    let cu_q = c(Tensor::new(&[0u32, 16], dev))?;
+    let cu_k = c(Tensor::new(&[0u32, 16], dev))?;
+    let table = c(Tensor::new(&[[1u32]], dev))?;
+    let o = c(fa::flash_attn_varlen_paged_windowed(
+        &q,
+        &pool,
+        &pool,
+        &cu_q,
+        &cu_k,
+        &table,
+        None,
+        16,
+        16,
+        0.1,
+        None,
+        Some(0),
+        16,
+        None,
+    ))?;
+    expect_err(c(o.sum_all())?.backward(), "paged")?;
+    let q = exact_var(&mut rng, &[1, 1, 2, 64], DType::F16, dev)?;
+    let cache = c(Tensor::zeros((1, 16, 2, 64), DType::F16, dev))?;
+    let lens = c(Tensor::new(&[4u32], dev))?;
+    let args = AttnArgs::default();
+    let (o, lse) = c(fa::flash_attn_with_kvcache(
+        &q, &cache, &cache, &lens, None, None, None, &args,
+    ))?;
+    expect_err(c(o.sum_all())?.backward(), "backward is not supported")?;
+    let (o, _) = c(fa::merge_states(&o, &lse, &o, &lse))?;
+    expect_err(c(o.sum_all())?.backward(), "backward is not supported")
+}
+
 fn main() {
     let args = Arguments::from_args();
     let gpu = Arc::new(open_gpu());
@@ -1023,11 +1468,13 @@ fn main() {
         errors_cpu,
     )];
     type GpuTest = fn(&Device, DType, u64) -> R<()>;
-    let tests: [(&str, GpuTest); 4] = [
+    let tests: [(&str, GpuTest); 6] = [
         ("dense", dense_trial),
         ("varlen_and_paged", varlen_trial),
         ("kvcache_append_sinks", kvcache_trial),
         ("merge_states", merge_trial),
+        ("backward", backward_trial),
+        ("varlen_backward", varlen_backward_trial),
     ];
     for (name, run) in tests {
         for (dtype, dname) in [
@@ -1051,6 +1498,13 @@ fn main() {
     trials.push(
         Trial::test("gpu_errors", move || {
             errors_gpu(g.as_ref().as_ref().unwrap())
+        })
+        .with_ignored_flag(g_absent(&gpu)),
+    );
+    let g = gpu.clone();
+    trials.push(
+        Trial::test("gpu_backward_errors", move || {
+            backward_errors(g.as_ref().as_ref().unwrap())
         })
         .with_ignored_flag(g_absent(&gpu)),
     );
