@@ -10,7 +10,9 @@
 //! `target/flash-attn-backward.jsonl`), which `scripts/compare-torch-backward.py`
 //! reads to time PyTorch's SDPA backends on the same shapes. Without a GPU
 //! it says so and exits 0. `--filter SUBSTR` picks rows by label; `--quick`
-//! takes fewer samples. Rows with a score option (softcap 50, ALiBi slopes,
+//! takes fewer samples; `--head-splits N` forces how each KV head's query
+//! heads split across CTAs (`FlashAttention::set_backward_head_splits`).
+//! Rows with a score option (softcap 50, ALiBi slopes,
 //! sinks with their gradient) time what it costs over the plain row of the
 //! same shape; the PyTorch script skips them (SDPA has no such options).
 use std::io::Write;
@@ -166,18 +168,21 @@ fn rows() -> Vec<Row> {
                 });
             }
         }
-        // Llama-3-8B's attention (GQA 32/8, D = 128) on a 4k prompt.
-        v.push(Row {
-            batch: 1,
-            seqlen: 4096,
-            heads: 32,
-            kv_heads: 8,
-            head_dim: 128,
-            causal: true,
-            dtype,
-            score: Score::Plain,
-            varlen: false,
-        });
+        // Llama-3-8B's attention (GQA 32/8, D = 128): a 4k prompt, and
+        // training batches of 8k tokens.
+        for (batch, seqlen) in [(1, 4096), (2, 4096), (8, 1024)] {
+            v.push(Row {
+                batch,
+                seqlen,
+                heads: 32,
+                kv_heads: 8,
+                head_dim: 128,
+                causal: true,
+                dtype,
+                score: Score::Plain,
+                varlen: false,
+            });
+        }
         for causal in [false, true] {
             v.push(Row {
                 batch: 16,
@@ -363,6 +368,9 @@ fn main() {
     let ctx = CudaContext::new(0).expect("context");
     let stream = ctx.default_stream();
     let fa = FlashAttention::new(&ctx).expect("module");
+    if let Some(n) = value_of("--head-splits") {
+        fa.set_backward_head_splits(Some(n.parse().expect("--head-splits takes a count")));
+    }
     let gpu = ctx.name().unwrap_or_default();
     if let Some(dir) = std::path::Path::new(&json_path).parent() {
         std::fs::create_dir_all(dir).expect("the JSON file's folder");

@@ -1,7 +1,7 @@
 //! The host API: one [`FlashAttention`] per context loads the PTX once, caches
 //! every entry point, and launches after validation.
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys::{self, CUdevice_attribute, CUfunction_attribute};
@@ -12,11 +12,11 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_groups, combine_shape, find_entry, find_hopper_backward, find_hopper_entry, AttnTile,
-    Dtype, Entry, HopperBwdTile, HopperCall, HopperPick, KernelKind, MaskKind, Policies, PtxArch,
-    ScoreKind, SeqKind, APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP,
-    HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    BwdTile, Dtype, Entry, HopperBwdTile, HopperCall, HopperPick, KernelKind, MaskKind, Policies,
+    PtxArch, ScoreKind, SeqKind, APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS,
+    COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
-use flash_attn_kernels::index::{paged_box_rows, FastDiv, TileGrid};
+use flash_attn_kernels::index::{backward_head_splits, paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
     AppendParams, AttnParams, BshStrides, BwdParams, CombineParams, HopperFwdMaps, MergeParams,
     TensorMap,
@@ -165,6 +165,8 @@ pub struct FlashAttention {
     programmatic_launch: AtomicBool,
     /// A [`KvFold`] as its `u8`.
     kv_fold: AtomicU8,
+    /// The backward's forced head splits; 0 = chosen per call.
+    bwd_head_splits: AtomicU32,
 }
 
 /// How a decode launch is split and buffered.
@@ -753,6 +755,7 @@ impl FlashAttention {
             static_tiles: AtomicBool::new(false),
             programmatic_launch: AtomicBool::new(arch == PtxArch::Sm90),
             kv_fold: AtomicU8::new(KvFold::Auto as u8),
+            bwd_head_splits: AtomicU32::new(0),
         })
     }
 
@@ -835,6 +838,26 @@ impl FlashAttention {
     /// it (refused with [`FlashAttnError::WorkspaceTooSmall`]).
     pub fn set_kv_fold(&self, mode: KvFold) {
         self.kv_fold.store(mode as u8, Ordering::Relaxed);
+    }
+
+    /// How the backward calls issued after it split each KV head's query
+    /// heads across CTAs: `None` (the default) chooses per call (more CTAs
+    /// when the key blocks alone fill fewer than four waves: GQA/MQA with a
+    /// small batch), `Some(n)` takes the largest divisor of the group size
+    /// up to `n` (1: never split). To compare both, or to test the split
+    /// path on any call. The result is the same either way, up to f32
+    /// rounding of dK and dV's sums.
+    pub fn set_backward_head_splits(&self, splits: Option<usize>) {
+        let n = splits.map_or(0, |n| n.clamp(1, u32::MAX as usize) as u32);
+        self.bwd_head_splits.store(n, Ordering::Relaxed);
+    }
+
+    /// See [`Self::set_backward_head_splits`].
+    pub fn backward_head_splits(&self) -> Option<usize> {
+        match self.bwd_head_splits.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n as usize),
+        }
     }
 
     /// The CUDA context the kernels were loaded into.
@@ -1264,7 +1287,11 @@ impl FlashAttention {
     /// and a fourth after the first for `d_sinks` (one CTA per head, the
     /// same result on every run); the call allocates that buffer, 4 · B · H
     /// · Sq · D bytes, and the `delta` rows, 4 · B · H · Sq bytes, zeroed on
-    /// `stream`.
+    /// `stream`. With GQA/MQA on a grid of fewer than four waves of key-block
+    /// CTAs, each KV head's query heads are split across CTAs
+    /// ([`Self::set_backward_head_splits`]): their dK and dV parts go to an
+    /// f32 buffer of 8 · splits · B · Skv · Hkv · D bytes, and a fifth
+    /// launch sums them in order (the same result on every run).
     /// Nothing is launched and the gradients stay untouched when validation
     /// fails.
     ///
@@ -1317,6 +1344,7 @@ impl FlashAttention {
             KernelKind::Backward,
             KernelKind::BackwardPrep,
             KernelKind::BackwardDq,
+            KernelKind::BackwardDkv,
             KernelKind::BackwardSinks,
         ];
         let entry = if varlen.is_some() {
@@ -1390,6 +1418,53 @@ impl FlashAttention {
             stream,
         );
         let scores = &policy.params;
+        // The key-block kernel, its key blocks and how its CTAs split each
+        // KV head's query heads.
+        let policies = Policies {
+            score: if opts.softcap.is_some() || opts.alibi_slopes.is_some() {
+                ScoreKind::Modified
+            } else {
+                ScoreKind::Plain
+            },
+            ..policy.need
+        };
+        let on_hopper = self
+            .hopper
+            .as_ref()
+            .filter(|_| self.hopper_backward())
+            .zip(find_hopper_backward(T::DTYPE, shape.head_dim, policies));
+        let (block_n, ctas_per_sm) = match on_hopper {
+            Some(_) => {
+                let t = HopperBwdTile::of(shape.head_dim);
+                (t.block_n(), t.ctas_per_sm())
+            }
+            None => (
+                BWD_BLOCK_N,
+                BwdTile::of(shape.head_dim, self.arch).ctas_per_sm,
+            ),
+        };
+        let key_blocks = shape.seqlen_k.div_ceil(block_n);
+        let splits = backward_head_splits(
+            (shape.heads / shape.kv_heads) as u32,
+            (key_blocks * shape.kv_heads * shape.batch) as u32,
+            (self.num_sms * ctas_per_sm) as u32,
+            self.backward_head_splits().map(|n| n as u32),
+        ) as usize;
+        let key_rows = shape
+            .packed
+            .map_or(shape.batch * shape.seqlen_k, |(_, k)| k);
+        let dkv_parts = match splits {
+            1 => None,
+            // SAFETY: f32 workspace; the key-block kernel writes every row of
+            // every part that `BackwardDkv` reads (the keys of each sequence).
+            _ => Some(unsafe {
+                stream.alloc::<f32>(2 * splits * key_rows * shape.kv_heads * shape.head_dim)
+            }?),
+        };
+        let (dkv_parts_ptr, _parts_sync) = match &dkv_parts {
+            Some(b) => b.device_ptr(stream),
+            None => (0, SyncOnDrop::Record(None)),
+        };
         let params = BwdParams {
             q: q_ptr,
             k: k_ptr,
@@ -1430,25 +1505,12 @@ impl FlashAttention {
             cu_seqlens_k: cu_k,
             total_q: shape.packed.map_or(0, |(total_q, _)| total_q as u32),
             total_k: shape.packed.map_or(0, |(_, total_k)| total_k as u32),
-        };
-        // The key-block kernels read P from the LSE, which holds the sinks
-        // already: only a softcap or ALiBi needs their `Modified` variants.
-        let policies = Policies {
-            score: if opts.softcap.is_some() || opts.alibi_slopes.is_some() {
-                ScoreKind::Modified
-            } else {
-                ScoreKind::Plain
-            },
-            ..policy.need
+            head_splits: splits as u32,
+            dkv_parts: dkv_parts_ptr,
         };
         let chunks = rows * shape.head_dim / CHUNK_ELEMS;
         let prep = self.kernel(KernelKind::BackwardPrep, T::DTYPE, 0, Policies::PLAIN);
         let dq = self.kernel(KernelKind::BackwardDq, T::DTYPE, 0, Policies::PLAIN);
-        let on_hopper = self
-            .hopper
-            .as_ref()
-            .filter(|_| self.hopper_backward())
-            .zip(find_hopper_backward(T::DTYPE, shape.head_dim, policies));
         self.launch(
             stream,
             prep,
@@ -1459,20 +1521,22 @@ impl FlashAttention {
             let sinks = self.kernel(KernelKind::BackwardSinks, T::DTYPE, 0, Policies::PLAIN);
             self.launch(stream, sinks, (shape.heads as u32, 1, 1), ByValue(params))?;
         }
+        let grid = (
+            key_blocks as u32,
+            (shape.kv_heads * splits) as u32,
+            shape.batch as u32,
+        );
         if let Some((module, entry)) = on_hopper {
-            let block_n = HopperBwdTile::of(shape.head_dim).block_n();
-            let key_blocks = shape.seqlen_k.div_ceil(block_n) as u32;
-            let grid = (key_blocks, shape.kv_heads as u32, shape.batch as u32);
             module.launch_backward(stream, entry, params, grid)?;
         } else {
             let main = self.kernel(KernelKind::Backward, T::DTYPE, shape.head_dim, policies);
-            let key_blocks = shape.seqlen_k.div_ceil(BWD_BLOCK_N) as u32;
-            self.launch(
-                stream,
-                main,
-                (key_blocks, shape.kv_heads as u32, shape.batch as u32),
-                ByValue(params),
-            )?;
+            self.launch(stream, main, grid, ByValue(params))?;
+        }
+        if splits > 1 {
+            let dkv = self.kernel(KernelKind::BackwardDkv, T::DTYPE, 0, Policies::PLAIN);
+            let chunks = shape.seqlen_k * shape.kv_heads * shape.head_dim / CHUNK_ELEMS;
+            let grid = (chunks.div_ceil(BWD_THREADS) as u32, shape.batch as u32, 1);
+            self.launch(stream, dkv, grid, ByValue(params))?;
         }
         self.launch(
             stream,

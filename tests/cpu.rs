@@ -1801,6 +1801,7 @@ mod config {
             KernelKind::Merge => return format!("flash_merge_{}", e.dtype.name()),
             KernelKind::BackwardPrep => return format!("flash_bwd_prep_{}", e.dtype.name()),
             KernelKind::BackwardDq => return format!("flash_bwd_dq_{}", e.dtype.name()),
+            KernelKind::BackwardDkv => return format!("flash_bwd_dkv_{}", e.dtype.name()),
             KernelKind::BackwardSinks => return "flash_bwd_sinks".into(),
             KernelKind::Probe | KernelKind::WgmmaForward | KernelKind::WgmmaBackward => {
                 panic!("{e:?} belongs to HOPPER_ENTRIES, not ENTRIES")
@@ -2727,6 +2728,7 @@ mod config {
                 | KernelKind::Merge
                 | KernelKind::BackwardPrep
                 | KernelKind::BackwardDq
+                | KernelKind::BackwardDkv
                 | KernelKind::BackwardSinks => {
                     assert_eq!((e.head_dim, e.policies), (0, Policies::PLAIN), "{e:?}")
                 }
@@ -3055,7 +3057,7 @@ mod config {
                     assert_eq!(e.smem_bytes(a), 0);
                     assert_eq!(e.min_ctas_per_sm(a), None);
                 }
-                KernelKind::BackwardPrep | KernelKind::BackwardDq => {
+                KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDkv => {
                     assert_eq!(e.threads(a), BWD_THREADS);
                     assert_eq!(e.smem_bytes(a), 0);
                     assert_eq!(e.min_ctas_per_sm(a), None);
@@ -3698,6 +3700,30 @@ mod index {
             for i in 0..sq {
                 for j in 0..sk + 3 {
                     prop_assert_eq!(keys.sees(i as u32, j as u32), sees(sq, sk, w, i, j), "i={} j={}", i, j);
+                }
+            }
+        }
+
+        /// The backward's head splits divide the group; chosen per call,
+        /// they are the fewest that reach the target waves (or the whole
+        /// group); forced, the largest divisor up to the request.
+        #[test]
+        fn backward_head_splits_divide_the_group(
+            group in 1u32..=16, ctas in 1u32..5000, slots in 1u32..400,
+            forced in proptest::option::of(0u32..40),
+        ) {
+            let s = backward_head_splits(group, ctas, slots, forced);
+            prop_assert!(s >= 1 && group % s == 0);
+            let target = BWD_TARGET_WAVES as u64 * slots as u64;
+            let divisors: Vec<u32> = (1..=group).filter(|d| group % d == 0).collect();
+            match forced {
+                Some(f) => {
+                    prop_assert!(s <= f.max(1));
+                    prop_assert!(divisors.iter().all(|&d| d <= s || d > f.max(1)));
+                }
+                None => {
+                    prop_assert!(s == group || ctas as u64 * s as u64 >= target);
+                    prop_assert!(divisors.iter().all(|&d| d >= s || (ctas as u64 * d as u64) < target));
                 }
             }
         }

@@ -61,11 +61,10 @@ fn open_gpu() -> Option<Gpu> {
 }
 
 impl Gpu {
-    /// A second instance on the same device whose decode calls fold KV
-    /// heads wherever the call allows it ([`KvFold::On`]).
-    fn folding(&self) -> Gpu {
+    /// A second instance on the same device, set up by `setup`.
+    fn variant(&self, setup: impl FnOnce(&FlashAttention)) -> Gpu {
         let fa = FlashAttention::new(self.fa.context()).expect("the module loaded once already");
-        fa.set_kv_fold(KvFold::On);
+        setup(&fa);
         Gpu {
             stream: self.stream.clone(),
             fa,
@@ -73,16 +72,20 @@ impl Gpu {
         }
     }
 
-    /// A second instance on the same device whose backward calls run the
-    /// `mma.sync` key-block kernel at every head dim.
+    /// Decode calls fold KV heads wherever the call allows it ([`KvFold::On`]).
+    fn folding(&self) -> Gpu {
+        self.variant(|fa| fa.set_kv_fold(KvFold::On))
+    }
+
+    /// Backward calls run the `mma.sync` key-block kernel at every head dim.
     fn mma_backward(&self) -> Gpu {
-        let fa = FlashAttention::new(self.fa.context()).expect("the module loaded once already");
-        fa.set_hopper_backward(false);
-        Gpu {
-            stream: self.stream.clone(),
-            fa,
-            hopper: None,
-        }
+        self.variant(|fa| fa.set_hopper_backward(false))
+    }
+
+    /// Backward calls never split a KV head's query heads across CTAs
+    /// (which the suite's small GQA problems otherwise always do).
+    fn unsplit_backward(&self) -> Gpu {
+        self.variant(|fa| fa.set_backward_head_splits(Some(1)))
     }
 }
 
@@ -4583,13 +4586,28 @@ fn main() {
                 .map_err(Failed::from)
         },
     ));
-    // The `mma.sync` kernel at the head dims the Hopper one takes.
+    // The `mma.sync` kernel at the head dims the Hopper one takes, and the
+    // default kernels without head splits (the suite's small GQA problems
+    // split by default, the only way the other trials run them).
     let gpu_mma = Arc::new(gpu.as_ref().as_ref().map(Gpu::mma_backward));
+    let gpu_unsplit = Arc::new(gpu.as_ref().as_ref().map(Gpu::unsplit_backward));
     macro_rules! mma_backward_trial {
         ($t:ty, $name:literal) => {{
             let g = gpu_mma.clone();
             trials.push(Trial::test(
                 concat!("backward_mma_random_", $name),
+                move || {
+                    proptest_trial(
+                        &g,
+                        case_count().div_ceil(2),
+                        bwd_strategy(),
+                        run_backward::<$t>,
+                    )
+                },
+            ));
+            let g = gpu_unsplit.clone();
+            trials.push(Trial::test(
+                concat!("backward_unsplit_random_", $name),
                 move || {
                     proptest_trial(
                         &g,

@@ -583,6 +583,10 @@ pub enum KernelKind {
     /// After [`KernelKind::Backward`]: dQ = softmax_scale times the f32 dQ
     /// buffer, in the element type; any head dim (a multiple of 8).
     BackwardDq,
+    /// After [`KernelKind::Backward`] with a KV head's query heads split
+    /// across CTAs (`BwdParams::head_splits`): dK and dV, the sums of the
+    /// parts' f32 rows in order; any head dim (a multiple of 8).
+    BackwardDkv,
     /// After [`KernelKind::BackwardPrep`], where the sinks' gradients are
     /// asked for: one CTA per head sums its rows' shares; reads f32 rows
     /// only, so one entry serves every dtype and head dim.
@@ -724,6 +728,7 @@ impl Entry {
             KernelKind::Backward
             | KernelKind::BackwardPrep
             | KernelKind::BackwardDq
+            | KernelKind::BackwardDkv
             | KernelKind::BackwardSinks => BWD_THREADS,
             _ => self.tile(arch).threads(),
         }
@@ -737,7 +742,7 @@ impl Entry {
             KernelKind::WgmmaForward => self.hopper_tile().smem_bytes(),
             KernelKind::WgmmaBackward => HopperBwdTile::of(self.head_dim).smem_bytes(),
             KernelKind::Backward => BwdTile::of(self.head_dim, arch).smem_bytes(),
-            KernelKind::BackwardPrep | KernelKind::BackwardDq => 0,
+            KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardDkv => 0,
             // A word per warp: the warps' sums.
             KernelKind::BackwardSinks => BWD_THREADS / WARP_SIZE * 4,
             _ => self.tile(arch).smem_bytes(),
@@ -747,7 +752,10 @@ impl Entry {
     pub const fn min_ctas_per_sm(&self, arch: PtxArch) -> Option<usize> {
         match self.kind {
             KernelKind::Combine | KernelKind::Append | KernelKind::Merge => None,
-            KernelKind::BackwardPrep | KernelKind::BackwardDq | KernelKind::BackwardSinks => None,
+            KernelKind::BackwardPrep
+            | KernelKind::BackwardDq
+            | KernelKind::BackwardDkv
+            | KernelKind::BackwardSinks => None,
             KernelKind::Backward => Some(BwdTile::of(self.head_dim, arch).ctas_per_sm),
             KernelKind::Probe => Some(1),
             KernelKind::WgmmaForward => Some(self.hopper_tile().ctas_per_sm),
@@ -1062,6 +1070,8 @@ macro_rules! entry_rows {
             Entry { name: "flash_bwd_prep_bf16", kind: KernelKind::BackwardPrep, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_bwd_dq_f16", kind: KernelKind::BackwardDq, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_bwd_dq_bf16", kind: KernelKind::BackwardDq, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_dkv_f16", kind: KernelKind::BackwardDkv, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
+            Entry { name: "flash_bwd_dkv_bf16", kind: KernelKind::BackwardDkv, dtype: Dtype::Bf16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
             Entry { name: "flash_bwd_sinks", kind: KernelKind::BackwardSinks, dtype: Dtype::F16, head_dim: 0, policies: Policies::PLAIN, rows: 0, persistent: false, keys: None },
         ];
     };
@@ -2310,6 +2320,7 @@ pub fn find_entry(
                         | KernelKind::Merge
                         | KernelKind::BackwardPrep
                         | KernelKind::BackwardDq
+                        | KernelKind::BackwardDkv
                         | KernelKind::BackwardSinks
                 ))
             && e.policies.covers(need)

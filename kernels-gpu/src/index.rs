@@ -88,6 +88,31 @@ pub fn key_blocks(
     (n_lo, n_hi)
 }
 
+/// CTAs a backward launch aims for before it splits a KV head's query
+/// heads across CTAs: the causal key blocks' uneven work evens out over
+/// about four waves.
+pub const BWD_TARGET_WAVES: u32 = 4;
+
+/// The parts the backward splits each KV head's `group` query heads into
+/// (`BwdParams::head_splits`), given `ctas` key-block CTAs without a split
+/// and `slots` CTAs the GPU runs at once: the fewest parts (a divisor of
+/// `group`) that reach [`BWD_TARGET_WAVES`] waves, or `group` if none
+/// does. `forced` (a tuning override) is taken down to a divisor of
+/// `group` instead. Always at least 1.
+pub fn backward_head_splits(group: u32, ctas: u32, slots: u32, forced: Option<u32>) -> u32 {
+    let group = group.max(1);
+    let divisors = move || (1..=group).filter(move |s| group.is_multiple_of(*s));
+    match forced {
+        Some(f) => divisors().rev().find(|&s| s <= f.max(1)).unwrap_or(1),
+        None => {
+            let target = BWD_TARGET_WAVES as u64 * slots as u64;
+            divisors()
+                .find(|&s| ctas as u64 * s as u64 >= target)
+                .unwrap_or(group)
+        }
+    }
+}
+
 /// Query blocks `[m_lo, m_hi)` of `block_m` tokens holding a token that
 /// sees some key of key block `n` (`block_n` keys): the blocks a backward
 /// CTA of key block `n` visits. Both ends of the visible range move right

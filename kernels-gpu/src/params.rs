@@ -274,7 +274,7 @@ pub struct MergeParams {
 }
 
 /// Parameters of the backward kernels (`BackwardPrep`, `Backward`,
-/// `BackwardDq`, `BackwardSinks`), FlashAttention-2's Algorithm 2 over a
+/// `BackwardDq`, `BackwardDkv`, `BackwardSinks`), FlashAttention-2's Algorithm 2 over a
 /// fixed batch. With logits `S = scale · Q·Kᵀ`, `P = exp(S - LSE)` and
 /// `delta = rowsum(dO ∘ O)`: `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ - delta)`,
 /// `dQ = scale · dS·K`, `dK = scale · dSᵀ·Q`; query head `h` adds its share
@@ -373,6 +373,16 @@ pub struct BwdParams {
     pub total_q: u32,
     /// Packed key rows (varlen).
     pub total_k: u32,
+    /// Parts each KV head's group of query heads is split into, a CTA each
+    /// (grid.y = `kv_heads · head_splits`, 1 = none): more CTAs when the
+    /// key blocks alone do not fill the GPU (GQA with a small batch). With
+    /// more than one, each part writes dK and dV of its query heads to
+    /// `dkv_parts` and `BackwardDkv` sums them.
+    pub head_splits: u32,
+    /// f32 [2, head_splits, key rows, Hkv, D] workspace (dK's parts, then
+    /// dV's; key rows B · Skv, or `total_k` when packed), used when
+    /// `head_splits > 1`.
+    pub dkv_parts: u64,
 }
 
 /// A TMA tensor map (`CUtensorMap`), as `cuTensorMapEncodeTiled` writes it:

@@ -166,21 +166,21 @@ pub(crate) struct Steps {
 }
 
 impl Steps {
-    /// The steps of key block `n` (`block_n` keys) of KV head `kv_head`,
-    /// in query blocks of `block_m` rows.
+    /// The steps of key block `n` (`block_n` keys) of `head`'s part of its
+    /// KV head's query heads, in query blocks of `block_m` rows.
     #[inline(always)]
     pub(crate) fn new(
         p: &BwdParams,
         keys: &KeyWindow,
-        (n, kv_head): (u32, u32),
+        (n, head): (u32, HeadPart),
         block_n: u32,
         block_m: u32,
     ) -> Steps {
         let (m_lo, m_hi) = query_blocks(keys, n, block_n, block_m);
-        let group = p.heads / p.kv_heads;
+        let heads = p.heads / p.kv_heads / head.splits;
         Steps {
-            count: group * (m_hi - m_lo),
-            first_head: kv_head * group,
+            count: heads * (m_hi - m_lo),
+            first_head: (head.kv_head * head.splits + head.part) * heads,
             m_lo,
             blocks: m_hi - m_lo,
         }
@@ -192,6 +192,27 @@ impl Steps {
             self.first_head + i / self.blocks,
             self.m_lo + i % self.blocks,
         )
+    }
+}
+
+/// The KV head of the CTA (`blockIdx.y / head_splits`) and which part of
+/// its query heads the CTA takes.
+#[derive(Clone, Copy)]
+pub(crate) struct HeadPart {
+    pub kv_head: u32,
+    pub part: u32,
+    pub splits: u32,
+}
+
+impl HeadPart {
+    #[inline(always)]
+    pub(crate) fn of_cta(p: &BwdParams) -> HeadPart {
+        let (y, splits) = (special::block_idx_y(), p.head_splits.max(1));
+        HeadPart {
+            kv_head: y / splits,
+            part: y % splits,
+            splits,
+        }
     }
 }
 
@@ -407,8 +428,9 @@ pub(crate) fn quad_swap(f: [f32; 4], lane: u32) -> [f32; 4] {
     }
 }
 
-/// One backward CTA: key block `blockIdx.x` of KV head `blockIdx.y` of
-/// sequence `blockIdx.z`. `QK = D/16`, `OT = D/8` (n-tiles of dK, dV),
+/// One backward CTA: key block `blockIdx.x` of a part of KV head
+/// `blockIdx.y / head_splits`'s query heads ([`HeadPart`]) of sequence
+/// `blockIdx.z`. `QK = D/16`, `OT = D/8` (n-tiles of dK, dV),
 /// `ST = BM/8` (query n-tiles of Sᵀ), `QOT` = the n-tiles of dQ a warp
 /// computes; checked against the tile at compile time.
 #[inline(always)]
@@ -433,9 +455,9 @@ pub fn backward<
     let tid = special::thread_idx_x();
     let (warp, lane) = (tid / WARP_SIZE as u32, tid % WARP_SIZE as u32);
     let (g, pair) = (lane / 4, lane % 4);
-    let (n, kv_head, b) = (
+    let (n, head, b) = (
         special::block_idx_x(),
-        special::block_idx_y(),
+        HeadPart::of_cta(p),
         special::block_idx_z(),
     );
     let base = smem::base();
@@ -452,11 +474,11 @@ pub fn backward<
         return;
     }
     let load = |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, tid, rows);
-    stage_keys(p, &seq, (kv_head, key0), bn, (k_s, v_s), load);
+    stage_keys(p, &seq, (head.kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
     let keys = seq.keys(p);
-    let steps = Steps::new(p, &keys, (n, kv_head), bn, BM as u32);
+    let steps = Steps::new(p, &keys, (n, head), bn, BM as u32);
     let stages = tile.q_stages as u32;
     // Step i's Q, dO, LSE and `delta` rows into `stage`.
     let issue = |i: u32, stage: u32| {
@@ -614,7 +636,7 @@ pub fn backward<
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();
 
-    store_dk_dv::<T, OT>(p, &seq, kv_head, key0 + warp_key, lane, (&dk, &dv));
+    store_dk_dv::<T, OT>(p, &seq, head, key0 + warp_key, lane, (&dk, &dv));
 }
 
 /// Writes dK (times `softmax_scale`) and dV of a warp's 16 keys of
@@ -624,7 +646,7 @@ pub fn backward<
 pub(crate) fn store_dk_dv<T: Element, const N: usize>(
     p: &BwdParams,
     seq: &SeqSpan,
-    kv_head: u32,
+    head: HeadPart,
     key: u32,
     lane: u32,
     (dk, dv): (&[[f32; 4]; N], &[[f32; 4]; N]),
@@ -634,8 +656,20 @@ pub(crate) fn store_dk_dv<T: Element, const N: usize>(
         let key = key + g + 8 * r as u32;
         if key < seq.seqlen_k {
             let (b, row) = (seq.batch, seq.k_start + key);
-            let dk_row = row_ptr(p.dk, &p.dk_strides, b, row, kv_head) + 4 * pair as u64;
-            let dv_row = row_ptr(p.dv, &p.dv_strides, b, row, kv_head) + 4 * pair as u64;
+            if head.splits > 1 {
+                // f32 parts for `BackwardDkv`, which sums them in order.
+                let (dk_part, dv_part) = dkv_part_rows(p, seq, head, key);
+                let (dk_part, dv_part) = (dk_part + 8 * pair as u64, dv_part + 8 * pair as u64);
+                unroll::<N>(|d| {
+                    let (c0, c1) = (dk[d][2 * r] * p.scale, dk[d][2 * r + 1] * p.scale);
+                    global::st_v2_b32(dk_part + d as u64 * 32, c0.to_bits(), c1.to_bits());
+                    let (c0, c1) = (dv[d][2 * r], dv[d][2 * r + 1]);
+                    global::st_v2_b32(dv_part + d as u64 * 32, c0.to_bits(), c1.to_bits());
+                });
+                return;
+            }
+            let dk_row = row_ptr(p.dk, &p.dk_strides, b, row, head.kv_head) + 4 * pair as u64;
+            let dv_row = row_ptr(p.dv, &p.dv_strides, b, row, head.kv_head) + 4 * pair as u64;
             unroll::<N>(|d| {
                 let (c0, c1) = (dk[d][2 * r], dk[d][2 * r + 1]);
                 global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));
@@ -646,6 +680,62 @@ pub(crate) fn store_dk_dv<T: Element, const N: usize>(
             });
         }
     });
+}
+
+/// The addresses of key `key`'s dK and dV rows of part `head.part` in
+/// `dkv_parts` ([2, head_splits, key rows, Hkv, D] f32).
+#[inline(always)]
+fn dkv_part_rows(p: &BwdParams, seq: &SeqSpan, head: HeadPart, key: u32) -> (u64, u64) {
+    let key_rows = if p.cu_seqlens_k != 0 {
+        p.total_k as u64
+    } else {
+        p.batch as u64 * p.seqlen_k as u64
+    };
+    let key_row = seq.batch as u64 * p.seqlen_k as u64 + (seq.k_start + key) as u64;
+    let part_elems = key_rows * p.kv_heads as u64 * p.head_dim as u64;
+    let within = (key_row * p.kv_heads as u64 + head.kv_head as u64) * p.head_dim as u64;
+    let dk = p.dkv_parts + (head.part as u64 * part_elems + within) * 4;
+    (dk, dk + head.splits as u64 * part_elems * 4)
+}
+
+/// dK and dV of one 8-column chunk of one key row per thread, from the
+/// `head_splits` parts in `dkv_parts` summed in order (so the same bits on
+/// every run): grid.x covers the longest sequence's keys times Hkv times
+/// D / 8, grid.y the sequences. Packed rows no sequence owns keep their dK
+/// and dV.
+#[inline(always)]
+pub fn dkv<T: Element>(p: &BwdParams) {
+    let chunks = p.head_dim / CHUNK_ELEMS as u32;
+    let i = special::block_idx_x() * BWD_THREADS as u32 + special::thread_idx_x();
+    let seq = SeqSpan::new(p, special::block_idx_y());
+    let (key, rest) = (i / (p.kv_heads * chunks), i % (p.kv_heads * chunks));
+    if key >= seq.seqlen_k {
+        return;
+    }
+    let (kv_head, c) = (rest / chunks, rest % chunks);
+    let mut sums = [[0f32; CHUNK_ELEMS]; 2];
+    let mut part = 0;
+    while part < p.head_splits {
+        let head = HeadPart {
+            kv_head,
+            part,
+            splits: p.head_splits,
+        };
+        let rows = dkv_part_rows(p, &seq, head, key);
+        unroll::<2>(|w| {
+            let src = [rows.0, rows.1][w] + (c * CHUNK_ELEMS as u32) as u64 * 4;
+            let (lo, hi) = (global::ld_nc_v4_f32(src), global::ld_nc_v4_f32(src + 16));
+            unroll::<4>(|e| {
+                sums[w][e] += lo[e];
+                sums[w][4 + e] += hi[e];
+            });
+        });
+        part += 1;
+    }
+    let (b, row) = (seq.batch, seq.k_start + key);
+    let off = (c * CHUNK_BYTES as u32) as u64;
+    T::store_chunk(row_ptr(p.dk, &p.dk_strides, b, row, kv_head) + off, sums[0]);
+    T::store_chunk(row_ptr(p.dv, &p.dv_strides, b, row, kv_head) + off, sums[1]);
 }
 
 /// A query row in the f32 rows' order (`stat_shape`): its index there, and

@@ -166,6 +166,11 @@ mod sm80 {
         backward::dq::<F16>(&p)
     }
 
+    #[no_mangle]
+    pub unsafe extern "ptx-kernel" fn flash_bwd_dkv_f16(p: BwdParams) {
+        backward::dkv::<F16>(&p)
+    }
+
     /// Dtype- and head-dim-agnostic: it reads the f32 LSE and `delta` rows.
     #[no_mangle]
     pub unsafe extern "ptx-kernel" fn flash_bwd_sinks(p: BwdParams) {
@@ -186,6 +191,11 @@ mod sm80 {
         #[no_mangle]
         pub unsafe extern "ptx-kernel" fn flash_bwd_dq_bf16(p: BwdParams) {
             backward::dq::<super::super::element::Bf16>(&p)
+        }
+
+        #[no_mangle]
+        pub unsafe extern "ptx-kernel" fn flash_bwd_dkv_bf16(p: BwdParams) {
+            backward::dkv::<super::super::element::Bf16>(&p)
         }
     }
 }

@@ -26,8 +26,8 @@ use crate::index::{
     SW128_ROW_BYTES,
 };
 use crate::kernels::backward::{
-    a_fragment, quad_swap, stage_keys, stage_queries, stage_rows, store_dk_dv, Rows, SeqSpan,
-    StepScores, Steps,
+    a_fragment, quad_swap, stage_keys, stage_queries, stage_rows, store_dk_dv, HeadPart, Rows,
+    SeqSpan, StepScores, Steps,
 };
 use crate::kernels::copy;
 use crate::kernels::element::Element;
@@ -46,8 +46,9 @@ fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, threads: (u32, u
     stage_rows::<T, D>(count, threads, src, |r, c| tile + sw128_offset(r, c, count));
 }
 
-/// One Hopper backward CTA: key block `blockIdx.x` of KV head `blockIdx.y`
-/// of sequence `blockIdx.z`. `W` warpgroups, `DT = D/8` (n-tiles of dK and
+/// One Hopper backward CTA: key block `blockIdx.x` of a part of KV head
+/// `blockIdx.y / head_splits`'s query heads ([`HeadPart`]) of sequence
+/// `blockIdx.z`. `W` warpgroups, `DT = D/8` (n-tiles of dK and
 /// dV), `QK = D/16` (k-steps of Sᵀ), `QT = DT/W` (n-tiles of a warpgroup's
 /// share of dQ), `KK` = keys/16 (k-steps of dQ); checked against the tile
 /// at compile time.
@@ -77,9 +78,9 @@ pub fn backward<
         tid % WARP_SIZE as u32,
     );
     let (g, pair) = (lane / 4, lane % 4);
-    let (n, kv_head, b) = (
+    let (n, head, b) = (
         special::block_idx_x(),
-        special::block_idx_y(),
+        HeadPart::of_cta(p),
         special::block_idx_z(),
     );
     let a = SW128_ATOM_BYTES;
@@ -101,11 +102,11 @@ pub fn backward<
     }
     let load =
         |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, threads, rows);
-    stage_keys(p, &seq, (kv_head, key0), bn, (k_s, v_s), load);
+    stage_keys(p, &seq, (head.kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
     let keys = seq.keys(p);
-    let steps = Steps::new(p, &keys, (n, kv_head), bn, bm);
+    let steps = Steps::new(p, &keys, (n, head), bn, bm);
     let issue = |i: u32, stage: usize| {
         let (h, m) = steps.at(i);
         let tiles = (
@@ -272,5 +273,5 @@ pub fn backward<
     copy::wait_all();
 
     let warp_key = key0 + wg * WGMMA_M as u32 + warp_row;
-    store_dk_dv::<T, DT>(p, &seq, kv_head, warp_key, lane, (&dk, &dv));
+    store_dk_dv::<T, DT>(p, &seq, head, warp_key, lane, (&dk, &dv));
 }
