@@ -1317,7 +1317,8 @@ impl FlashAttention {
     /// the device and are clamped as in the forward; packed rows that no
     /// sequence owns get dQ = 0 and keep their dK and dV, as do keys of a
     /// sequence past `max_seqlen_k`; the call allocates 4 · H · total_q ·
-    /// (D + 1) bytes of f32 workspace.
+    /// (D + 1) bytes of f32 workspace, and with split query heads (see
+    /// [`Self::backward`]) 8 · splits · total_k · Hkv · D bytes more.
     pub fn backward_varlen<T: AttnElement>(
         &self,
         stream: &Arc<CudaStream>,
@@ -1446,7 +1447,7 @@ impl FlashAttention {
         let key_blocks = shape.seqlen_k.div_ceil(block_n);
         let splits = backward_head_splits(
             (shape.heads / shape.kv_heads) as u32,
-            (key_blocks * shape.kv_heads * shape.batch) as u32,
+            (key_blocks * shape.kv_heads * shape.batch).min(u32::MAX as usize) as u32,
             (self.num_sms * ctas_per_sm) as u32,
             self.backward_head_splits().map(|n| n as u32),
         ) as usize;

@@ -580,8 +580,9 @@ impl Attn {
     /// dQ, dK and dV of the op's forward, given its O and dO, by
     /// [`FlashAttention::backward`] (or `backward_varlen`) with the
     /// forward's options and LSE; the sinks' gradient goes to
-    /// [`SinksTie`]. f32 inputs, which the forward rounded to f16, are
-    /// rounded the same way here and their gradients come back as f32.
+    /// [`SinksTie`]. f32 inputs run as f16, as the forward rounds them:
+    /// dO is rounded to f16 too, and the gradients come back as f32 from
+    /// f16 values (so both must fit f16's range; `docs/candle.md`).
     fn backward(
         &self,
         q: &Tensor,
