@@ -91,30 +91,44 @@ def main():
     for r in rows:
         t = {name: torch_ms(r, be, a.reps) for name, be in BACKENDS.items()}
         out.append({"ours": r, "torch_ms": t})
+    report(
+        a,
+        "compare-backward",
+        "backward",
+        ["ours ms", "ours TFLOP/s", "FA2 ms", "cuDNN ms",
+         "speed vs FA2 (FA2 ms / ours)", "speed vs cuDNN (cuDNN ms / ours)"],
+        lambda r, t: [
+            f"{r['median_ms']:.4f}", f"{r['tflops']:.1f}", ms(t["FA2"]), ms(t["cuDNN"]),
+            ratio(t["FA2"], r["median_ms"]), ratio(t["cuDNN"], r["median_ms"]),
+        ],
+        out,
+    )
+
+
+def ratio(x, ours):
+    return f"{x / ours:.3f}" if isinstance(x, float) else "-"
+
+
+def ms(x):
+    return f"{x:.4f}" if isinstance(x, float) else x
+
+
+def report(a, stem, title, columns, cells, out):
+    """Prints and writes DIR/STEM.md (a table of one row per entry of `out`,
+    `cells(ours, torch_ms)` after the label) and DIR/STEM.json."""
     gpu = torch.cuda.get_device_name()
     lines = [
-        f"# backward on {gpu} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
+        f"# {title} on {gpu} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
         "",
-        "| row | ours ms | ours TFLOP/s | FA2 ms | cuDNN ms | speed vs FA2 (FA2 ms / ours) | speed vs cuDNN (cuDNN ms / ours) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| row | " + " | ".join(columns) + " |",
+        "| --- |" + " ---: |" * len(columns),
     ]
-
-    def ratio(x, ours):
-        return f"{x / ours:.3f}" if isinstance(x, float) else "-"
-
-    def ms(x):
-        return f"{x:.4f}" if isinstance(x, float) else x
-
     for o in out:
-        r, t = o["ours"], o["torch_ms"]
-        lines.append(
-            f"| {r['label']} | {r['median_ms']:.4f} | {r['tflops']:.1f} | {ms(t['FA2'])} | "
-            f"{ms(t['cuDNN'])} | {ratio(t['FA2'], r['median_ms'])} | {ratio(t['cuDNN'], r['median_ms'])} |"
-        )
+        lines.append(f"| {o['ours']['label']} | " + " | ".join(cells(o["ours"], o["torch_ms"])) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    open(os.path.join(a.out, "compare-backward.md"), "w").write(text)
-    json.dump({"gpu": gpu, "rows": out}, open(os.path.join(a.out, "compare-backward.json"), "w"), indent=1)
+    open(os.path.join(a.out, stem + ".md"), "w").write(text)
+    json.dump({"gpu": gpu, "rows": out}, open(os.path.join(a.out, stem + ".json"), "w"), indent=1)
 
 
 def step_table(a):
@@ -124,30 +138,19 @@ def step_table(a):
         {"ours": r, "torch_ms": {n: torch_ms(r, be, a.reps, step=True) for n, be in BACKENDS.items()}}
         for r in rows
     ]
-    gpu = torch.cuda.get_device_name()
-    lines = [
-        f"# training step (forward + backward) on {gpu} (torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()})",
-        "",
-        "| row | ours via candle ms | ours via API ms | FA2 ms | cuDNN ms | FA2 ms / candle ms | cuDNN ms / candle ms | FA2 ms / API ms | cuDNN ms / API ms |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-
-    def ratio(x, ours):
-        return f"{x / ours:.3f}" if isinstance(x, float) else "-"
-
-    for o in out:
-        r, t = o["ours"], o["torch_ms"]
-        ms = [f"{x:.4f}" if isinstance(x, float) else x for x in (t["FA2"], t["cuDNN"])]
-        lines.append(
-            f"| {r['label']} | {r['ours_ms']:.4f} | {r['api_ms']:.4f} | {ms[0]} | {ms[1]} | "
-            f"{ratio(t['FA2'], r['ours_ms'])} | {ratio(t['cuDNN'], r['ours_ms'])} | "
-            f"{ratio(t['FA2'], r['api_ms'])} | {ratio(t['cuDNN'], r['api_ms'])} |"
-        )
-    text = "\n".join(lines) + "\n"
-    print(text)
-    open(os.path.join(a.out, "compare-step.md"), "w").write(text)
-    json.dump({"gpu": gpu, "rows": out}, open(os.path.join(a.out, "compare-step.json"), "w"), indent=1)
-
+    report(
+        a,
+        "compare-step",
+        "training step (forward + backward)",
+        ["ours via candle ms", "ours via API ms", "FA2 ms", "cuDNN ms",
+         "FA2 ms / candle ms", "cuDNN ms / candle ms", "FA2 ms / API ms", "cuDNN ms / API ms"],
+        lambda r, t: [
+            f"{r['ours_ms']:.4f}", f"{r['api_ms']:.4f}", ms(t["FA2"]), ms(t["cuDNN"]),
+            ratio(t["FA2"], r["ours_ms"]), ratio(t["cuDNN"], r["ours_ms"]),
+            ratio(t["FA2"], r["api_ms"]), ratio(t["cuDNN"], r["api_ms"]),
+        ],
+        out,
+    )
 
 if __name__ == "__main__":
     main()
