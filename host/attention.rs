@@ -13,8 +13,8 @@ use cudarc::nvrtc::Ptx;
 use flash_attn_kernels::config::{
     combine_groups, combine_shape, find_entry, find_hopper_backward, find_hopper_entry, AttnTile,
     BwdTile, Dtype, Entry, HopperBwdTile, HopperCall, HopperPick, KernelKind, MaskKind, Policies,
-    PtxArch, ScoreKind, SeqKind, APPEND_THREADS, BWD_BLOCK_N, BWD_THREADS, CHUNK_ELEMS,
-    COMBINE_SPLIT_GROUP, HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
+    PtxArch, ScoreKind, SeqKind, APPEND_THREADS, BWD_THREADS, CHUNK_ELEMS, COMBINE_SPLIT_GROUP,
+    HOPPER_TAIL_WAVES, MAX_SPLITS, MERGE_THREADS, WGMMA_M,
 };
 use flash_attn_kernels::index::{backward_head_splits, paged_box_rows, FastDiv, TileGrid};
 use flash_attn_kernels::params::{
@@ -32,15 +32,32 @@ use crate::validate::{
     DecodeShape, ForwardShape, KvCacheShape, Operands, Paging, TensorInfo, VarlenShape, Window,
 };
 
-/// Set to `1`, [`FlashAttention::new`] loads the Turing (`sm_75`) module on
-/// any GPU of compute capability 7.5 or newer (the driver JIT-compiles its
-/// PTX on newer ones), without the Hopper module: how the GPU suite checks
-/// that module on an H100. It says nothing about a T4's speed.
-pub const FORCE_SM75_ENV: &str = "FLASH_ATTN_FORCE_SM75";
+/// Set to `sm_75` or `sm_80`, [`FlashAttention::new`] loads that module
+/// instead of the GPU's own on any GPU that runs it (the driver JIT-compiles
+/// its PTX on newer ones), without the Hopper module: how the GPU suite
+/// checks the Turing module and the sm_80 module's 99 KB tiles on an H100.
+/// It says nothing about a T4's or an A100's speed. Another value, or a
+/// module newer than the GPU's own, is refused ([`module_for`]).
+pub const MODULE_ENV: &str = "FLASH_ATTN_MODULE";
 
-/// Whether [`FORCE_SM75_ENV`] asks for the `Sm75` module.
-fn forced_sm75() -> bool {
-    std::env::var(FORCE_SM75_ENV).is_ok_and(|v| v == "1")
+/// The module to load on a GPU whose own is `native`, given the value of
+/// [`MODULE_ENV`]: `native` when unset, else the module it names if the GPU
+/// runs it.
+pub fn module_for(native: PtxArch, env: Option<&str>) -> Result<PtxArch, FlashAttnError> {
+    let refused = FlashAttnError::Unsupported {
+        what: "FLASH_ATTN_MODULE other than sm_75 or sm_80 (not newer than the GPU's own)",
+        entry: "new",
+    };
+    let forced = match env {
+        None => return Ok(native),
+        Some("sm_75") => PtxArch::Sm75,
+        Some("sm_80") => PtxArch::Sm80,
+        Some(_) => return Err(refused),
+    };
+    match (forced, native) {
+        (PtxArch::Sm80, PtxArch::Sm75) => Err(refused),
+        _ => Ok(forced),
+    }
 }
 
 /// Kernel parameters travel by value; the newtype lets cudarc push them.
@@ -706,8 +723,9 @@ impl FlashAttention {
     /// Loads the kernels for the context's device (its cubin when this build
     /// has one, else the PTX) and caches every entry point. Fails with
     /// [`FlashAttnError::UnsupportedArch`] below sm_75. With
-    /// [`FORCE_SM75_ENV`] set to `1` it loads the Turing module on any such
-    /// GPU (JIT-compiled from PTX on newer ones).
+    /// [`MODULE_ENV`] it loads an older module (JIT-compiled from PTX on
+    /// newer GPUs), or fails with [`FlashAttnError::Unsupported`] on a value
+    /// that names none the GPU runs.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, FlashAttnError> {
         Self::new_with(ctx, ModuleChoice::PreferCubin)
     }
@@ -719,10 +737,11 @@ impl FlashAttention {
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let native = PtxArch::for_device(major, minor, smem_optin.max(0) as usize)
             .ok_or(FlashAttnError::UnsupportedArch { major, minor })?;
-        let arch = if forced_sm75() { PtxArch::Sm75 } else { native };
+        let env = std::env::var(MODULE_ENV).ok();
+        let arch = module_for(native, env.as_deref())?;
         let num_sms =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as usize;
-        let want_hopper = !(hopper::forced_off() || arch == PtxArch::Sm75);
+        let want_hopper = !(hopper::forced_off() || arch != native);
         // The Hopper module unpacks and loads on a thread of its own while
         // this one does: unpacking the two cubins is most of `new` on Hopper
         // since the kernels are embedded as zstd frames (docs/perf-notes.md, v69).
@@ -1439,10 +1458,10 @@ impl FlashAttention {
                 let t = HopperBwdTile::of(shape.head_dim);
                 (t.block_n(), t.ctas_per_sm())
             }
-            None => (
-                BWD_BLOCK_N,
-                BwdTile::of(shape.head_dim, self.arch).ctas_per_sm,
-            ),
+            None => {
+                let t = BwdTile::of(shape.head_dim, self.arch);
+                (t.block_n, t.ctas_per_sm)
+            }
         };
         let key_blocks = shape.seqlen_k.div_ceil(block_n);
         let splits = backward_head_splits(

@@ -580,9 +580,9 @@ impl Attn {
     /// dQ, dK and dV of the op's forward, given its O and dO, by
     /// [`FlashAttention::backward`] (or `backward_varlen`) with the
     /// forward's options and LSE; the sinks' gradient goes to
-    /// [`SinksTie`]. f32 inputs run as f16, as the forward rounds them:
-    /// dO is rounded to f16 too, and the gradients come back as f32 from
-    /// f16 values (so both must fit f16's range; `docs/candle.md`).
+    /// [`SinksTie`]. f32 inputs run as f16, as the forward rounds them,
+    /// with dO scaled by a power of two ([`f16_loss_scale`]) and the
+    /// gradients, which are linear in dO, scaled back in f32.
     fn backward(
         &self,
         q: &Tensor,
@@ -599,23 +599,28 @@ impl Attn {
             None => bail!("flash-attn: the forward kept no LSE for a backward"),
         };
         match q.dtype() {
-            DType::F16 => self.backward_as::<f16>([q, k, v, o, d_o], &lse),
-            DType::BF16 => self.backward_as::<bf16>([q, k, v, o, d_o], &lse),
+            DType::F16 => self.backward_as::<f16>([q, k, v, o, d_o], &lse, 1.0),
+            DType::BF16 => self.backward_as::<bf16>([q, k, v, o, d_o], &lse, 1.0),
             DType::F32 => {
+                let scale = f16_loss_scale(d_o)?;
                 let h = |t: &Tensor| t.to_dtype(DType::F16);
-                let x = [h(q)?, h(k)?, h(v)?, h(o)?, h(d_o)?];
-                let grads = self.backward_as::<f16>(x.each_ref(), &lse)?;
-                let [dq, dk, dv] = grads.each_ref().map(|g| g.to_dtype(DType::F32));
+                let x = [h(q)?, h(k)?, h(v)?, h(o)?, h(&d_o.affine(scale, 0.0)?)?];
+                let grads = self.backward_as::<f16>(x.each_ref(), &lse, 1.0 / scale)?;
+                let back = |g: &Tensor| g.to_dtype(DType::F32)?.affine(1.0 / scale, 0.0);
+                let [dq, dk, dv] = grads.each_ref().map(back);
                 Ok([dq?, dk?, dv?])
             }
             dt => bail!("flash-attn supports f16, bf16 and f32 tensors, got {dt:?}"),
         }
     }
 
+    /// The backward in `T`; the sinks' gradient is multiplied by
+    /// `sinks_unscale` (the inverse of dO's loss scale).
     fn backward_as<T: AttnElement + CudaDType>(
         &self,
         [q, k, v, o, d_o]: [&Tensor; 5],
         lse: &Tensor,
+        sinks_unscale: f64,
     ) -> Result<[Tensor; 3]> {
         // candle's backprop hands `bwd` a gradient it has just summed
         // (contiguous); a layout the kernels cannot read would be refused by
@@ -682,7 +687,7 @@ impl Attn {
         }
         .map_err(wrap)?;
         if let (Some(slot), Some(d)) = (&self.d_sinks, d_sinks) {
-            slot.put(tensor_of(d, vec![heads], dev));
+            slot.put(tensor_of(d, vec![heads], dev).affine(sinks_unscale, 0.0)?);
         }
         Ok([
             tensor_of(dq, q.dims().to_vec(), dev),
@@ -690,6 +695,21 @@ impl Attn {
             tensor_of(dv, v.dims().to_vec(), dev),
         ])
     }
+}
+
+/// The power of two by which the f32 backward scales dO before rounding it
+/// to f16: the one that brings dO's largest magnitude into [1, 2), so that
+/// a small dO (a mean over many outputs) keeps its bits and a large one
+/// does not overflow (1 for a dO of zeros, infinities or NaNs). A power of
+/// two scales exactly, both ways. Reading the maximum waits for the stream
+/// once per backward.
+fn f16_loss_scale(d_o: &Tensor) -> Result<f64> {
+    let max = d_o.abs()?.max_all()?.to_scalar::<f32>()?;
+    Ok(if max.is_finite() && max > 0.0 {
+        (-(max as f64).log2().floor()).exp2()
+    } else {
+        1.0
+    })
 }
 
 /// Gives the sinks a gradient. candle's custom ops take up to three

@@ -42,8 +42,8 @@ mod tensor;
 pub mod validate;
 
 pub use attention::{
-    BackwardInputs, BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, Grads, KvCache,
-    KvFold, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv, State, Varlen, FORCE_SM75_ENV,
+    module_for, BackwardInputs, BlockTable, DecodeStep, DecodeWorkspace, FlashAttention, Grads,
+    KvCache, KvFold, LoadedCode, ModuleChoice, Out, PagedVarlen, Qkv, State, Varlen, MODULE_ENV,
 };
 pub use driver::cuda_device_count;
 pub use error::FlashAttnError;

@@ -3070,10 +3070,24 @@ mod config {
                 KernelKind::Backward => {
                     let t = BwdTile::of(e.head_dim, a);
                     assert!(BWD_HEAD_DIMS.contains(&e.head_dim), "{e:?}");
-                    assert_eq!(e.threads(a), BWD_THREADS);
+                    assert_eq!(e.threads(a), t.threads());
                     assert_eq!(e.smem_bytes(a), t.smem_bytes());
                     assert!(t.smem_bytes() <= a.max_smem_bytes(), "{e:?} on {a:?}");
                     assert_eq!(e.min_ctas_per_sm(a), Some(t.ctas_per_sm));
+                    // A warp's dK and dV accumulators (D / col_parts f32 per
+                    // thread) stay within 128 registers; the warps of a
+                    // column part hold 16 keys each; each warp computes Sᵀ
+                    // for a whole number of query n-tiles, and dQ's column
+                    // parts are whole pairs of n-tiles.
+                    assert!(e.head_dim / t.col_parts <= 128, "{e:?}");
+                    assert_eq!(t.warps(), t.block_n / 16 * t.col_parts);
+                    assert_eq!(t.block_m % (8 * t.col_parts), 0, "{e:?}");
+                    assert_eq!(t.warps() % (t.block_m / 16), 0, "{e:?}");
+                    assert_eq!(e.head_dim % (16 * t.dq_parts()), 0, "{e:?} on {a:?}");
+                    assert!(
+                        2 * t.block_m <= t.threads(),
+                        "stats copy: a word per thread"
+                    );
                 }
                 _ => {
                     let t = AttnTile::of_variant(e.kind, e.head_dim, e.policies, a);
@@ -3084,6 +3098,30 @@ mod config {
                 }
             }
         }
+    }
+
+    #[test]
+    fn module_env_names_an_older_module_or_is_refused() {
+        use flash_attn::{module_for, FlashAttnError};
+        for native in [PtxArch::Sm75, PtxArch::Sm80, PtxArch::Sm90] {
+            assert_eq!(module_for(native, None).unwrap(), native);
+            assert_eq!(module_for(native, Some("sm_75")).unwrap(), PtxArch::Sm75);
+            for bad in ["sm_90", "sm_90a", "1", "", "SM_80"] {
+                assert!(matches!(
+                    module_for(native, Some(bad)),
+                    Err(FlashAttnError::Unsupported { entry: "new", .. })
+                ));
+            }
+        }
+        assert_eq!(
+            module_for(PtxArch::Sm90, Some("sm_80")).unwrap(),
+            PtxArch::Sm80
+        );
+        assert_eq!(
+            module_for(PtxArch::Sm80, Some("sm_80")).unwrap(),
+            PtxArch::Sm80
+        );
+        assert!(module_for(PtxArch::Sm75, Some("sm_80")).is_err());
     }
 
     #[test]
@@ -4788,7 +4826,7 @@ mod backward_validation {
     #[test]
     fn backward_refuses_what_its_kernels_lack() {
         let opts = AttnOptions::default();
-        for d in [192, 256] {
+        for d in [80, 160] {
             assert!(matches!(
                 check_backward(&ops(d), &opts),
                 Err(FlashAttnError::UnsupportedHeadDim { got, .. }) if got == d

@@ -2701,36 +2701,38 @@ fn env_is_1(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| v == "1")
 }
 
-/// The sm_75 module is loaded exactly when `FLASH_ATTN_FORCE_SM75=1`.
+/// The module named by `FLASH_ATTN_MODULE` is loaded exactly when it is
+/// set; else the sm_75 module is not (the suite does not run on Turing).
 fn check_module(gpu: &Gpu) -> Result<(), Failed> {
-    let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
-    if sm75 != (gpu.fa.ptx_arch() == PtxArch::Sm75) {
-        return Err(format!(
-            "module {:?} with {}={}",
-            gpu.fa.ptx_arch(),
-            flash_attn::FORCE_SM75_ENV,
-            sm75 as u8
-        )
-        .into());
+    let forced = std::env::var(flash_attn::MODULE_ENV).ok();
+    let arch = gpu.fa.ptx_arch();
+    let ok = match forced.as_deref() {
+        Some("sm_75") => arch == PtxArch::Sm75,
+        Some("sm_80") => arch == PtxArch::Sm80,
+        Some(_) => false,
+        None => arch == PtxArch::Sm90 || arch == PtxArch::Sm80,
+    };
+    if !ok {
+        return Err(format!("module {arch:?} with {}={forced:?}", flash_attn::MODULE_ENV).into());
     }
     Ok(())
 }
 
 /// On compute capability 9.0 the forward runs on the Hopper kernels unless
-/// `FLASH_ATTN_FORCE_SM80=1` or `FLASH_ATTN_FORCE_SM75=1` (the suite's
-/// other passes) asks otherwise; the latter also loads the sm_75 module.
+/// `FLASH_ATTN_FORCE_SM80=1` or `FLASH_ATTN_MODULE` (the suite's other
+/// passes) asks otherwise.
 fn check_hopper_path(gpu: &Gpu) -> Result<(), Failed> {
     check_module(gpu)?;
     let sm80 = env_is_1(flash_attn::hopper::FORCE_SM80_ENV);
-    let sm75 = env_is_1(flash_attn::FORCE_SM75_ENV);
-    if gpu.fa.hopper_forward() == (sm80 || sm75) {
+    let forced = std::env::var(flash_attn::MODULE_ENV).is_ok();
+    if gpu.fa.hopper_forward() == (sm80 || forced) {
         return Err(format!(
-            "hopper_forward() = {} with {}={}, {}={}",
+            "hopper_forward() = {} with {}={}, {} set: {}",
             gpu.fa.hopper_forward(),
             flash_attn::hopper::FORCE_SM80_ENV,
             sm80 as u8,
-            flash_attn::FORCE_SM75_ENV,
-            sm75 as u8
+            flash_attn::MODULE_ENV,
+            forced
         )
         .into());
     }

@@ -28,9 +28,8 @@ pub const REQUIRED_ALIGN_BYTES: usize = CHUNK_BYTES;
 pub const SUPPORTED_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 
 /// Head dimensions with compiled backward kernels (`bwd` lines of
-/// `attention_variants`): at D = 192 and 256 the dK and dV accumulators of
-/// a warp's 16 keys alone would take 192-256 registers.
-pub const BWD_HEAD_DIMS: [usize; 4] = [32, 64, 96, 128];
+/// `attention_variants`): all of [`SUPPORTED_HEAD_DIMS`].
+pub const BWD_HEAD_DIMS: [usize; 6] = [32, 64, 96, 128, 192, 256];
 
 /// Largest head dim of any kernel.
 pub const MAX_HEAD_DIM: usize = 256;
@@ -725,8 +724,8 @@ impl Entry {
             KernelKind::Probe => PROBE_THREADS,
             KernelKind::WgmmaForward => self.hopper_tile().threads(),
             KernelKind::WgmmaBackward => HopperBwdTile::of(self.head_dim).threads(),
-            KernelKind::Backward
-            | KernelKind::BackwardPrep
+            KernelKind::Backward => BwdTile::of(self.head_dim, arch).threads(),
+            KernelKind::BackwardPrep
             | KernelKind::BackwardDq
             | KernelKind::BackwardDkv
             | KernelKind::BackwardSinks => BWD_THREADS,
@@ -943,18 +942,26 @@ macro_rules! attention_variants {
             bwd f16 64 local plain dense;
             bwd f16 96 local plain dense;
             bwd f16 128 local plain dense;
+            bwd f16 192 local plain dense;
+            bwd f16 256 local plain dense;
             bwd bf16 32 local plain dense;
             bwd bf16 64 local plain dense;
             bwd bf16 96 local plain dense;
             bwd bf16 128 local plain dense;
+            bwd bf16 192 local plain dense;
+            bwd bf16 256 local plain dense;
             bwd f16 32 local modified dense;
             bwd f16 64 local modified dense;
             bwd f16 96 local modified dense;
             bwd f16 128 local modified dense;
+            bwd f16 192 local modified dense;
+            bwd f16 256 local modified dense;
             bwd bf16 32 local modified dense;
             bwd bf16 64 local modified dense;
             bwd bf16 96 local modified dense;
             bwd bf16 128 local modified dense;
+            bwd bf16 192 local modified dense;
+            bwd bf16 256 local modified dense;
         }
     };
 }
@@ -1107,31 +1114,46 @@ const fn count_entries(arch: PtxArch) -> usize {
     n
 }
 
-/// Keys per backward CTA: a warp per 16 keys ([`MMA_M`] rows of Sᵀ).
-pub const BWD_BLOCK_N: usize = 64;
-/// Threads of every backward kernel's CTA: the main kernel's four warps.
-pub const BWD_THREADS: usize = BWD_BLOCK_N / MMA_M * WARP_SIZE;
+/// Threads of the backward's helper kernels (`prep`, `dq`, `dkv`, `sinks`),
+/// and of the key-block kernel up to D = 128 ([`BwdTile::threads`]).
+pub const BWD_THREADS: usize = 4 * WARP_SIZE;
 /// Padding after each shared-memory row of the backward tiles: a row is then
-/// an odd number of 16-byte chunks (5, 9, 13 or 17), so the eight rows of an
+/// an odd number of 16-byte chunks (3 to 33), so the eight rows of an
 /// `ldmatrix` phase, and the eight row groups of a fragment store, start in
 /// distinct 16-byte bank groups.
 pub const BWD_ROW_PAD_BYTES: usize = 16;
 
-/// The backward CTA's shared memory: the K and V rows of its key block
-/// (read by every query block), `q_stages` buffers of a query block's Q and
-/// dO rows and its LSE and `delta` (f32), and dSᵀ of the current block (keys
-/// x queries, for dQ = dS·K). With two stages the next block's copies run
-/// under the current block's GEMMs.
+/// The backward CTA of the `mma.sync` kernel and its shared memory: the K
+/// and V rows of its key block (read by every query block), `q_stages`
+/// buffers of a query block's Q and dO rows and its LSE and `delta` (f32),
+/// dSᵀ of the current block (keys x queries, for dQ = dS·K) and, when the
+/// head dim is split across warps, Pᵀ. With two stages the next block's
+/// copies run under the current block's GEMMs.
+///
+/// A warp owns 16 keys ([`MMA_M`] rows of Sᵀ) and `head_dim / col_parts`
+/// columns of their dK and dV, whose f32 accumulators take `head_dim /
+/// col_parts` registers per thread. Up to D = 128 one warp holds a row's
+/// whole dK and dV (`col_parts` = 1) and keeps Pᵀ and dSᵀ in registers as
+/// the A fragments of dV += Pᵀ·dO and dK += dSᵀ·Q. At D = 192 and 256 that
+/// would be 192-256 registers, so two warps share 16 keys (`col_parts` = 2):
+/// each computes Sᵀ and dPᵀ for half of the block's queries over all of D,
+/// both write Pᵀ and dSᵀ to shared memory, and each reads back the whole
+/// rows for its half of dK's and dV's columns (FlashAttention-2 also stages
+/// P and dS through shared memory at these head dims).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdTile {
     /// Q/K head dim.
     pub head_dim: usize,
-    /// Query rows per step: 64 up to D = 64; 32 above, which keeps Sᵀ and dPᵀ
-    /// (2 x 16 registers) beside the dK and dV accumulators (2 x D / 2) in
-    /// 255 registers.
+    /// Keys per CTA: 16 per warp of a column part.
+    pub block_n: usize,
+    /// Warps that split dK's and dV's columns of the same 16 keys.
+    pub col_parts: usize,
+    /// Query rows per step: 64 up to D = 64; 32 at D = 96 and 128, which
+    /// keeps Sᵀ and dPᵀ (2 x 16 registers) beside the dK and dV accumulators
+    /// (2 x D / 2) in 255 registers. Above, the largest that fits shared
+    /// memory ([`Self::of`]).
     pub block_m: usize,
-    /// Query-block buffers: 2 where they fit the module's shared memory
-    /// (all but sm_75 at D = 128), else 1.
+    /// Query-block buffers: 2 where they fit the module's shared memory, else 1.
     pub q_stages: usize,
     /// CTAs per SM the PTX asks for (`.minnctapersm`), which caps the
     /// registers: 3 (168 registers) at D <= 64 in the sm_90 module, whose
@@ -1140,24 +1162,57 @@ pub struct BwdTile {
 }
 
 impl BwdTile {
-    /// The tile of head dim `head_dim` in `arch`'s module.
+    /// The tile of head dim `head_dim` in `arch`'s module. Up to D = 128:
+    /// 64 keys and two stages where they fit. Above, the first (keys, query
+    /// rows, stages) of `WIDE` that fits the module's shared memory: the
+    /// sm_90 module takes (64, 64, 2) at D = 192 and 256; sm_80's 99 KB
+    /// (64, 32, 1) at 192 and (32, 32, 1) at 256; sm_75's 64 KB (32, 32, 1)
+    /// at 192 and (32, 16, 1) at 256.
     pub const fn of(head_dim: usize, arch: PtxArch) -> BwdTile {
-        let one = BwdTile {
-            head_dim,
-            block_m: if head_dim <= 64 { 64 } else { 32 },
-            q_stages: 1,
-            ctas_per_sm: if head_dim <= 64 && matches!(arch, PtxArch::Sm90) {
-                3
-            } else {
-                1
-            },
-        };
-        let two = BwdTile { q_stages: 2, ..one };
-        if two.smem_bytes() <= arch.max_smem_bytes() {
-            two
-        } else {
-            one
+        let max = arch.max_smem_bytes();
+        if head_dim <= 128 {
+            let one = BwdTile {
+                head_dim,
+                block_n: 64,
+                col_parts: 1,
+                block_m: if head_dim <= 64 { 64 } else { 32 },
+                q_stages: 1,
+                ctas_per_sm: if head_dim <= 64 && matches!(arch, PtxArch::Sm90) {
+                    3
+                } else {
+                    1
+                },
+            };
+            let two = BwdTile { q_stages: 2, ..one };
+            return if two.smem_bytes() <= max { two } else { one };
         }
+        const WIDE: [(usize, usize, usize); 4] =
+            [(64, 64, 2), (64, 32, 1), (32, 32, 1), (32, 16, 1)];
+        let mut i = 0;
+        while i < WIDE.len() {
+            let (block_n, block_m, q_stages) = WIDE[i];
+            let t = BwdTile {
+                head_dim,
+                block_n,
+                col_parts: 2,
+                block_m,
+                q_stages,
+                ctas_per_sm: 1,
+            };
+            if t.smem_bytes() <= max || i + 1 == WIDE.len() {
+                return t;
+            }
+            i += 1;
+        }
+        panic!("unreachable: the last wide tile is returned")
+    }
+    /// Warps per CTA.
+    pub const fn warps(&self) -> usize {
+        self.block_n / MMA_M * self.col_parts
+    }
+    /// Threads per CTA.
+    pub const fn threads(&self) -> usize {
+        self.warps() * WARP_SIZE
     }
     /// Bytes of a padded row of `elems` 16-bit elements.
     pub const fn row_bytes(elems: usize) -> usize {
@@ -1165,7 +1220,7 @@ impl BwdTile {
     }
     /// Offset of V's tile (K's is 0).
     pub const fn v_offset(&self) -> usize {
-        BWD_BLOCK_N * Self::row_bytes(self.head_dim)
+        self.block_n * Self::row_bytes(self.head_dim)
     }
     /// Bytes of one query-block stage: Q, dO, then the LSE and `delta` rows.
     pub const fn stage_bytes(&self) -> usize {
@@ -1179,18 +1234,23 @@ impl BwdTile {
     pub const fn stats_offset(&self, stage: usize) -> usize {
         self.q_offset(stage) + 2 * self.block_m * Self::row_bytes(self.head_dim)
     }
-    /// Offset of dSᵀ ([`BWD_BLOCK_N`] rows of `block_m` elements).
+    /// Offset of dSᵀ ([`Self::block_n`] rows of `block_m` elements).
     pub const fn ds_offset(&self) -> usize {
         self.q_offset(self.q_stages)
     }
+    /// Offset of Pᵀ (as dSᵀ), used when `col_parts` > 1.
+    pub const fn p_offset(&self) -> usize {
+        self.ds_offset() + self.block_n * Self::row_bytes(self.block_m)
+    }
     /// Dynamic shared memory of the CTA.
     pub const fn smem_bytes(&self) -> usize {
-        self.ds_offset() + BWD_BLOCK_N * Self::row_bytes(self.block_m)
+        let score_tiles = if self.col_parts > 1 { 2 } else { 1 };
+        self.ds_offset() + score_tiles * self.block_n * Self::row_bytes(self.block_m)
     }
     /// Warps that share one 16-row query tile in the dQ step (each takes
-    /// `head_dim / dq_parts` columns): all four warps work on every block.
+    /// `head_dim / dq_parts` columns): every warp works on every block.
     pub const fn dq_parts(&self) -> usize {
-        BWD_BLOCK_N / self.block_m
+        self.warps() / (self.block_m / MMA_M)
     }
 }
 

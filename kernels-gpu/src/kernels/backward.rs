@@ -5,19 +5,21 @@
 //! [`dq`] (the buffer, scaled, in the element type); with sinks whose
 //! gradients are asked for, [`sinks`] after `prep`.
 //!
-//! The CTA's warp `w` owns keys `16w..16w+16` of the block, so it computes
-//! Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ with keys as rows: Pᵀ and dSᵀ are then, packed
-//! to 16 bits, the A fragments of dV += Pᵀ·dO and dK += dSᵀ·Q (as P is in
-//! the forward's P·V). dQ = dS·K needs dS with queries as rows, so dSᵀ goes
-//! through shared memory and comes back transposed by `ldmatrix.trans`.
-//! Tiles are row-major with a padded row (`BwdTile`), not swizzled.
+//! A warp owns 16 keys of the block, so it computes Sᵀ = K·Qᵀ and dPᵀ =
+//! V·dOᵀ with keys as rows: Pᵀ and dSᵀ are then, packed to 16 bits, the A
+//! fragments of dV += Pᵀ·dO and dK += dSᵀ·Q (as P is in the forward's P·V).
+//! dQ = dS·K needs dS with queries as rows, so dSᵀ goes through shared
+//! memory and comes back transposed by `ldmatrix.trans`. At D = 192 and 256
+//! two warps split the columns of the same keys' dK and dV, and Pᵀ goes
+//! through shared memory too (`BwdTile::col_parts`). Tiles are row-major
+//! with a padded row (`BwdTile`), not swizzled.
 use super::block_info::packed_range;
 use super::copy;
 use super::element::Element;
 use super::policy::{column, Modifiers, Scores};
 use crate::arch::{barrier, global, ldmatrix, math, shfl, smem, special};
 use crate::config::{
-    BwdTile, PtxArch, BWD_BLOCK_N, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
+    BwdTile, PtxArch, BWD_THREADS, CHUNK_BYTES, CHUNK_ELEMS, MMA_K, MMA_M, WARP_SIZE,
 };
 use crate::index::{block_needs_mask, quad_of, query_blocks, KeyWindow};
 use crate::params::{BshStrides, BwdParams};
@@ -144,11 +146,12 @@ pub(crate) fn stage_rows<T: Element, const D: usize>(
     }
 }
 
-/// Stages `count` tokens of `src` into a padded tile.
+/// Stages `count` tokens of `src` into a padded tile, thread `tid` of
+/// `threads`.
 #[inline(always)]
-fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, tid: u32, src: Rows) {
+fn load_rows<T: Element, const D: usize>(tile: u32, count: u32, threads: (u32, u32), src: Rows) {
     let row_bytes = BwdTile::row_bytes(D) as u32;
-    stage_rows::<T, D>(count, (tid, BWD_THREADS as u32), src, |r, c| {
+    stage_rows::<T, D>(count, threads, src, |r, c| {
         at(tile, row_bytes, r, c * CHUNK_ELEMS as u32)
     });
 }
@@ -430,9 +433,12 @@ pub(crate) fn quad_swap(f: [f32; 4], lane: u32) -> [f32; 4] {
 
 /// One backward CTA: key block `blockIdx.x` of a part of KV head
 /// `blockIdx.y / head_splits`'s query heads ([`HeadPart`]) of sequence
-/// `blockIdx.z`. `QK = D/16`, `OT = D/8` (n-tiles of dK, dV),
-/// `ST = BM/8` (query n-tiles of Sᵀ), `QOT` = the n-tiles of dQ a warp
-/// computes; checked against the tile at compile time.
+/// `blockIdx.z`. Warp `w` owns keys `16·(w % KS)..` of the block and
+/// column part `w / KS` of their dK and dV ([`BwdTile`]). `QK = D/16`,
+/// `OT` = the n-tiles of dK and dV a warp holds, `ST` = the query n-tiles
+/// of the warp's Sᵀ, `QOT` = the n-tiles of dQ a warp computes, `KS` =
+/// the key block's 16-key groups, `QS` = the query block's 16-row groups;
+/// checked against the tile at compile time.
 #[inline(always)]
 pub fn backward<
     T: Element,
@@ -443,15 +449,23 @@ pub fn backward<
     const OT: usize,
     const ST: usize,
     const QOT: usize,
+    const KS: usize,
+    const QS: usize,
 >(
     p: &BwdParams,
 ) {
     let tile = const { BwdTile::of(D, PtxArch::TARGET) };
     const {
         let t = BwdTile::of(D, PtxArch::TARGET);
-        assert!(BM == t.block_m && QK * MMA_K == D && OT * 8 == D && ST * 8 == BM);
-        assert!(QOT * 8 * t.dq_parts() == D && QOT % 2 == 0 && OT % 2 == 0 && ST % 2 == 0);
+        assert!(BM == t.block_m && QK * MMA_K == D && OT * 8 * t.col_parts == D);
+        assert!(ST * 8 * t.col_parts == BM && KS * MMA_M == t.block_n && QS * MMA_M == BM);
+        assert!(QOT * 8 * t.dq_parts() == D && QOT % 2 == 0 && OT % 2 == 0);
+        // Sᵀ's n-tiles come in pairs when P stays in registers (A fragments).
+        assert!(t.col_parts > 1 || ST % 2 == 0);
+        assert!(t.smem_bytes() <= PtxArch::TARGET.max_smem_bytes());
     }
+    let shared_p = tile.col_parts > 1;
+    let threads = tile.threads() as u32;
     let tid = special::thread_idx_x();
     let (warp, lane) = (tid / WARP_SIZE as u32, tid % WARP_SIZE as u32);
     let (g, pair) = (lane / 4, lane % 4);
@@ -464,16 +478,21 @@ pub fn backward<
     let rb = BwdTile::row_bytes(D) as u32;
     let ds_rb = BwdTile::row_bytes(BM) as u32;
     let (k_s, v_s) = (base, base + tile.v_offset() as u32);
-    let ds_s = base + tile.ds_offset() as u32;
+    let (ds_s, p_s) = (
+        base + tile.ds_offset() as u32,
+        base + tile.p_offset() as u32,
+    );
 
-    let bn = BWD_BLOCK_N as u32;
+    let bn = tile.block_n as u32;
     let key0 = n * bn;
     let seq = SeqSpan::new(p, b);
     // The grid covers the longest sequence's keys (varlen).
     if key0 >= seq.seqlen_k {
         return;
     }
-    let load = |tile: u32, count: u32, rows: Rows<'_>| load_rows::<T, D>(tile, count, tid, rows);
+    let load = |tile: u32, count: u32, rows: Rows<'_>| {
+        load_rows::<T, D>(tile, count, (tid, threads), rows)
+    };
     stage_keys(p, &seq, (head.kv_head, key0), bn, (k_s, v_s), load);
     copy::commit();
 
@@ -502,7 +521,17 @@ pub fn backward<
     }
     let (a_row, a_col) = rows_first(lane);
     let (b_row, b_col) = cols_first(lane);
-    let warp_key = warp * MMA_M as u32;
+    // With one column part the CTA has KS warps: warp = key group.
+    let (key_group, col_part) = if shared_p {
+        (warp % KS as u32, warp / KS as u32)
+    } else {
+        (warp, 0)
+    };
+    let warp_key = key_group * MMA_M as u32;
+    // The warp's queries of Sᵀ (relative to the block) and its columns of
+    // dK and dV.
+    let warp_q = col_part * (ST * 8) as u32;
+    let warp_d = col_part * (OT * 8) as u32;
     let mut dk = [[0f32; 4]; OT];
     let mut dv = [[0f32; 4]; OT];
 
@@ -512,7 +541,8 @@ pub fn backward<
         let q0 = m * BM as u32;
         let stage = i % stages;
         // Every warp is done with the stage the next copies overwrite
-        // (step i - 1's with two stages, this one's with one) and with dSᵀ.
+        // (step i - 1's with two stages, this one's with one) and with dSᵀ
+        // and Pᵀ.
         barrier::sync_cta();
         if stages > 1 {
             if i + 1 < steps.count {
@@ -531,7 +561,7 @@ pub fn backward<
         let lse_s = base + tile.stats_offset(stage as usize) as u32;
         let delta_s = lse_s + BM as u32 * 4;
 
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warp's 16 keys.
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ over the warp's 16 keys and queries.
         let mut s = [[0f32; 4]; ST];
         let mut dp = [[0f32; 4]; ST];
         unroll::<QK>(|kk| {
@@ -540,13 +570,20 @@ pub fn backward<
             let av = ldmatrix::x4(at(v_s, rb, warp_key + a_row, col + a_col));
             unroll::<ST>(|j| {
                 if j % 2 == 0 {
-                    let row = j as u32 * 8 + b_row;
+                    // A lone last n-tile (ST odd) loads its 8 rows twice
+                    // rather than rows past the warp's queries.
+                    let lone = j + 1 == ST;
+                    let row = warp_q + j as u32 * 8 + if lone { b_row % 8 } else { b_row };
                     let bq = ldmatrix::x4(at(q_s, rb, row, col + b_col));
                     T::mma(&mut s[j], &ak, bq[0], bq[1]);
-                    T::mma(&mut s[j + 1], &ak, bq[2], bq[3]);
+                    if !lone {
+                        T::mma(&mut s[j + 1], &ak, bq[2], bq[3]);
+                    }
                     let bo = ldmatrix::x4(at(do_s, rb, row, col + b_col));
                     T::mma(&mut dp[j], &av, bo[0], bo[1]);
-                    T::mma(&mut dp[j + 1], &av, bo[2], bo[3]);
+                    if !lone {
+                        T::mma(&mut dp[j + 1], &av, bo[2], bo[3]);
+                    }
                 }
             });
         });
@@ -556,46 +593,55 @@ pub fn backward<
         StepScores::new::<T, S>(p, &keys, (b, h), masked).p_and_ds(
             p,
             (&mut s, &mut dp),
-            (lse_s, delta_s),
-            (q0, key0 + warp_key + g),
+            (lse_s + warp_q * 4, delta_s + warp_q * 4),
+            (q0 + warp_q, key0 + warp_key + g),
             lane,
         );
 
-        // dV += Pᵀ·dO and dK += dSᵀ·Q.
-        unroll::<ST>(|j| {
-            if j % 2 == 0 {
-                let row = j as u32 * 8 + a_row;
-                let ap = a_fragment::<T>(&s[j], &s[j + 1]);
-                let ads = a_fragment::<T>(&dp[j], &dp[j + 1]);
-                unroll::<OT>(|d| {
-                    if d % 2 == 0 {
-                        let col = d as u32 * 8 + a_col;
-                        let bo = ldmatrix::x4_trans(at(do_s, rb, row, col));
-                        T::mma(&mut dv[d], &ap, bo[0], bo[1]);
-                        T::mma(&mut dv[d + 1], &ap, bo[2], bo[3]);
-                        let bq = ldmatrix::x4_trans(at(q_s, rb, row, col));
-                        T::mma(&mut dk[d], &ads, bq[0], bq[1]);
-                        T::mma(&mut dk[d + 1], &ads, bq[2], bq[3]);
-                    }
-                });
-            }
-        });
-
+        if shared_p {
+            // The other column part needs this warp's queries of Pᵀ and dSᵀ.
+            store_scores::<T, ST>(p_s, ds_rb, (warp_key + g, warp_q + 2 * pair), &s);
+        } else {
+            // dV += Pᵀ·dO and dK += dSᵀ·Q from the registers.
+            unroll::<ST>(|j| {
+                if j % 2 == 0 {
+                    let ap = a_fragment::<T>(&s[j], &s[j + 1]);
+                    let ads = a_fragment::<T>(&dp[j], &dp[j + 1]);
+                    accumulate_dk_dv::<T, OT>(
+                        (q_s, do_s, rb),
+                        (j as u32 * 8 + a_row, a_col),
+                        (&ap, &ads),
+                        (&mut dk, &mut dv),
+                    );
+                }
+            });
+        }
         // dSᵀ to shared memory, keys as rows.
-        unroll::<ST>(|j| {
-            let col = j as u32 * 8 + 2 * pair;
-            let row = warp_key + g;
-            smem::st_b32(at(ds_s, ds_rb, row, col), T::pack(dp[j][0], dp[j][1]));
-            smem::st_b32(at(ds_s, ds_rb, row + 8, col), T::pack(dp[j][2], dp[j][3]));
-        });
+        store_scores::<T, ST>(ds_s, ds_rb, (warp_key + g, warp_q + 2 * pair), &dp);
         barrier::sync_cta();
 
+        if shared_p {
+            // dV += Pᵀ·dO and dK += dSᵀ·Q over every query of the block, for
+            // the warp's columns.
+            unroll::<QS>(|kq| {
+                let q = kq as u32 * MMA_K as u32;
+                let ap = ldmatrix::x4(at(p_s, ds_rb, warp_key + a_row, q + a_col));
+                let ads = ldmatrix::x4(at(ds_s, ds_rb, warp_key + a_row, q + a_col));
+                accumulate_dk_dv::<T, OT>(
+                    (q_s, do_s, rb),
+                    (q + a_row, warp_d + a_col),
+                    (&ap, &ads),
+                    (&mut dk, &mut dv),
+                );
+            });
+        }
+
         // dQ share = dS·K: warp w takes query tile w % (BM/16) and the
-        // (w / (BM/16))-th of dQ's column parts, over all 64 keys.
-        let q_tile = warp % (BM / MMA_M) as u32;
-        let d0 = (warp / (BM / MMA_M) as u32) * (QOT * 8) as u32;
+        // (w / (BM/16))-th of dQ's column parts, over all the block's keys.
+        let q_tile = warp % QS as u32;
+        let d0 = (warp / QS as u32) * (QOT * 8) as u32;
         let mut dq = [[0f32; 4]; QOT];
-        unroll::<{ BWD_BLOCK_N / MMA_K }>(|kk| {
+        unroll::<KS>(|kk| {
             let key = kk as u32 * MMA_K as u32;
             let a = ldmatrix::x4_trans(at(ds_s, ds_rb, key + b_row, q_tile * 16 + b_col));
             unroll::<QOT>(|d| {
@@ -636,18 +682,60 @@ pub fn backward<
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();
 
-    store_dk_dv::<T, OT>(p, &seq, head, key0 + warp_key, lane, (&dk, &dv));
+    store_dk_dv::<T, OT>(p, &seq, head, (key0 + warp_key, warp_d), lane, (&dk, &dv));
+}
+
+/// Writes a warp's m16n8 C fragments of Pᵀ or dSᵀ (16 keys by `ST` query
+/// n-tiles) packed to 16 bits into a padded keys x queries tile, the lane's
+/// first element at (`row`, `col`).
+#[inline(always)]
+fn store_scores<T: Element, const ST: usize>(
+    tile: u32,
+    row_bytes: u32,
+    (row, col): (u32, u32),
+    c: &[[f32; 4]; ST],
+) {
+    unroll::<ST>(|j| {
+        let col = col + j as u32 * 8;
+        smem::st_b32(at(tile, row_bytes, row, col), T::pack(c[j][0], c[j][1]));
+        smem::st_b32(at(tile, row_bytes, row + 8, col), T::pack(c[j][2], c[j][3]));
+    });
+}
+
+/// dV += Pᵀ·dO and dK += dSᵀ·Q for 16 queries (the k of these GEMMs): `ap`
+/// and `ads` are the A fragments of 16 keys by those queries, whose dO and Q
+/// rows (`ldmatrix.trans` B fragments) the lane reads from row `row`,
+/// column `col` on, for `N` n-tiles of dK's and dV's columns.
+#[inline(always)]
+fn accumulate_dk_dv<T: Element, const N: usize>(
+    (q_s, do_s, rb): (u32, u32, u32),
+    (row, col): (u32, u32),
+    (ap, ads): (&[u32; 4], &[u32; 4]),
+    (dk, dv): (&mut [[f32; 4]; N], &mut [[f32; 4]; N]),
+) {
+    unroll::<N>(|d| {
+        if d % 2 == 0 {
+            let col = col + d as u32 * 8;
+            let bo = ldmatrix::x4_trans(at(do_s, rb, row, col));
+            T::mma(&mut dv[d], ap, bo[0], bo[1]);
+            T::mma(&mut dv[d + 1], ap, bo[2], bo[3]);
+            let bq = ldmatrix::x4_trans(at(q_s, rb, row, col));
+            T::mma(&mut dk[d], ads, bq[0], bq[1]);
+            T::mma(&mut dk[d + 1], ads, bq[2], bq[3]);
+        }
+    });
 }
 
 /// Writes dK (times `softmax_scale`) and dV of a warp's 16 keys of
-/// sequence `seq`, from first key `key` on, out of their accumulators (m16n8 C fragments of
-/// `N` n-tiles); keys past the sequence are not written.
+/// sequence `seq`, from first key `key` on, columns `col..` (`N` n-tiles),
+/// out of their accumulators (m16n8 C fragments); keys past the sequence
+/// are not written.
 #[inline(always)]
 pub(crate) fn store_dk_dv<T: Element, const N: usize>(
     p: &BwdParams,
     seq: &SeqSpan,
     head: HeadPart,
-    key: u32,
+    (key, col): (u32, u32),
     lane: u32,
     (dk, dv): (&[[f32; 4]; N], &[[f32; 4]; N]),
 ) {
@@ -659,7 +747,8 @@ pub(crate) fn store_dk_dv<T: Element, const N: usize>(
             if head.splits > 1 {
                 // f32 parts for `BackwardDkv`, which sums them in order.
                 let (dk_part, dv_part) = dkv_part_rows(p, seq, head, key);
-                let (dk_part, dv_part) = (dk_part + 8 * pair as u64, dv_part + 8 * pair as u64);
+                let off = 4 * (col + 2 * pair) as u64;
+                let (dk_part, dv_part) = (dk_part + off, dv_part + off);
                 unroll::<N>(|d| {
                     let (c0, c1) = (dk[d][2 * r] * p.scale, dk[d][2 * r + 1] * p.scale);
                     global::st_v2_b32(dk_part + d as u64 * 32, c0.to_bits(), c1.to_bits());
@@ -668,8 +757,9 @@ pub(crate) fn store_dk_dv<T: Element, const N: usize>(
                 });
                 return;
             }
-            let dk_row = row_ptr(p.dk, &p.dk_strides, b, row, head.kv_head) + 4 * pair as u64;
-            let dv_row = row_ptr(p.dv, &p.dv_strides, b, row, head.kv_head) + 4 * pair as u64;
+            let off = 2 * (col + 2 * pair) as u64;
+            let dk_row = row_ptr(p.dk, &p.dk_strides, b, row, head.kv_head) + off;
+            let dv_row = row_ptr(p.dv, &p.dv_strides, b, row, head.kv_head) + off;
             unroll::<N>(|d| {
                 let (c0, c1) = (dk[d][2 * r], dk[d][2 * r + 1]);
                 global::st_b32(dk_row + d as u64 * 16, T::pack(c0 * p.scale, c1 * p.scale));

@@ -95,9 +95,15 @@ mod sm80 {
                 $d,
                 { BwdTile::of($d, PtxArch::TARGET).block_m },
                 { $d / 16 },
-                { $d / 8 },
-                { BwdTile::of($d, PtxArch::TARGET).block_m / 8 },
+                { $d / 8 / BwdTile::of($d, PtxArch::TARGET).col_parts },
+                {
+                    BwdTile::of($d, PtxArch::TARGET).block_m
+                        / 8
+                        / BwdTile::of($d, PtxArch::TARGET).col_parts
+                },
                 { $d / 8 / BwdTile::of($d, PtxArch::TARGET).dq_parts() },
+                { BwdTile::of($d, PtxArch::TARGET).block_n / 16 },
+                { BwdTile::of($d, PtxArch::TARGET).block_m / 16 },
             >(&$p)
         };
     }

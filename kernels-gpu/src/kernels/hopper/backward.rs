@@ -273,5 +273,5 @@ pub fn backward<
     copy::wait_all();
 
     let warp_key = key0 + wg * WGMMA_M as u32 + warp_row;
-    store_dk_dv::<T, DT>(p, &seq, head, warp_key, lane, (&dk, &dv));
+    store_dk_dv::<T, DT>(p, &seq, head, (warp_key, 0), lane, (&dk, &dv));
 }
