@@ -3074,16 +3074,22 @@ mod config {
                     assert_eq!(e.smem_bytes(a), t.smem_bytes());
                     assert!(t.smem_bytes() <= a.max_smem_bytes(), "{e:?} on {a:?}");
                     assert_eq!(e.min_ctas_per_sm(a), Some(t.ctas_per_sm));
-                    // A warp's dK and dV accumulators (D / col_parts f32 per
-                    // thread) stay within 128 registers; the warps of a
-                    // column part hold 16 keys each; each warp computes Sᵀ
-                    // for a whole number of query n-tiles, and dQ's column
-                    // parts are whole pairs of n-tiles.
-                    assert!(e.head_dim / t.col_parts <= 128, "{e:?}");
-                    assert_eq!(t.warps(), t.block_n / 16 * t.col_parts);
-                    assert_eq!(t.block_m % (8 * t.col_parts), 0, "{e:?}");
-                    assert_eq!(t.warps() % (t.block_m / 16), 0, "{e:?}");
+                    // A warp's dK and dV accumulators (2 x keys x columns
+                    // / 32 f32 per thread) stay within 128 registers; the
+                    // warps' Sᵀ tiles, dK/dV shares and dQ tiles each cover
+                    // the block once, in whole (pairs of) n-tiles.
+                    let accumulators = 2 * t.dkv_keys() * e.head_dim / t.col_parts() / 32;
+                    assert!(accumulators <= 128, "{e:?} on {a:?}");
+                    assert_eq!(
+                        t.warps() * 16 * (t.block_m / t.s_parts()),
+                        t.block_n * t.block_m
+                    );
+                    assert_eq!(t.warps() * t.dkv_keys(), t.block_n * t.col_parts());
+                    assert_eq!(e.head_dim % (16 * t.col_parts()), 0, "{e:?}");
+                    assert_eq!(t.block_m % (8 * t.s_parts()), 0, "{e:?}");
+                    assert_eq!(t.warps() % (t.block_m / t.dq_rows()), 0, "{e:?}");
                     assert_eq!(e.head_dim % (16 * t.dq_parts()), 0, "{e:?} on {a:?}");
+                    assert!(t.shared_p || t.dkv_keys() == 16, "P in registers: own keys");
                     assert!(
                         2 * t.block_m <= t.threads(),
                         "stats copy: a word per thread"

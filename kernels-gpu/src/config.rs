@@ -1123,31 +1123,36 @@ pub const BWD_THREADS: usize = 4 * WARP_SIZE;
 /// distinct 16-byte bank groups.
 pub const BWD_ROW_PAD_BYTES: usize = 16;
 
+/// Warps that split dK's and dV's columns of the same keys when Pᵀ goes
+/// through shared memory ([`BwdTile::shared_p`]).
+pub const BWD_WIDE_COL_PARTS: usize = 4;
+
 /// The backward CTA of the `mma.sync` kernel and its shared memory: the K
 /// and V rows of its key block (read by every query block), `q_stages`
 /// buffers of a query block's Q and dO rows and its LSE and `delta` (f32),
-/// dSᵀ of the current block (keys x queries, for dQ = dS·K) and, when the
-/// head dim is split across warps, Pᵀ. With two stages the next block's
-/// copies run under the current block's GEMMs.
+/// dSᵀ of the current block (keys x queries, for dQ = dS·K) and, with
+/// `shared_p`, Pᵀ. With two stages the next block's copies run under the
+/// current block's GEMMs.
 ///
-/// A warp owns 16 keys ([`MMA_M`] rows of Sᵀ) and `head_dim / col_parts`
-/// columns of their dK and dV, whose f32 accumulators take `head_dim /
-/// col_parts` registers per thread. Up to D = 128 one warp holds a row's
-/// whole dK and dV (`col_parts` = 1) and keeps Pᵀ and dSᵀ in registers as
-/// the A fragments of dV += Pᵀ·dO and dK += dSᵀ·Q. At D = 192 and 256 that
-/// would be 192-256 registers, so two warps share 16 keys (`col_parts` = 2):
-/// each computes Sᵀ and dPᵀ for half of the block's queries over all of D,
-/// both write Pᵀ and dSᵀ to shared memory, and each reads back the whole
-/// rows for its half of dK's and dV's columns (FlashAttention-2 also stages
-/// P and dS through shared memory at these head dims).
+/// Each warp computes Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for 16 keys ([`MMA_M`]
+/// rows) and holds f32 accumulators of dK and dV for `dkv_keys()` keys and
+/// `head_dim / col_parts()` columns. Up to D = 128 a warp holds the whole
+/// dK and dV rows of its 16 keys (D registers per thread) and keeps Pᵀ and
+/// dSᵀ in registers as the A fragments of dV += Pᵀ·dO and dK += dSᵀ·Q. At
+/// D = 192 and 256 that would be 192-256 registers, so (`shared_p`) two
+/// warps compute the Sᵀ of the same 16 keys, each over half of the block's
+/// queries; all write Pᵀ and dSᵀ to shared memory, and each warp then
+/// reads back whole rows of 32 keys for a quarter of dK's and dV's
+/// columns, and dQ's tiles are 32 queries where the columns split evenly:
+/// tiles of 32 rows read a B fragment once for two m16n8 tiles, a third
+/// fewer `ldmatrix` per `mma` than 16-row tiles (FlashAttention-2's layout
+/// at these head dims).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BwdTile {
     /// Q/K head dim.
     pub head_dim: usize,
-    /// Keys per CTA: 16 per warp of a column part.
+    /// Keys per CTA.
     pub block_n: usize,
-    /// Warps that split dK's and dV's columns of the same 16 keys.
-    pub col_parts: usize,
     /// Query rows per step: 64 up to D = 64; 32 at D = 96 and 128, which
     /// keeps Sᵀ and dPᵀ (2 x 16 registers) beside the dK and dV accumulators
     /// (2 x D / 2) in 255 registers. Above, the largest that fits shared
@@ -1159,6 +1164,9 @@ pub struct BwdTile {
     /// registers: 3 (168 registers) at D <= 64 in the sm_90 module, whose
     /// SMs hold three such tiles; 1 elsewhere (255 registers).
     pub ctas_per_sm: usize,
+    /// Whether Pᵀ goes through shared memory and the dK/dV columns split
+    /// across warps (D > 128).
+    pub shared_p: bool,
 }
 
 impl BwdTile {
@@ -1174,7 +1182,6 @@ impl BwdTile {
             let one = BwdTile {
                 head_dim,
                 block_n: 64,
-                col_parts: 1,
                 block_m: if head_dim <= 64 { 64 } else { 32 },
                 q_stages: 1,
                 ctas_per_sm: if head_dim <= 64 && matches!(arch, PtxArch::Sm90) {
@@ -1182,6 +1189,7 @@ impl BwdTile {
                 } else {
                     1
                 },
+                shared_p: false,
             };
             let two = BwdTile { q_stages: 2, ..one };
             return if two.smem_bytes() <= max { two } else { one };
@@ -1194,10 +1202,10 @@ impl BwdTile {
             let t = BwdTile {
                 head_dim,
                 block_n,
-                col_parts: 2,
                 block_m,
                 q_stages,
                 ctas_per_sm: 1,
+                shared_p: true,
             };
             if t.smem_bytes() <= max || i + 1 == WIDE.len() {
                 return t;
@@ -1206,13 +1214,50 @@ impl BwdTile {
         }
         panic!("unreachable: the last wide tile is returned")
     }
+    /// Warps that compute the Sᵀ of the same 16 keys, each for a share of
+    /// the query block.
+    pub const fn s_parts(&self) -> usize {
+        if self.shared_p {
+            2
+        } else {
+            1
+        }
+    }
     /// Warps per CTA.
     pub const fn warps(&self) -> usize {
-        self.block_n / MMA_M * self.col_parts
+        self.block_n / MMA_M * self.s_parts()
     }
     /// Threads per CTA.
     pub const fn threads(&self) -> usize {
         self.warps() * WARP_SIZE
+    }
+    /// Warps that split the dK and dV columns of the same keys.
+    pub const fn col_parts(&self) -> usize {
+        if self.shared_p {
+            BWD_WIDE_COL_PARTS
+        } else {
+            1
+        }
+    }
+    /// Keys whose dK and dV (a column part of them) a warp accumulates.
+    pub const fn dkv_keys(&self) -> usize {
+        self.block_n * self.col_parts() / self.warps()
+    }
+    /// Query rows of a warp's dQ tile: 32 with `shared_p` where the warps
+    /// then split D into whole pairs of n-tiles, else 16.
+    pub const fn dq_rows(&self) -> usize {
+        if self.shared_p && self.block_m >= 32 {
+            let parts = self.warps() / (self.block_m / 32);
+            if parts > 0 && self.head_dim.is_multiple_of(16 * parts) {
+                return 32;
+            }
+        }
+        MMA_M
+    }
+    /// Warps that share one dQ tile's rows (each takes `head_dim / dq_parts`
+    /// columns): every warp works on every block.
+    pub const fn dq_parts(&self) -> usize {
+        self.warps() / (self.block_m / self.dq_rows())
     }
     /// Bytes of a padded row of `elems` 16-bit elements.
     pub const fn row_bytes(elems: usize) -> usize {
@@ -1238,19 +1283,14 @@ impl BwdTile {
     pub const fn ds_offset(&self) -> usize {
         self.q_offset(self.q_stages)
     }
-    /// Offset of Pᵀ (as dSᵀ), used when `col_parts` > 1.
+    /// Offset of Pᵀ (as dSᵀ), used with `shared_p`.
     pub const fn p_offset(&self) -> usize {
         self.ds_offset() + self.block_n * Self::row_bytes(self.block_m)
     }
     /// Dynamic shared memory of the CTA.
     pub const fn smem_bytes(&self) -> usize {
-        let score_tiles = if self.col_parts > 1 { 2 } else { 1 };
+        let score_tiles = if self.shared_p { 2 } else { 1 };
         self.ds_offset() + score_tiles * self.block_n * Self::row_bytes(self.block_m)
-    }
-    /// Warps that share one 16-row query tile in the dQ step (each takes
-    /// `head_dim / dq_parts` columns): every warp works on every block.
-    pub const fn dq_parts(&self) -> usize {
-        self.warps() / (self.block_m / MMA_M)
     }
 }
 

@@ -10,8 +10,8 @@
 //! fragments of dV += Pᵀ·dO and dK += dSᵀ·Q (as P is in the forward's P·V).
 //! dQ = dS·K needs dS with queries as rows, so dSᵀ goes through shared
 //! memory and comes back transposed by `ldmatrix.trans`. At D = 192 and 256
-//! two warps split the columns of the same keys' dK and dV, and Pᵀ goes
-//! through shared memory too (`BwdTile::col_parts`). Tiles are row-major
+//! several warps split the columns of the same keys' dK and dV, and Pᵀ
+//! goes through shared memory too (`BwdTile::shared_p`). Tiles are row-major
 //! with a padded row (`BwdTile`), not swizzled.
 use super::block_info::packed_range;
 use super::copy;
@@ -433,10 +433,10 @@ pub(crate) fn quad_swap(f: [f32; 4], lane: u32) -> [f32; 4] {
 
 /// One backward CTA: key block `blockIdx.x` of a part of KV head
 /// `blockIdx.y / head_splits`'s query heads ([`HeadPart`]) of sequence
-/// `blockIdx.z`. Warp `w` owns keys `16·(w % KS)..` of the block and
-/// column part `w / KS` of their dK and dV ([`BwdTile`]). `QK = D/16`,
-/// `OT` = the n-tiles of dK and dV a warp holds, `ST` = the query n-tiles
-/// of the warp's Sᵀ, `QOT` = the n-tiles of dQ a warp computes, `KS` =
+/// `blockIdx.z`; the warps' shares are [`BwdTile`]'s. `QK = D/16`, `OT` =
+/// the n-tiles of dK and dV a warp holds for each of its `MT` 16-key
+/// m-tiles, `ST` = the query n-tiles of the warp's Sᵀ, `QOT` = the n-tiles
+/// of dQ a warp computes for each of its `QMT` 16-query m-tiles, `KS` =
 /// the key block's 16-key groups, `QS` = the query block's 16-row groups;
 /// checked against the tile at compile time.
 #[inline(always)]
@@ -451,20 +451,24 @@ pub fn backward<
     const QOT: usize,
     const KS: usize,
     const QS: usize,
+    const MT: usize,
+    const QMT: usize,
 >(
     p: &BwdParams,
 ) {
     let tile = const { BwdTile::of(D, PtxArch::TARGET) };
     const {
         let t = BwdTile::of(D, PtxArch::TARGET);
-        assert!(BM == t.block_m && QK * MMA_K == D && OT * 8 * t.col_parts == D);
-        assert!(ST * 8 * t.col_parts == BM && KS * MMA_M == t.block_n && QS * MMA_M == BM);
+        assert!(BM == t.block_m && QK * MMA_K == D && OT * 8 * t.col_parts() == D);
+        assert!(ST * 8 * t.s_parts() == BM && KS * MMA_M == t.block_n && QS * MMA_M == BM);
+        assert!(MT * MMA_M == t.dkv_keys() && QMT * MMA_M == t.dq_rows());
         assert!(QOT * 8 * t.dq_parts() == D && QOT % 2 == 0 && OT % 2 == 0);
-        // Sᵀ's n-tiles come in pairs when P stays in registers (A fragments).
-        assert!(t.col_parts > 1 || ST % 2 == 0);
+        // Sᵀ's n-tiles come in pairs when P stays in registers (A
+        // fragments), which then cover the warp's own 16 keys.
+        assert!(t.shared_p || (ST % 2 == 0 && MT == 1));
         assert!(t.smem_bytes() <= PtxArch::TARGET.max_smem_bytes());
     }
-    let shared_p = tile.col_parts > 1;
+    let shared_p = tile.shared_p;
     let threads = tile.threads() as u32;
     let tid = special::thread_idx_x();
     let (warp, lane) = (tid / WARP_SIZE as u32, tid % WARP_SIZE as u32);
@@ -521,19 +525,22 @@ pub fn backward<
     }
     let (a_row, a_col) = rows_first(lane);
     let (b_row, b_col) = cols_first(lane);
-    // With one column part the CTA has KS warps: warp = key group.
-    let (key_group, col_part) = if shared_p {
-        (warp % KS as u32, warp / KS as u32)
+    // The warp's keys and queries of Sᵀ (relative to the block), and its
+    // keys and columns of dK and dV. Without `shared_p` the CTA has KS
+    // warps, each with the whole rows of its own 16 keys.
+    let (warp_key, warp_q, kv_key, kv_d) = if shared_p {
+        let kv_groups = (tile.warps() / tile.col_parts()) as u32;
+        (
+            (warp % KS as u32) * MMA_M as u32,
+            (warp / KS as u32) * (ST * 8) as u32,
+            (warp % kv_groups) * (MT * MMA_M) as u32,
+            (warp / kv_groups) * (OT * 8) as u32,
+        )
     } else {
-        (warp, 0)
+        (warp * MMA_M as u32, 0, warp * MMA_M as u32, 0)
     };
-    let warp_key = key_group * MMA_M as u32;
-    // The warp's queries of Sᵀ (relative to the block) and its columns of
-    // dK and dV.
-    let warp_q = col_part * (ST * 8) as u32;
-    let warp_d = col_part * (OT * 8) as u32;
-    let mut dk = [[0f32; 4]; OT];
-    let mut dv = [[0f32; 4]; OT];
+    let mut dk = [[[0f32; 4]; OT]; MT];
+    let mut dv = [[[0f32; 4]; OT]; MT];
 
     let mut i = 0;
     while i < steps.count {
@@ -605,9 +612,9 @@ pub fn backward<
             // dV += Pᵀ·dO and dK += dSᵀ·Q from the registers.
             unroll::<ST>(|j| {
                 if j % 2 == 0 {
-                    let ap = a_fragment::<T>(&s[j], &s[j + 1]);
-                    let ads = a_fragment::<T>(&dp[j], &dp[j + 1]);
-                    accumulate_dk_dv::<T, OT>(
+                    let ap = [a_fragment::<T>(&s[j], &s[j + 1]); MT];
+                    let ads = [a_fragment::<T>(&dp[j], &dp[j + 1]); MT];
+                    accumulate_dk_dv::<T, OT, MT>(
                         (q_s, do_s, rb),
                         (j as u32 * 8 + a_row, a_col),
                         (&ap, &ads),
@@ -622,67 +629,84 @@ pub fn backward<
 
         if shared_p {
             // dV += Pᵀ·dO and dK += dSᵀ·Q over every query of the block, for
-            // the warp's columns.
+            // the warp's keys and columns.
             unroll::<QS>(|kq| {
                 let q = kq as u32 * MMA_K as u32;
-                let ap = ldmatrix::x4(at(p_s, ds_rb, warp_key + a_row, q + a_col));
-                let ads = ldmatrix::x4(at(ds_s, ds_rb, warp_key + a_row, q + a_col));
-                accumulate_dk_dv::<T, OT>(
+                let (mut ap, mut ads) = ([[0u32; 4]; MT], [[0u32; 4]; MT]);
+                unroll::<MT>(|m| {
+                    let row = kv_key + (m * MMA_M) as u32 + a_row;
+                    ap[m] = ldmatrix::x4(at(p_s, ds_rb, row, q + a_col));
+                    ads[m] = ldmatrix::x4(at(ds_s, ds_rb, row, q + a_col));
+                });
+                accumulate_dk_dv::<T, OT, MT>(
                     (q_s, do_s, rb),
-                    (q + a_row, warp_d + a_col),
+                    (q + a_row, kv_d + a_col),
                     (&ap, &ads),
                     (&mut dk, &mut dv),
                 );
             });
         }
 
-        // dQ share = dS·K: warp w takes query tile w % (BM/16) and the
-        // (w / (BM/16))-th of dQ's column parts, over all the block's keys.
-        let q_tile = warp % QS as u32;
-        let d0 = (warp / QS as u32) * (QOT * 8) as u32;
-        let mut dq = [[0f32; 4]; QOT];
+        // dQ share = dS·K: warp w takes query tile w % (BM / rows) of
+        // `QMT` m-tiles and the (w / (BM / rows))-th of dQ's column parts,
+        // over all the block's keys.
+        let q_tiles = (BM / (QMT * MMA_M)) as u32;
+        let q_row = (warp % q_tiles) * (QMT * MMA_M) as u32;
+        let d0 = (warp / q_tiles) * (QOT * 8) as u32;
+        let mut dq = [[[0f32; 4]; QOT]; QMT];
         unroll::<KS>(|kk| {
             let key = kk as u32 * MMA_K as u32;
-            let a = ldmatrix::x4_trans(at(ds_s, ds_rb, key + b_row, q_tile * 16 + b_col));
+            let mut a = [[0u32; 4]; QMT];
+            unroll::<QMT>(|m| {
+                let col = q_row + (m * MMA_M) as u32 + b_col;
+                a[m] = ldmatrix::x4_trans(at(ds_s, ds_rb, key + b_row, col));
+            });
             unroll::<QOT>(|d| {
                 if d % 2 == 0 {
                     let bk =
                         ldmatrix::x4_trans(at(k_s, rb, key + a_row, d0 + d as u32 * 8 + a_col));
-                    T::mma(&mut dq[d], &a, bk[0], bk[1]);
-                    T::mma(&mut dq[d + 1], &a, bk[2], bk[3]);
-                }
-            });
-        });
-        let row0 = q0 + q_tile * 16;
-        let row_at = |t: u32| p.dq_accum + seq.stat_row(p, h, t) * D as u64 * 4;
-        if matches!(PtxArch::TARGET, PtxArch::Sm90) {
-            let (r, c) = quad_of(lane);
-            let t = row0 + r;
-            let dst = row_at(t) + (d0 + c) as u64 * 4;
-            unroll::<QOT>(|d| {
-                let v = quad_swap(dq[d], lane);
-                if t < seq.seqlen_q {
-                    global::red_add_v4_f32(dst + d as u64 * 32, v);
-                }
-            });
-        } else {
-            unroll::<2>(|r| {
-                let t = row0 + g + 8 * r as u32;
-                if t < seq.seqlen_q {
-                    let dst = row_at(t) + (d0 + 2 * pair) as u64 * 4;
-                    unroll::<QOT>(|d| {
-                        global::red_add_f32(dst + d as u64 * 32, dq[d][2 * r]);
-                        global::red_add_f32(dst + d as u64 * 32 + 4, dq[d][2 * r + 1]);
+                    unroll::<QMT>(|m| {
+                        T::mma(&mut dq[m][d], &a[m], bk[0], bk[1]);
+                        T::mma(&mut dq[m][d + 1], &a[m], bk[2], bk[3]);
                     });
                 }
             });
-        }
+        });
+        let row_at = |t: u32| p.dq_accum + seq.stat_row(p, h, t) * D as u64 * 4;
+        unroll::<QMT>(|m| {
+            let row0 = q0 + q_row + (m * MMA_M) as u32;
+            if matches!(PtxArch::TARGET, PtxArch::Sm90) {
+                let (r, c) = quad_of(lane);
+                let t = row0 + r;
+                let dst = row_at(t) + (d0 + c) as u64 * 4;
+                unroll::<QOT>(|d| {
+                    let v = quad_swap(dq[m][d], lane);
+                    if t < seq.seqlen_q {
+                        global::red_add_v4_f32(dst + d as u64 * 32, v);
+                    }
+                });
+            } else {
+                unroll::<2>(|r| {
+                    let t = row0 + g + 8 * r as u32;
+                    if t < seq.seqlen_q {
+                        let dst = row_at(t) + (d0 + 2 * pair) as u64 * 4;
+                        unroll::<QOT>(|d| {
+                            global::red_add_f32(dst + d as u64 * 32, dq[m][d][2 * r]);
+                            global::red_add_f32(dst + d as u64 * 32 + 4, dq[m][d][2 * r + 1]);
+                        });
+                    }
+                });
+            }
+        });
         i += 1;
     }
     // A CTA that visits no query block still has its K/V copies in flight.
     copy::wait_all();
 
-    store_dk_dv::<T, OT>(p, &seq, head, (key0 + warp_key, warp_d), lane, (&dk, &dv));
+    unroll::<MT>(|m| {
+        let key = key0 + kv_key + (m * MMA_M) as u32;
+        store_dk_dv::<T, OT>(p, &seq, head, (key, kv_d), lane, (&dk[m], &dv[m]));
+    });
 }
 
 /// Writes a warp's m16n8 C fragments of Pᵀ or dSᵀ (16 keys by `ST` query
@@ -703,25 +727,30 @@ fn store_scores<T: Element, const ST: usize>(
 }
 
 /// dV += Pᵀ·dO and dK += dSᵀ·Q for 16 queries (the k of these GEMMs): `ap`
-/// and `ads` are the A fragments of 16 keys by those queries, whose dO and Q
-/// rows (`ldmatrix.trans` B fragments) the lane reads from row `row`,
-/// column `col` on, for `N` n-tiles of dK's and dV's columns.
+/// and `ads` are the A fragments of `M` m-tiles of 16 keys by those
+/// queries, whose dO and Q rows (`ldmatrix.trans` B fragments, each read
+/// once for the `M` m-tiles) the lane reads from row `row`, column `col`
+/// on, for `N` n-tiles of dK's and dV's columns.
 #[inline(always)]
-fn accumulate_dk_dv<T: Element, const N: usize>(
+fn accumulate_dk_dv<T: Element, const N: usize, const M: usize>(
     (q_s, do_s, rb): (u32, u32, u32),
     (row, col): (u32, u32),
-    (ap, ads): (&[u32; 4], &[u32; 4]),
-    (dk, dv): (&mut [[f32; 4]; N], &mut [[f32; 4]; N]),
+    (ap, ads): (&[[u32; 4]; M], &[[u32; 4]; M]),
+    (dk, dv): (&mut [[[f32; 4]; N]; M], &mut [[[f32; 4]; N]; M]),
 ) {
     unroll::<N>(|d| {
         if d % 2 == 0 {
             let col = col + d as u32 * 8;
             let bo = ldmatrix::x4_trans(at(do_s, rb, row, col));
-            T::mma(&mut dv[d], ap, bo[0], bo[1]);
-            T::mma(&mut dv[d + 1], ap, bo[2], bo[3]);
+            unroll::<M>(|m| {
+                T::mma(&mut dv[m][d], &ap[m], bo[0], bo[1]);
+                T::mma(&mut dv[m][d + 1], &ap[m], bo[2], bo[3]);
+            });
             let bq = ldmatrix::x4_trans(at(q_s, rb, row, col));
-            T::mma(&mut dk[d], ads, bq[0], bq[1]);
-            T::mma(&mut dk[d + 1], ads, bq[2], bq[3]);
+            unroll::<M>(|m| {
+                T::mma(&mut dk[m][d], &ads[m], bq[0], bq[1]);
+                T::mma(&mut dk[m][d + 1], &ads[m], bq[2], bq[3]);
+            });
         }
     });
 }

@@ -95,15 +95,17 @@ mod sm80 {
                 $d,
                 { BwdTile::of($d, PtxArch::TARGET).block_m },
                 { $d / 16 },
-                { $d / 8 / BwdTile::of($d, PtxArch::TARGET).col_parts },
+                { $d / 8 / BwdTile::of($d, PtxArch::TARGET).col_parts() },
                 {
                     BwdTile::of($d, PtxArch::TARGET).block_m
                         / 8
-                        / BwdTile::of($d, PtxArch::TARGET).col_parts
+                        / BwdTile::of($d, PtxArch::TARGET).s_parts()
                 },
                 { $d / 8 / BwdTile::of($d, PtxArch::TARGET).dq_parts() },
                 { BwdTile::of($d, PtxArch::TARGET).block_n / 16 },
                 { BwdTile::of($d, PtxArch::TARGET).block_m / 16 },
+                { BwdTile::of($d, PtxArch::TARGET).dkv_keys() / 16 },
+                { BwdTile::of($d, PtxArch::TARGET).dq_rows() / 16 },
             >(&$p)
         };
     }
