@@ -9,8 +9,8 @@
 //! and [`merge_states`] combines two partial attentions. The attention ops
 //! (all but the paged one, the KV-cache decode and `merge_states`) have a
 //! backward: `loss.backward()` gives Q, K, V and trained sinks their
-//! gradients through flash-attn's backward kernels (head dims 32-128; see
-//! `docs/candle.md`, Training).
+//! gradients through flash-attn's backward kernels (every head dim of the
+//! forward; see `docs/candle.md`, Training).
 //!
 //! Tensors live on a candle CUDA device, in f16 or bf16. Any strides work
 //! where the last (head) dimension is contiguous: a transposed or sliced
@@ -602,11 +602,24 @@ impl Attn {
             DType::F16 => self.backward_as::<f16>([q, k, v, o, d_o], &lse, 1.0),
             DType::BF16 => self.backward_as::<bf16>([q, k, v, o, d_o], &lse, 1.0),
             DType::F32 => {
-                let scale = f16_loss_scale(d_o)?;
+                // The most dO rows one gradient element sums: a key's dV
+                // over its KV head's query heads and the queries of its
+                // sequence (all packed rows for varlen, an upper bound).
+                let (rank, heads) = (q.rank(), q.dims()[q.rank() - 2]);
+                let rows = if rank == 4 { q.dims()[1] } else { q.dims()[0] };
+                let group = heads / k.dims()[rank - 2].max(1);
+                let scale = f16_loss_scale(d_o, rows * group)?;
                 let h = |t: &Tensor| t.to_dtype(DType::F16);
-                let x = [h(q)?, h(k)?, h(v)?, h(o)?, h(&d_o.affine(scale, 0.0)?)?];
+                let by = |t: &Tensor, m: f64| {
+                    if m == 1.0 {
+                        Ok(t.clone())
+                    } else {
+                        t.affine(m, 0.0)
+                    }
+                };
+                let x = [h(q)?, h(k)?, h(v)?, h(o)?, h(&by(d_o, scale)?)?];
                 let grads = self.backward_as::<f16>(x.each_ref(), &lse, 1.0 / scale)?;
-                let back = |g: &Tensor| g.to_dtype(DType::F32)?.affine(1.0 / scale, 0.0);
+                let back = |g: &Tensor| by(&g.to_dtype(DType::F32)?, 1.0 / scale);
                 let [dq, dk, dv] = grads.each_ref().map(back);
                 Ok([dq?, dk?, dv?])
             }
@@ -687,7 +700,11 @@ impl Attn {
         }
         .map_err(wrap)?;
         if let (Some(slot), Some(d)) = (&self.d_sinks, d_sinks) {
-            slot.put(tensor_of(d, vec![heads], dev).affine(sinks_unscale, 0.0)?);
+            let d_sinks = tensor_of(d, vec![heads], dev);
+            slot.put(match sinks_unscale {
+                1.0 => d_sinks,
+                m => d_sinks.affine(m, 0.0)?,
+            });
         }
         Ok([
             tensor_of(dq, q.dims().to_vec(), dev),
@@ -698,18 +715,24 @@ impl Attn {
 }
 
 /// The power of two by which the f32 backward scales dO before rounding it
-/// to f16: the one that brings dO's largest magnitude into [1, 2), so that
-/// a small dO (a mean over many outputs) keeps its bits and a large one
-/// does not overflow (1 for a dO of zeros, infinities or NaNs). A power of
-/// two scales exactly, both ways. Reading the maximum waits for the stream
-/// once per backward.
-fn f16_loss_scale(d_o: &Tensor) -> Result<f64> {
+/// to f16, so that a small dO (a mean over many outputs) keeps its bits and
+/// a large one does not overflow: the one that brings dO's largest
+/// magnitude into [2^t, 2^(t+1)), t = 0 while a gradient element sums at
+/// most 2^14 dO rows (`terms`), else 14 - ceil(log2 terms), which keeps
+/// such a sum (dV of a key that every query attends to) under 2^15, within
+/// f16's 65504. The exponent is clamped to ±126 (candle's `affine` takes
+/// an f32 factor); dO of zeros, infinities or NaNs gets 1. A power of two
+/// scales exactly, both ways. Reading the maximum waits for the stream once
+/// per backward.
+fn f16_loss_scale(d_o: &Tensor, terms: usize) -> Result<f64> {
     let max = d_o.abs()?.max_all()?.to_scalar::<f32>()?;
-    Ok(if max.is_finite() && max > 0.0 {
-        (-(max as f64).log2().floor()).exp2()
-    } else {
-        1.0
-    })
+    if !(max.is_finite() && max > 0.0) {
+        return Ok(1.0);
+    }
+    let headroom = (terms.max(1) as f64).log2().ceil() as i32;
+    let t = (14 - headroom).min(0);
+    let e = (t - (max as f64).log2().floor() as i32).clamp(-126, 126);
+    Ok(2f64.powi(e))
 }
 
 /// Gives the sinks a gradient. candle's custom ops take up to three

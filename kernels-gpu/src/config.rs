@@ -1172,7 +1172,8 @@ pub struct BwdTile {
 impl BwdTile {
     /// The tile of head dim `head_dim` in `arch`'s module. Up to D = 128:
     /// 64 keys and two stages where they fit. Above, the first (keys, query
-    /// rows, stages) of `WIDE` that fits the module's shared memory: the
+    /// rows, stages) of `WIDE` that fits the module's shared memory (else
+    /// the last, which the kernel's compile-time check then refuses): the
     /// sm_90 module takes (64, 64, 2) at D = 192 and 256; sm_80's 99 KB
     /// (64, 32, 1) at 192 and (32, 32, 1) at 256; sm_75's 64 KB (32, 32, 1)
     /// at 192 and (32, 16, 1) at 256.

@@ -463,6 +463,9 @@ pub fn backward<
         assert!(ST * 8 * t.s_parts() == BM && KS * MMA_M == t.block_n && QS * MMA_M == BM);
         assert!(MT * MMA_M == t.dkv_keys() && QMT * MMA_M == t.dq_rows());
         assert!(QOT * 8 * t.dq_parts() == D && QOT % 2 == 0 && OT % 2 == 0);
+        // The warps split evenly into dK/dV key groups and dQ query tiles.
+        assert!(t.warps().is_multiple_of(t.col_parts()));
+        assert!(t.warps().is_multiple_of(BM / t.dq_rows()));
         // Sᵀ's n-tiles come in pairs when P stays in registers (A
         // fragments), which then cover the warp's own 16 keys.
         assert!(t.shared_p || (ST % 2 == 0 && MT == 1));
@@ -606,10 +609,11 @@ pub fn backward<
         );
 
         if shared_p {
-            // The other column part needs this warp's queries of Pᵀ and dSᵀ.
+            // The warps that accumulate dK and dV for these keys hold other
+            // columns over all of the block's queries.
             store_scores::<T, ST>(p_s, ds_rb, (warp_key + g, warp_q + 2 * pair), &s);
         } else {
-            // dV += Pᵀ·dO and dK += dSᵀ·Q from the registers.
+            // Pᵀ and dSᵀ as computed are the A fragments of the warp's own keys.
             unroll::<ST>(|j| {
                 if j % 2 == 0 {
                     let ap = [a_fragment::<T>(&s[j], &s[j + 1]); MT];
@@ -628,8 +632,8 @@ pub fn backward<
         barrier::sync_cta();
 
         if shared_p {
-            // dV += Pᵀ·dO and dK += dSᵀ·Q over every query of the block, for
-            // the warp's keys and columns.
+            // Pᵀ and dSᵀ of the warp's 32 keys, whose Sᵀ two other warps
+            // computed, back from shared memory.
             unroll::<QS>(|kq| {
                 let q = kq as u32 * MMA_K as u32;
                 let (mut ap, mut ads) = ([[0u32; 4]; MT], [[0u32; 4]; MT]);
