@@ -473,7 +473,7 @@ pub struct RefGrads {
     pub dq: Vec<f64>,
     /// dK [B, Skv, Hkv, D].
     pub dk: Vec<f64>,
-    /// dV [B, Skv, Hkv, D].
+    /// dV [B, Skv, Hkv, Dv] (V's head dim).
     pub dv: Vec<f64>,
     /// The sinks' gradients `[H]` (empty without sinks).
     pub d_sinks: Vec<f64>,
@@ -502,11 +502,12 @@ pub fn attention_backward(
 /// k): `dQ_i = Σ_j dS_ij ds_ij/d(q·k) K_j`, `dK_j` likewise over `Q_i`, a KV
 /// head summing over the query heads that share it. The sink of head h has
 /// `d sink_h = -Σ_i P_sink,i delta_i` (`P_sink,i = exp(sink_h - LSE_i)`,
-/// its logit's dS with dP = 0: no value). q, d_o: [B, Sq, H, D]; k, v: [B,
-/// Skv, Hkv, D] (V with Q's head dim), contiguous row-major.
+/// its logit's dS with dP = 0: no value). q: [B, Sq, H, D]; k: [B, Skv,
+/// Hkv, D]; v: [B, Skv, Hkv, Dv] and d_o: [B, Sq, H, Dv] (`shape.v_dim()`),
+/// contiguous row-major; dV has V's head dim.
 ///
-/// Panics if a slice is shorter than `shape` requires, if an extra has the
-/// wrong length, or if the shape has a V head dim of its own.
+/// Panics if a slice is shorter than `shape` requires or if an extra has
+/// the wrong length.
 pub fn attention_backward_ext(
     shape: &ForwardShape,
     q: &[f64],
@@ -515,31 +516,34 @@ pub fn attention_backward_ext(
     d_o: &[f64],
     extras: &Extras,
 ) -> RefGrads {
-    assert_eq!(
-        shape.v_dim(),
-        shape.head_dim,
-        "the reference backward takes V of Q's head dim"
-    );
-    let (b, sq, skv, h, hkv, d) = (
+    let (b, sq, skv, h, hkv, d, dv) = (
         shape.batch,
         shape.seqlen_q,
         shape.seqlen_k,
         shape.heads,
         shape.kv_heads,
         shape.head_dim,
+        shape.v_dim(),
     );
-    assert!(d_o.len() >= b * sq * h * d, "d_o is shorter than the shape");
+    assert!(
+        d_o.len() >= b * sq * h * dv,
+        "d_o is shorter than the shape"
+    );
+    assert!(v.len() >= b * skv * hkv * dv, "v is shorter than the shape");
     let (problem, seqs) = forward_problem(shape, q, k, extras);
     let scale = shape.softmax_scale as f64;
     let softcap = shape.softcap.map(f64::from);
     let group = h / hkv;
     let q_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
     let k_at = |bi: usize, j: usize, hk: usize| ((bi * skv + j) * hkv + hk) * d;
+    // Rows of V, dO and dV (V's head dim).
+    let o_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * dv;
+    let v_at = |bi: usize, j: usize, hk: usize| ((bi * skv + j) * hkv + hk) * dv;
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     let mut g = RefGrads {
         dq: vec![0.0; b * sq * h * d],
         dk: vec![0.0; b * skv * hkv * d],
-        dv: vec![0.0; b * skv * hkv * d],
+        dv: vec![0.0; b * skv * hkv * dv],
         d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
     };
     for seq in &seqs {
@@ -548,11 +552,11 @@ pub fn attention_backward_ext(
             let hk = hi / group;
             for i in 0..sq {
                 let row = problem.row(seq, i, hi);
-                let (qa, doi) = (q_at(bi, i, hi), &d_o[q_at(bi, i, hi)..][..d]);
+                let (qa, doi) = (q_at(bi, i, hi), &d_o[o_at(bi, i, hi)..][..dv]);
                 let dp: Vec<f64> = row
                     .keys
                     .clone()
-                    .map(|j| dot(doi, &v[k_at(bi, j, hk)..][..d]))
+                    .map(|j| dot(doi, &v[v_at(bi, j, hk)..][..dv]))
                     .collect();
                 let delta: f64 = row.p.iter().zip(&dp).map(|(p, x)| p * x).sum();
                 if let Some(sinks) = extras.sinks {
@@ -570,8 +574,11 @@ pub fn attention_backward_ext(
                         }
                         None => scale,
                     };
+                    let va = v_at(bi, j, hk);
+                    for (e, x) in doi.iter().enumerate() {
+                        g.dv[va + e] += row.p[t] * x;
+                    }
                     for e in 0..d {
-                        g.dv[ka + e] += row.p[t] * doi[e];
                         g.dq[qa + e] += slope * ds * k[ka + e];
                         g.dk[ka + e] += slope * ds * q[qa + e];
                     }
@@ -601,6 +608,11 @@ pub fn varlen_backward(
     d_o: &[f64],
     extras: &Extras,
 ) -> RefGrads {
+    assert_eq!(
+        shape.v_dim(),
+        shape.head_dim,
+        "the packed reference backward takes V of Q's head dim"
+    );
     let seqs = PackedSeqs::new(shape, cu_seqlens_q, cu_seqlens_k);
     seqs.each(
         &[q, d_o],
@@ -751,22 +763,28 @@ pub fn backward_bounds(
     extras: &Extras,
     model: &BwdErrorModel,
 ) -> RefGrads {
-    let (b, sq, sk, h, hkv, d) = (
+    let (b, sq, sk, h, hkv, d, dv) = (
         shape.batch,
         shape.seqlen_q,
         shape.seqlen_k,
         shape.heads,
         shape.kv_heads,
         shape.head_dim,
+        shape.v_dim(),
     );
-    assert!(o.len() >= b * sq * h * d, "o is shorter than the shape");
+    assert!(o.len() >= b * sq * h * dv, "o is shorter than the shape");
     let p = probabilities_ext(shape, q, k, extras);
     let u = model.unit;
     let scale = shape.softmax_scale as f64;
     let group = h / hkv;
-    let row_max = |t: &[f64], at: usize| t[at..at + d].iter().fold(0f64, |m, x| m.max(x.abs()));
+    let row_max = |t: &[f64], at: usize, width: usize| {
+        t[at..at + width].iter().fold(0f64, |m, x| m.max(x.abs()))
+    };
     let q_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * d;
     let k_at = |bi: usize, j: usize, hk: usize| ((bi * sk + j) * hkv + hk) * d;
+    // Rows of V, dO and O (V's head dim).
+    let o_at = |bi: usize, i: usize, hi: usize| ((bi * sq + i) * h + hi) * dv;
+    let v_at = |bi: usize, j: usize, hk: usize| ((bi * sk + j) * hkv + hk) * dv;
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     let mut tol = RefGrads {
         dq: vec![0.0; b * sq * h],
@@ -779,14 +797,14 @@ pub fn backward_bounds(
             let hk = hi / group;
             for i in 0..sq {
                 let prow = &p[((bi * h + hi) * sq + i) * sk..][..sk];
-                let qa = q_at(bi, i, hi);
-                let (dmax, qmax) = (row_max(d_o, qa), row_max(q, qa));
+                let (qa, oa) = (q_at(bi, i, hi), o_at(bi, i, hi));
+                let (dmax, qmax) = (row_max(d_o, oa, dv), row_max(q, qa, d));
                 let dp: Vec<f64> = (0..sk)
-                    .map(|j| dot(&d_o[qa..][..d], &v[k_at(bi, j, hk)..][..d]))
+                    .map(|j| dot(&d_o[oa..][..dv], &v[v_at(bi, j, hk)..][..dv]))
                     .collect();
                 let delta: f64 = (0..sk).map(|j| prow[j] * dp[j]).sum();
                 let spread: f64 = (0..sk).map(|j| prow[j] * dp[j].abs()).sum();
-                let od: f64 = (0..d).map(|t| (d_o[qa + t] * o[qa + t]).abs()).sum();
+                let od: f64 = (0..dv).map(|t| (d_o[oa + t] * o[oa + t]).abs()).sum();
                 // The largest logit error of the row's softcapped scores.
                 let capped = shape.softcap.map_or(0.0, |cap| {
                     let cap = cap as f64;
@@ -809,7 +827,7 @@ pub fn backward_bounds(
                     let kr = (bi * sk + j) * hkv + hk;
                     tol.dv[kr] += (2.0 * u + extra) * prow[j] * dmax;
                     tol.dk[kr] += scale * m * qmax;
-                    tol.dq[(bi * sq + i) * h + hi] += scale * m * row_max(k, k_at(bi, j, hk));
+                    tol.dq[(bi * sq + i) * h + hi] += scale * m * row_max(k, k_at(bi, j, hk), d);
                 }
                 if extras.sinks.is_some() {
                     let share = (1.0 - prow.iter().sum::<f64>()).max(0.0);
@@ -825,7 +843,8 @@ pub fn backward_bounds(
 /// [`backward_bounds`] of a packed problem: each sequence's as a batch of
 /// one (see [`varlen_backward`]); `o` is the forward's [total_q, H, D].
 ///
-/// Panics as [`varlen_backward`] does, or if `o` is shorter than `q`.
+/// Panics as [`varlen_backward`] does (V of Q's head dim), or if `o` is
+/// shorter than `q`.
 #[allow(clippy::too_many_arguments)]
 pub fn varlen_backward_bounds(
     shape: &VarlenShape,
@@ -839,6 +858,11 @@ pub fn varlen_backward_bounds(
     extras: &Extras,
     model: &BwdErrorModel,
 ) -> RefGrads {
+    assert_eq!(
+        shape.v_dim(),
+        shape.head_dim,
+        "the packed reference backward takes V of Q's head dim"
+    );
     let seqs = PackedSeqs::new(shape, cu_seqlens_q, cu_seqlens_k);
     seqs.each(
         &[q, d_o, o],
@@ -850,7 +874,8 @@ pub fn varlen_backward_bounds(
 }
 
 /// Gradients `got` against `want` within `bounds` ([`backward_bounds`]),
-/// all contiguous in [`RefGrads`]' layouts with rows of `head_dim` values:
+/// all contiguous in [`RefGrads`]' layouts with rows of `head_dim` values
+/// (dV's of `v_head_dim`):
 /// each row's bound plus `unit` times the row's largest reference value
 /// (the gradient's own rounding), and 1e-6 for sums that cancel to 0. The
 /// first value outside, or any NaN, is the error.
@@ -859,9 +884,9 @@ pub fn check_backward(
     want: &RefGrads,
     bounds: &RefGrads,
     unit: f64,
-    head_dim: usize,
+    (head_dim, v_head_dim): (usize, usize),
 ) -> Result<(), String> {
-    let rows = |name: &str, got: &[f64], want: &[f64], tol: &[f64]| -> Result<(), String> {
+    let rows = |name: &str, got: &[f64], want: &[f64], tol: &[f64], head_dim: usize| {
         if got.len() != want.len() || want.len() != tol.len() * head_dim {
             return Err(format!(
                 "{name}: {} values, want {} ({} rows of {head_dim})",
@@ -886,11 +911,11 @@ pub fn check_backward(
                 }
             }
         }
-        Ok(())
+        Ok::<(), String>(())
     };
-    rows("dv", &got.dv, &want.dv, &bounds.dv)?;
-    rows("dk", &got.dk, &want.dk, &bounds.dk)?;
-    rows("dq", &got.dq, &want.dq, &bounds.dq)?;
+    rows("dv", &got.dv, &want.dv, &bounds.dv, v_head_dim)?;
+    rows("dk", &got.dk, &want.dk, &bounds.dk, head_dim)?;
+    rows("dq", &got.dq, &want.dq, &bounds.dq, head_dim)?;
     if got.d_sinks.len() != want.d_sinks.len() {
         return Err(format!(
             "d_sinks: {} values, want {}",

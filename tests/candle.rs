@@ -1246,7 +1246,7 @@ fn backward_case(
         &want,
         &bounds,
         unit(dtype),
-        d,
+        (d, d),
     )?)
 }
 
@@ -1424,7 +1424,8 @@ fn varlen_backward_case(
         &ext,
         &bwd_model(dtype),
     );
-    reference::check_backward(&got, &want, &bounds, unit(dtype), d).map_err(|e| at(Failed::from(e)))
+    reference::check_backward(&got, &want, &bounds, unit(dtype), (d, d))
+        .map_err(|e| at(Failed::from(e)))
 }
 
 /// What the backward refuses, as errors from `loss.backward()` (the

@@ -75,7 +75,7 @@ fn qkv(s: &ForwardShape, seed: u64) -> Qkv {
     Qkv {
         q: random_vec(&mut rng, s.batch * s.seqlen_q * s.heads * s.head_dim),
         k: random_vec(&mut rng, s.batch * s.seqlen_k * s.kv_heads * s.head_dim),
-        v: random_vec(&mut rng, s.batch * s.seqlen_k * s.kv_heads * s.head_dim),
+        v: random_vec(&mut rng, s.batch * s.seqlen_k * s.kv_heads * s.v_dim()),
     }
 }
 
@@ -4536,18 +4536,22 @@ mod backward_reference {
         /// `attention_backward_ext` against central differences of the
         /// forward reference at random coordinates of Q, K, V and the sinks,
         /// with masks, windows, GQA, rows that see no key, softcaps, ALiBi
-        /// slopes per head or per batch entry, and sinks.
+        /// slopes per head or per batch entry, sinks, and V with a head dim
+        /// of its own.
         #[test]
         fn reference_gradients_match_finite_differences(
             s in forward_shape(None), w in window(), seed in any::<u64>(),
             softcap in proptest::option::of(0.3f32..4.0),
             alibi in proptest::option::of(any::<bool>()),
             sinks in any::<bool>(),
+            v_dims in proptest::option::of(1usize..=16),
         ) {
-            let s = ForwardShape { window: w, head_dim: s.head_dim.min(16), softcap, ..s };
+            let head_dim = s.head_dim.min(16);
+            let v_head_dim = v_dims.map_or(0, |v| v.min(head_dim));
+            let s = ForwardShape { window: w, head_dim, v_head_dim, softcap, ..s };
             let x = qkv(&s, seed);
             let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
-            let d_o = random_vec(&mut rng, x.q.len());
+            let d_o = random_vec(&mut rng, s.batch * s.seqlen_q * s.heads * s.v_dim());
             let slopes: Option<Vec<f64>> = alibi.map(|per_batch| {
                 let n = if per_batch { s.batch * s.heads } else { s.heads };
                 (0..n).map(|_| rng.random_range(0.0..0.6)).collect()
@@ -4749,7 +4753,7 @@ mod backward_reference {
             let want = reference::attention_backward_ext(&shape, &q, &k, &v, &d_o, &ext);
             let o = reference::attention_ext(&shape, &q, &k, &v, &ext).o;
             let bounds = reference::backward_bounds(&shape, &q, &k, &v, &d_o, &o, &ext, &model);
-            prop_assert_eq!(reference::check_backward(&want, &want, &bounds, model.unit, d), Ok(()));
+            prop_assert_eq!(reference::check_backward(&want, &want, &bounds, model.unit, (d, d)), Ok(()));
 
             let packed = VarlenShape {
                 batch: 1, total_q: sq, total_k: sk, max_seqlen_q: sq, max_seqlen_k: sk,
@@ -4782,7 +4786,7 @@ mod backward_reference {
             } else {
                 refs[i] + 1.5 * (tol[i / width] + model.unit * row_max + 1e-6)
             };
-            prop_assert!(reference::check_backward(&got, &want, &bounds, model.unit, d).is_err());
+            prop_assert!(reference::check_backward(&got, &want, &bounds, model.unit, (d, d)).is_err());
         }
     }
 }

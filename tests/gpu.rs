@@ -3834,7 +3834,7 @@ fn run_backward<T: AttnElement>(gpu: &Gpu, c: &BwdCase) -> Result<(), String> {
             Vec::new()
         },
     };
-    reference::check_backward(&got, &want, &bounds, u, d)
+    reference::check_backward(&got, &want, &bounds, u, (d, d))
 }
 
 /// A varlen backward problem: (query, key) lengths per sequence, the
