@@ -594,9 +594,9 @@ pub fn attention_backward_ext(
 /// [`attention_backward_ext`]'s for a batch of that one sequence (per-batch
 /// ALiBi slopes by sequence), written into the packed layouts of q, k and
 /// v (rows no sequence owns stay 0), and the sinks' gradient sums over the
-/// sequences. V takes Q's head dim.
+/// sequences. V, dO and dV have V's head dim (`shape.v_dim()`).
 ///
-/// Panics as [`varlen`] does, or if the shape has a V head dim of its own.
+/// Panics as [`varlen`] does.
 #[allow(clippy::too_many_arguments)]
 pub fn varlen_backward(
     shape: &VarlenShape,
@@ -608,17 +608,13 @@ pub fn varlen_backward(
     d_o: &[f64],
     extras: &Extras,
 ) -> RefGrads {
-    assert_eq!(
-        shape.v_dim(),
-        shape.head_dim,
-        "the packed reference backward takes V of Q's head dim"
-    );
+    let (d, dv) = (shape.head_dim, shape.v_dim());
     let seqs = PackedSeqs::new(shape, cu_seqlens_q, cu_seqlens_k);
     seqs.each(
-        &[q, d_o],
-        &[k, v],
+        &[(q, d), (d_o, dv)],
+        &[(k, d), (v, dv)],
         extras,
-        shape.head_dim,
+        (d, dv),
         |one, [q, d_o], [k, v], e| attention_backward_ext(one, q, k, v, d_o, e),
     )
 }
@@ -642,36 +638,32 @@ impl<'a> PackedSeqs<'a> {
 
     /// `f` over each sequence as a batch of one (per-batch ALiBi slopes by
     /// sequence), given that sequence's rows of the query-row tensors `qs`
-    /// ([total_q, H, D]) and key-row tensors `ks` ([total_k, Hkv, D]); its
-    /// results, `width` values per head of a row, are written into the
-    /// packed layouts (rows no sequence owns stay 0) and the sinks' entries
-    /// summed over the sequences.
+    /// ([total_q, H, width]) and key-row tensors `ks` ([total_k, Hkv,
+    /// width]), each given with its width; its results, `widths` values
+    /// per head of a row (dQ and dK, then dV), are written into the packed
+    /// layouts (rows no sequence owns stay 0) and the sinks' entries summed
+    /// over the sequences.
     fn each<const NQ: usize, const NK: usize>(
         &self,
-        qs: &[&[f64]; NQ],
-        ks: &[&[f64]; NK],
+        qs: &[(&[f64], usize); NQ],
+        ks: &[(&[f64], usize); NK],
         extras: &Extras,
-        width: usize,
+        (width, v_width): (usize, usize),
         mut f: impl FnMut(&ForwardShape, [&[f64]; NQ], [&[f64]; NK], &Extras) -> RefGrads,
     ) -> RefGrads {
         let shape = self.shape;
         let (h, hkv, d) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let (q_row, k_row) = (h * d, hkv * d);
-        let (q_out, k_out) = (h * width, hkv * width);
+        let (q_out, k_out, v_out) = (h * width, hkv * width, hkv * v_width);
         let mut g = RefGrads {
             dq: vec![0.0; shape.total_q * q_out],
             dk: vec![0.0; shape.total_k * k_out],
-            dv: vec![0.0; shape.total_k * k_out],
+            dv: vec![0.0; shape.total_k * v_out],
             d_sinks: vec![0.0; if extras.sinks.is_some() { h } else { 0 }],
         };
         for b in 0..shape.batch {
             let (qs_at, ks_at) = (
                 self.cu_q[b]..self.cu_q[b + 1],
                 self.cu_k[b]..self.cu_k[b + 1],
-            );
-            let (qr, kr) = (
-                qs_at.start * q_row..qs_at.end * q_row,
-                ks_at.start * k_row..ks_at.end * k_row,
             );
             let one = ForwardShape {
                 batch: 1,
@@ -699,17 +691,13 @@ impl<'a> PackedSeqs<'a> {
             };
             let gb = f(
                 &one,
-                qs.map(|t| &t[qr.clone()]),
-                ks.map(|t| &t[kr.clone()]),
+                qs.map(|(t, w)| &t[qs_at.start * h * w..qs_at.end * h * w]),
+                ks.map(|(t, w)| &t[ks_at.start * hkv * w..ks_at.end * hkv * w]),
                 &seq_extras,
             );
-            let (qo, ko) = (
-                qs_at.start * q_out..qs_at.end * q_out,
-                ks_at.start * k_out..ks_at.end * k_out,
-            );
-            g.dq[qo].copy_from_slice(&gb.dq);
-            g.dk[ko.clone()].copy_from_slice(&gb.dk);
-            g.dv[ko].copy_from_slice(&gb.dv);
+            g.dq[qs_at.start * q_out..qs_at.end * q_out].copy_from_slice(&gb.dq);
+            g.dk[ks_at.start * k_out..ks_at.end * k_out].copy_from_slice(&gb.dk);
+            g.dv[ks_at.start * v_out..ks_at.end * v_out].copy_from_slice(&gb.dv);
             for (sum, x) in g.d_sinks.iter_mut().zip(&gb.d_sinks) {
                 *sum += x;
             }
@@ -843,8 +831,8 @@ pub fn backward_bounds(
 /// [`backward_bounds`] of a packed problem: each sequence's as a batch of
 /// one (see [`varlen_backward`]); `o` is the forward's [total_q, H, D].
 ///
-/// Panics as [`varlen_backward`] does (V of Q's head dim), or if `o` is
-/// shorter than `q`.
+/// Panics as [`varlen_backward`] does, or if `o` is shorter than the shape
+/// requires.
 #[allow(clippy::too_many_arguments)]
 pub fn varlen_backward_bounds(
     shape: &VarlenShape,
@@ -858,17 +846,13 @@ pub fn varlen_backward_bounds(
     extras: &Extras,
     model: &BwdErrorModel,
 ) -> RefGrads {
-    assert_eq!(
-        shape.v_dim(),
-        shape.head_dim,
-        "the packed reference backward takes V of Q's head dim"
-    );
+    let (d, dv) = (shape.head_dim, shape.v_dim());
     let seqs = PackedSeqs::new(shape, cu_seqlens_q, cu_seqlens_k);
     seqs.each(
-        &[q, d_o, o],
-        &[k, v],
+        &[(q, d), (d_o, dv), (o, dv)],
+        &[(k, d), (v, dv)],
         extras,
-        1,
+        (1, 1),
         |one, [q, d_o, o], [k, v], e| backward_bounds(one, q, k, v, d_o, o, e, model),
     )
 }

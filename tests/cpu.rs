@@ -4610,7 +4610,7 @@ mod backward_reference {
         /// `varlen_backward` against central differences of the packed
         /// forward reference (`reference::varlen`), with empty sequences,
         /// rows before and after every sequence, masks, softcaps, ALiBi
-        /// slopes per sequence and sinks.
+        /// slopes per sequence, sinks, and V with a head dim of its own.
         #[test]
         fn varlen_gradients_match_finite_differences(
             lens in proptest::collection::vec((0usize..9, 0usize..9), 1..4),
@@ -4620,6 +4620,7 @@ mod backward_reference {
             softcap in proptest::option::of(0.3f32..4.0),
             alibi in proptest::option::of(any::<bool>()),
             sinks in any::<bool>(),
+            v_head_dim in prop_oneof![Just(0usize), 1usize..=4],
         ) {
             let batch = lens.len();
             let cu = |len: fn(&(usize, usize)) -> usize| -> Vec<i32> {
@@ -4633,14 +4634,14 @@ mod backward_reference {
                 batch, total_q, total_k,
                 max_seqlen_q: lens.iter().map(|l| l.0).max().unwrap(),
                 max_seqlen_k: lens.iter().map(|l| l.1).max().unwrap(),
-                heads, kv_heads, head_dim, v_head_dim: 0, causal,
+                heads, kv_heads, head_dim, v_head_dim, causal,
                 softmax_scale: 0.7, window: w, softcap,
             };
             let mut rng = StdRng::seed_from_u64(seed);
             let q = random_vec(&mut rng, total_q * heads * head_dim);
             let k = random_vec(&mut rng, total_k * kv_heads * head_dim);
-            let v = random_vec(&mut rng, total_k * kv_heads * head_dim);
-            let d_o = random_vec(&mut rng, q.len());
+            let v = random_vec(&mut rng, total_k * kv_heads * shape.v_dim());
+            let d_o = random_vec(&mut rng, total_q * heads * shape.v_dim());
             let slopes: Option<Vec<f64>> = alibi.map(|per_batch| {
                 let n = if per_batch { batch * heads } else { heads };
                 (0..n).map(|_| rng.random_range(0.0..0.6)).collect()
