@@ -15,11 +15,13 @@
 //! Rows with a score option (softcap 50, ALiBi slopes,
 //! sinks with their gradient) time what it costs over the plain row of the
 //! same shape; the PyTorch script skips them (SDPA has no such options).
+mod common;
+
+use common::{random, time_median};
 use std::io::Write;
 use std::sync::Arc;
 
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream};
+use cudarc::driver::{CudaContext, CudaStream};
 use flash_attn::{
     AlibiSlopes, AttnElement, AttnOptions, BackwardInputs, Dtype, FlashAttention, Grads, Layout,
     Out, Qkv, TensorMut, TensorRef, Varlen,
@@ -200,44 +202,6 @@ fn rows() -> Vec<Row> {
     v
 }
 
-fn random<T: AttnElement>(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<T> {
-    // A xorshift stream in [-1, 1): the values only need to be ordinary.
-    let mut x = seed | 1;
-    let host: Vec<T> = (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            T::from_f64((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
-        })
-        .collect();
-    stream.clone_htod(&host).expect("upload")
-}
-
-/// Median milliseconds per call over `reps` batches of calls.
-fn time_median(stream: &Arc<CudaStream>, reps: usize, mut call: impl FnMut()) -> f64 {
-    let event = || {
-        stream
-            .context()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event")
-    };
-    let mut batch = |n: usize| {
-        let (start, end) = (event(), event());
-        start.record(stream).expect("record");
-        for _ in 0..n {
-            call();
-        }
-        end.record(stream).expect("record");
-        end.synchronize().expect("sync");
-        start.elapsed_ms(&end).expect("elapsed") as f64 / n as f64
-    };
-    let n = ((20.0 / batch(2)).ceil() as usize).clamp(1, 50);
-    let mut samples: Vec<f64> = (0..reps).map(|_| batch(n)).collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
 fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, reps: usize) -> f64 {
     let (h, hkv, d) = (r.heads, r.kv_heads, r.head_dim);
     let lens = varlen_lens();
@@ -318,7 +282,7 @@ fn run<T: AttnElement>(fa: &FlashAttention, stream: &Arc<CudaStream>, r: &Row, r
         TensorRef::new(d_o.as_view(), ql),
         lse.as_view(),
     );
-    time_median(stream, reps, || {
+    time_median(stream, reps, (20.0, 50), || {
         let saved = BackwardInputs {
             o: &or,
             lse: &lv,

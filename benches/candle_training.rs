@@ -22,12 +22,14 @@
 //! fewer samples; `--json PATH` writes one JSON object per row (default
 //! `target/flash-attn-candle.jsonl`), which `scripts/compare-torch-backward.py
 //! --step` reads to time PyTorch's SDPA steps on the same shapes.
+mod common;
+
+use common::{random, time_median};
 use std::io::Write;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
-use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::{CudaSlice, CudaStream};
+use cudarc::driver::CudaStream;
 use flash_attn::{
     AttnElement, AttnOptions, BackwardInputs, FlashAttention, Grads, Layout, Out, Qkv, TensorMut,
     TensorRef,
@@ -126,44 +128,6 @@ fn causal_mask(s: usize, dev: &Device) -> Result<Tensor> {
     Tensor::from_vec(m, (s, s), dev)
 }
 
-/// Median milliseconds per step over `reps` batches of steps.
-fn time_median(stream: &Arc<CudaStream>, reps: usize, mut step: impl FnMut()) -> f64 {
-    let event = || {
-        stream
-            .context()
-            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .expect("event")
-    };
-    let mut batch = |n: usize| {
-        let (start, end) = (event(), event());
-        start.record(stream).expect("record");
-        for _ in 0..n {
-            step();
-        }
-        end.record(stream).expect("record");
-        end.synchronize().expect("sync");
-        start.elapsed_ms(&end).expect("elapsed") as f64 / n as f64
-    };
-    let n = ((50.0 / batch(2)).ceil() as usize).clamp(1, 20);
-    let mut samples: Vec<f64> = (0..reps).map(|_| batch(n)).collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
-/// `n` values in -1..1 from a xorshift of `seed`.
-fn random<T: AttnElement>(stream: &Arc<CudaStream>, n: usize, seed: u64) -> CudaSlice<T> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let host: Vec<T> = (0..n)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            T::from_f64((x >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0)
-        })
-        .collect();
-    stream.clone_htod(&host).expect("upload")
-}
-
 /// The same step through flash-attn's own API on buffers allocated once:
 /// `forward` with the LSE, then `backward` (what the candle op adds to it is
 /// candle's graph, the gradients' allocations and the LSE it keeps).
@@ -174,11 +138,14 @@ fn direct<T: AttnElement>(stream: &Arc<CudaStream>, r: &Row, reps: usize) -> f64
         Layout::contiguous([b, s, h, d]),
         Layout::contiguous([b, s, hkv, d]),
     );
+    // Seeds spread by a golden-ratio multiple, as this bench drew them.
+    let rand =
+        |n: usize, seed: u64| random::<T>(stream, n, seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let (q, k, v, d_o) = (
-        random::<T>(stream, b * s * h * d, 1),
-        random::<T>(stream, b * s * hkv * d, 2),
-        random::<T>(stream, b * s * hkv * d, 3),
-        random::<T>(stream, b * s * h * d, 4),
+        rand(b * s * h * d, 1),
+        rand(b * s * hkv * d, 2),
+        rand(b * s * hkv * d, 3),
+        rand(b * s * h * d, 4),
     );
     let alloc = |n: usize| stream.alloc_zeros::<T>(n).expect("alloc");
     let (mut o, mut dq, mut dk, mut dv) = (
@@ -203,7 +170,7 @@ fn direct<T: AttnElement>(stream: &Arc<CudaStream>, r: &Row, reps: usize) -> f64
         k: &kr,
         v: &vr,
     };
-    time_median(stream, reps, || {
+    time_median(stream, reps, (50.0, 20), || {
         let out = Out::with_lse(TensorMut::new(o.as_view_mut(), ql), lse.as_view_mut());
         fa.forward(stream, qkv, out, &opts).expect("forward");
         let (or, lv) = (TensorRef::new(o.as_view(), ql), lse.as_view());
@@ -247,10 +214,10 @@ fn run(dev: &Device, stream: &Arc<CudaStream>, r: &Row, reps: usize) -> Result<(
     );
     let largest = b.abs()?.max_all()?.to_scalar::<f32>()?;
     let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
-    let ours_ms = time_median(stream, reps, || {
+    let ours_ms = time_median(stream, reps, (50.0, 20), || {
         ours().expect("flash-attn step");
     });
-    let naive_ms = time_median(stream, reps, || {
+    let naive_ms = time_median(stream, reps, (50.0, 20), || {
         theirs().expect("naive step");
     });
     Ok((ours_ms, naive_ms, (diff / largest) as f64))
